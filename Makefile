@@ -1,0 +1,36 @@
+# clusterserve: `make serve` and `make test` work on a fresh clone.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+
+.PHONY: venv install install-test serve test bench lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# Install torch first, pinned, when none is importable: an unpinned resolve would pull
+# the multi-GB CUDA build onto CPU machines.
+venv: $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "torch==2.13.0"
+
+install: venv
+	$(PY) -m pip install --quiet -e .
+
+install-test: venv
+	$(PY) -m pip install --quiet -e ".[test,bench]"
+
+serve: install
+	$(PY) -m service --host $(HOST) --port $(PORT)
+
+test: install-test
+	$(PY) -m pytest
+
+bench: install-test
+	$(PY) -m bench.cpu
+	$(PY) -m bench.fidelity
+
+clean:
+	rm -rf $(VENV) build *.egg-info
