@@ -1,0 +1,15 @@
+"""Encoder models: our own compact PyTorch BERT-family and ModernBERT encoders, loading
+HuggingFace checkpoint folders, with their tokenizer and sentence-transformers pooling.
+
+    from kernels import AttentionSpec
+    from models import load_encoder
+    enc = load_encoder(None)                                   # embedded all-MiniLM-L6-v2
+    vectors = enc.embed(["a long document ..."], AttentionSpec(method="full"))  # (1, 384)
+"""
+
+from .config import EncoderConfig, UnsupportedArchitecture
+from .encoder import Encoder, InputTooLong
+from .loader import load_encoder
+from .tokenization import Tokens
+
+__all__ = ["Encoder", "EncoderConfig", "InputTooLong", "Tokens", "UnsupportedArchitecture", "load_encoder"]

@@ -1,0 +1,113 @@
+"""The BERT family encoder: BERT, RoBERTa and XLM-RoBERTa (Devlin et al. 2019, arXiv:1810.04805).
+
+Learned absolute positions, post-norm layers, a GELU MLP. RoBERTa and XLM-RoBERTa are the same
+network with positions numbered from padding_idx + 1 (`EncoderConfig.position_offset`).
+Attention goes through `kernels.attention`, so any `AttentionSpec` method can replace the
+exact softmax. `HF_NAMES` maps HuggingFace checkpoint names onto this module's parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from kernels import AttentionSpec, attention
+
+from .config import ACTIVATIONS, EncoderConfig
+
+# (HF name pattern, our name) for the base model, after the loader strips the checkpoint's
+# prefix ("bert.", "roberta.", ...) and maps legacy LayerNorm gamma/beta to weight/bias.
+HF_NAMES: list[tuple[str, str]] = [
+    (r"^embeddings\.word_embeddings\.", "embeddings.word."),
+    (r"^embeddings\.position_embeddings\.", "embeddings.position."),
+    (r"^embeddings\.token_type_embeddings\.", "embeddings.token_type."),
+    (r"^embeddings\.LayerNorm\.", "embeddings.norm."),
+    (r"^encoder\.layer\.(\d+)\.attention\.self\.query\.", r"layers.\1.attn.q."),
+    (r"^encoder\.layer\.(\d+)\.attention\.self\.key\.", r"layers.\1.attn.k."),
+    (r"^encoder\.layer\.(\d+)\.attention\.self\.value\.", r"layers.\1.attn.v."),
+    (r"^encoder\.layer\.(\d+)\.attention\.output\.dense\.", r"layers.\1.attn.out."),
+    (r"^encoder\.layer\.(\d+)\.attention\.output\.LayerNorm\.", r"layers.\1.attn_norm."),
+    (r"^encoder\.layer\.(\d+)\.intermediate\.dense\.", r"layers.\1.mlp_in."),
+    (r"^encoder\.layer\.(\d+)\.output\.dense\.", r"layers.\1.mlp_out."),
+    (r"^encoder\.layer\.(\d+)\.output\.LayerNorm\.", r"layers.\1.mlp_norm."),
+]
+# Base-model tensors we do not need: buffers saved by old versions and the NSP pooler.
+HF_IGNORED = (r"^embeddings\.position_ids$", r"^embeddings\.token_type_ids$", r"^pooler\.")
+# The word embedding, by which the loader finds the checkpoint's name prefix.
+HF_ANCHOR = "embeddings.word_embeddings.weight"
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.position_offset = config.position_offset
+        self.word = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        # Inputs are single segments: only row 0 of the token-type table is ever used.
+        self.token_type = (
+            nn.Embedding(config.type_vocab_size, config.hidden_size) if config.type_vocab_size else None
+        )
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """input_ids: (B, N) -> (B, N, C). Sequences are right-padded, so position = index."""
+        n = input_ids.shape[1]
+        positions = torch.arange(self.position_offset, self.position_offset + n, device=input_ids.device)
+        x = self.word(input_ids) + self.position(positions)
+        if self.token_type is not None:
+            x = x + self.token_type.weight[0]
+        return self.norm(x)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.q = nn.Linear(config.hidden_size, config.hidden_size)
+        self.k = nn.Linear(config.hidden_size, config.hidden_size)
+        self.v = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: Tensor, mask: Tensor | None, spec: AttentionSpec) -> Tensor:
+        """x: (B, N, C), mask: (B, N) bool True = real, or None when nothing is padded."""
+        b, n, c = x.shape
+
+        def heads(t: Tensor) -> Tensor:
+            return t.view(b, n, self.num_heads, -1).transpose(1, 2)  # (B, H, N, D)
+
+        o = attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), spec, key_padding_mask=mask)
+        return self.out(o.transpose(1, 2).reshape(b, n, c))  # (B, H, N, D) -> (B, N, C)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.attn = BertAttention(config)
+        self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp_in = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.mlp_out = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.act = ACTIVATIONS[config.activation]
+
+    def forward(self, x: Tensor, mask: Tensor | None, spec: AttentionSpec) -> Tensor:
+        # Post-norm: normalise after each residual sum, as BERT was trained.
+        x = self.attn_norm(x + self.attn(x, mask, spec))
+        return self.mlp_norm(x + self.mlp_out(self.act(self.mlp_in(x))))
+
+
+class BertModel(nn.Module):
+    """BERT / RoBERTa / XLM-RoBERTa encoder without any task head."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_layers))
+
+    def forward(self, input_ids: Tensor, mask: Tensor | None, spec: AttentionSpec) -> Tensor:
+        """input_ids: (B, N) long, mask: (B, N) bool True = real token (None: no padding)
+        -> last hidden states (B, N, C)."""
+        x = self.embeddings(input_ids)
+        for layer in self.layers:
+            x = layer(x, mask, spec)
+        return x

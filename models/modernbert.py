@@ -1,0 +1,130 @@
+"""ModernBERT (Warner et al. 2024, arXiv:2412.13663): a long-context pre-norm encoder.
+
+Rotary positions with one theta for the global layers and another for the local ones; every
+`global_attn_every_n_layers`-th layer attends over the whole sequence and the rest over a
+sliding window of `local_attention` tokens; a GeGLU MLP; LayerNorms without bias; a final
+norm. The spec's attention method replaces the global layers only: local layers stay exact
+windowed attention (`kernels.local`), already linear in N.
+Parameter names are HF's own, so `HF_NAMES` is empty.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from kernels import AttentionSpec, attention
+from kernels.local import local_attention
+
+from .config import ACTIVATIONS, EncoderConfig
+
+HF_NAMES: list[tuple[str, str]] = []
+HF_IGNORED: tuple[str, ...] = ()
+HF_ANCHOR = "embeddings.tok_embeddings.weight"
+
+
+def rotary_tables(n: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos, sin: (N, D) float32 for positions 0..n-1, frequencies theta^(-2i/D) (RoPE)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv_freq  # (N, D/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (N, D): halves rotate together
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x: (B, H, N, D) by the position angles (computed in float32, returned in x's dtype)."""
+    xf = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class ModernBertEmbeddings(nn.Module):
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.norm(self.tok_embeddings(input_ids))
+
+
+class ModernBertAttention(nn.Module):
+    def __init__(self, config: EncoderConfig, is_global: bool):
+        super().__init__()
+        self.num_heads = config.num_heads
+        # None for global layers; the full band width for local ones.
+        self.window = None if is_global else config.local_attention
+        self.Wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.attention_bias)
+        self.Wo = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
+
+    def forward(
+        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor]
+    ) -> Tensor:
+        b, n, c = x.shape
+        qkv = self.Wqkv(x).view(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
+        q, k, v = qkv.unbind(0)
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if self.window is None:
+            o = attention(q, k, v, spec, key_padding_mask=mask)
+        else:
+            o = local_attention(q, k, v, self.window, key_padding_mask=mask)
+        return self.Wo(o.transpose(1, 2).reshape(b, n, c))  # (B, H, N, D) -> (B, N, C)
+
+
+class ModernBertMLP(nn.Module):
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.Wi = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.Wo = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act = ACTIVATIONS[config.activation]
+
+    def forward(self, x: Tensor) -> Tensor:
+        inputs, gate = self.Wi(x).chunk(2, dim=-1)  # GeGLU: act(input) * gate
+        return self.Wo(self.act(inputs) * gate)
+
+
+class ModernBertLayer(nn.Module):
+    def __init__(self, config: EncoderConfig, index: int):
+        super().__init__()
+        self.is_global = config.is_global_layer(index)
+        # The embedding norm already normalised layer 0's input.
+        self.attn_norm = (
+            nn.Identity()
+            if index == 0
+            else nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
+        )
+        self.attn = ModernBertAttention(config, self.is_global)
+        self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
+        self.mlp = ModernBertMLP(config)
+
+    def forward(
+        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor]
+    ) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), mask, spec, rotary)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class ModernBertModel(nn.Module):
+    """ModernBERT encoder without any task head."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = ModernBertEmbeddings(config)
+        self.layers = nn.ModuleList(ModernBertLayer(config, i) for i in range(config.num_layers))
+        self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
+
+    def forward(self, input_ids: Tensor, mask: Tensor | None, spec: AttentionSpec) -> Tensor:
+        """input_ids: (B, N) long, mask: (B, N) bool True = real token (None: no padding)
+        -> last hidden states (B, N, C)."""
+        cfg = self.config
+        n = input_ids.shape[1]
+        rotary = {
+            True: rotary_tables(n, cfg.head_dim, cfg.global_rope_theta, input_ids.device),
+            False: rotary_tables(n, cfg.head_dim, cfg.local_rope_theta, input_ids.device),
+        }
+        x = self.embeddings(input_ids)
+        for layer in self.layers:
+            x = layer(x, mask, spec, rotary[layer.is_global])
+        return self.final_norm(x)

@@ -1,0 +1,84 @@
+"""Pooling token states into one vector per input, as sentence-transformers configures it.
+
+`read_pooling(folder)` reads `modules.json` and the Pooling module's `config.json` (both the
+legacy `pooling_mode_*_tokens` flags and the newer `pooling_mode` string); a folder without
+them gets mean pooling and no normalisation. `pool` reduces (B, N, C) states to (B, C).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .config import UnsupportedArchitecture
+
+POOLING_MODES = ("mean", "cls", "lasttoken", "max")
+_LEGACY_FLAGS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+# sentence-transformers modules that need no weights of their own here.
+_KNOWN_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    mode: str = "mean"  # one of POOLING_MODES
+    normalize: bool = False  # the checkpoint ends in a Normalize module
+
+
+def read_pooling(folder: Path) -> PoolingConfig:
+    """The pooling of a sentence-transformers folder; mean and no Normalize without modules.json."""
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return PoolingConfig()
+    modules = json.loads(modules_file.read_text(encoding="utf-8"))
+    mode, normalize = "mean", False
+    for module in modules:
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        if kind not in _KNOWN_MODULES:
+            raise UnsupportedArchitecture(f"sentence-transformers module {module.get('type')!r}")
+        if kind == "Normalize":
+            normalize = True
+        elif kind == "Pooling":
+            config_file = folder / module.get("path", "") / "config.json"
+            if config_file.is_file():
+                mode = _pooling_mode(json.loads(config_file.read_text(encoding="utf-8")))
+    return PoolingConfig(mode=mode, normalize=normalize)
+
+
+def _pooling_mode(config: dict) -> str:
+    modes = config.get("pooling_mode")
+    if modes is None:
+        modes = [mode for flag, mode in _LEGACY_FLAGS.items() if config.get(flag)] or ["mean"]
+    if isinstance(modes, str):
+        modes = [modes]
+    if len(modes) != 1 or modes[0] not in POOLING_MODES:
+        raise UnsupportedArchitecture(f"pooling mode {modes!r}; supported: {', '.join(POOLING_MODES)}")
+    if config.get("include_prompt") is False:
+        raise UnsupportedArchitecture("pooling with include_prompt=false")
+    return modes[0]
+
+
+def pool(hidden: Tensor, mask: Tensor, mode: str) -> Tensor:
+    """hidden: (B, N, C), mask: (B, N) bool True = real token (right-padded) -> (B, C) float32."""
+    hidden = hidden.float()
+    if mode == "cls":
+        return hidden[:, 0]
+    if mode == "lasttoken":
+        last = mask.sum(dim=1) - 1  # (B,) index of the last real token
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    if mode == "max":
+        return hidden.masked_fill(~mask[:, :, None], float("-inf")).amax(dim=1)
+    if mode == "mean":
+        weights = mask[:, :, None].to(hidden.dtype)
+        return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+    raise ValueError(f"pooling mode: must be one of {', '.join(POOLING_MODES)}, got {mode!r}")
