@@ -8,7 +8,9 @@ import os
 import torch
 from torch import Tensor
 
+from .clustered import clustered_attention_torch
 from .full import full_attention
+from .smyrf import smyrf_attention_torch
 from .spec import AttentionSpec
 
 BACKENDS = ("auto", "torch", "triton")
@@ -44,12 +46,17 @@ def attention(
     if spec.method == "full":
         return full_attention(q, k, v, key_padding_mask, scale)
     if _use_triton(q, backend):
-        from . import triton_backend
+        # Imported here so that the torch backend never needs triton at import time.
+        if spec.method == "smyrf":
+            from .smyrf_triton import smyrf_attention_triton
 
-        return triton_backend.attention(q, k, v, spec, key_padding_mask, scale)
-    from .reference import approximate_attention
+            return smyrf_attention_triton(q, k, v, spec, key_padding_mask, scale)
+        from .clustered_triton import clustered_attention_triton
 
-    return approximate_attention(q, k, v, spec, key_padding_mask, scale)
+        return clustered_attention_triton(q, k, v, spec, key_padding_mask, scale)
+    if spec.method == "smyrf":
+        return smyrf_attention_torch(q, k, v, spec, key_padding_mask, scale)
+    return clustered_attention_torch(q, k, v, spec, key_padding_mask, scale)
 
 
 def _use_triton(q: Tensor, backend: str) -> bool:
