@@ -1,0 +1,27 @@
+"""Shared inputs for the kernel tests."""
+
+import torch
+
+APPROXIMATE = ("clustered", "i-clustered", "smyrf")
+
+
+def qkv(b=2, h=2, n=48, m=None, d=16, dv=None, dtype=torch.float32, seed=0, structured=True):
+    """Random q, k, v (B, H, N|M, D). `structured` draws queries around a few centres, as real
+    queries are, so clustering has something to find."""
+    g = torch.Generator().manual_seed(seed)
+    m = n if m is None else m
+    dv = d if dv is None else dv
+    if structured:
+        centres = torch.randn(b, h, 6, d, generator=g, dtype=torch.float64) * 2
+        pick = torch.randint(0, 6, (b, h, n), generator=g)
+        q = centres.gather(2, pick[..., None].expand(-1, -1, -1, d)) + 0.3 * torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+    else:
+        q = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, h, m, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, h, m, dv, generator=g, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def padding_mask(b, m, lengths):
+    """(B, M) bool, True for the first lengths[i] tokens of row i."""
+    return torch.arange(m)[None, :] < torch.tensor(lengths)[:, None]
