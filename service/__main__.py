@@ -1,0 +1,57 @@
+"""`python -m service [--host H] [--port P] [--model DIR] [--<setting> VALUE ...]`.
+
+Every field of `Settings` is a flag (`max_batch_tokens` -> `--max-batch-tokens`); flags win
+over `CLUSTERSERVE_*` environment variables, which win over the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import typing
+from collections.abc import Sequence
+
+import uvicorn
+from pydantic import ValidationError
+
+from .settings import Settings
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> Settings:
+    parser = argparse.ArgumentParser(prog="python -m service", description="Serve long-document embeddings over HTTP.")
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{field.description} (env CLUSTERSERVE_{name.upper()})"
+        if _is_bool(field.annotation):
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_text)
+    given = {name: value for name, value in vars(parser.parse_args(argv)).items() if value is not None}
+    try:
+        return Settings(**given)
+    except ValidationError as exc:
+        parser.error(_explain(exc))
+        raise  # unreachable: parser.error exits
+
+
+def _is_bool(annotation: object) -> bool:
+    return annotation is bool or bool in typing.get_args(annotation)
+
+
+def _explain(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = parse_settings(argv)
+    if settings.model is not None and not settings.model.is_dir():
+        sys.exit(f"--model: {settings.model} is not a directory")
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .app import create_app
+
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""`create_app(settings)`: the FastAPI app, its routes, error handlers, middleware and lifespan.
+
+The lifespan starts loading and warming the model on a background thread and returns at
+once, so the server answers `/health/live` (and `/health/ready` with 503) while a large
+checkpoint loads; readiness turns true only when the model has run every attention method
+once and the scheduler is running. On shutdown readiness turns false, new embedding
+requests get 503, and the scheduler finishes what it has queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import torch
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from kernels import APPROXIMATE_METHODS
+
+from . import __version__
+from .batching import Batcher
+from .errors import install_error_handlers
+from .metrics import Metrics
+from .middleware import RequestMiddleware
+from .routes import health, info, metrics, openai, tei, tokenize
+from .settings import Settings
+from .state import ServiceState
+
+log = logging.getLogger("clusterserve")
+
+# Shown to the browser by CORS (the timings and the resolved attention).
+EXPOSED_HEADERS = [
+    "x-request-id",
+    "x-queue-time-ms",
+    "x-inference-time-ms",
+    "x-total-time-ms",
+    "x-input-tokens",
+    "x-attention",
+    "x-peak-memory-bytes",
+]
+_WARMUP_TEXT = "Clustered attention groups queries and attends once per cluster. " * 24  # ~300 tokens
+
+
+def load_model(settings: Settings) -> Any:
+    """The encoder the settings name (None = the embedded default), on the configured device."""
+    from models import load_encoder
+
+    return load_encoder(settings.model, max_input_tokens=settings.max_input_tokens, device=settings.resolved_device())
+
+
+def create_app(settings: Settings | None = None, load: Callable[[Settings], Any] = load_model) -> FastAPI:
+    """Build the service. `load(settings) -> encoder` runs in the lifespan (tests pass their own)."""
+    settings = settings or Settings()
+    logging.getLogger("clusterserve").setLevel(settings.log_level.upper())
+    metrics_ = Metrics()
+    state = ServiceState(settings=settings, metrics=metrics_, default_spec=settings.default_spec())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # A daemon thread, not the loop's executor: shutdown must not wait for a slow load.
+        loader = threading.Thread(target=_load_and_start, args=(state, load), name="clusterserve-loader", daemon=True)
+        loader.start()
+        yield
+        with state.lock:
+            state.draining, state.ready = True, False
+        if state.batcher is not None:
+            await asyncio.to_thread(state.batcher.stop)
+
+    app = FastAPI(
+        title="clusterserve",
+        version=__version__,
+        description="Long-document embeddings with clustered, improved clustered and SMYRF attention.",
+        lifespan=lifespan,
+    )
+    app.state.service = state
+    app.state.metrics = metrics_
+    install_error_handlers(app)
+    for module in (openai, tei, tokenize, info, health, metrics):
+        app.include_router(module.router)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+            expose_headers=EXPOSED_HEADERS,
+        )
+    # Added last, so outermost: it sees (and times, and counts) every response.
+    app.add_middleware(RequestMiddleware, metrics=metrics_, max_body_bytes=settings.max_body_bytes)
+    return app
+
+
+def _load_and_start(state: ServiceState, load: Callable[[Settings], Any]) -> None:
+    settings = state.settings
+    try:
+        encoder = load(settings)
+        if settings.warmup:
+            _warm_up(encoder, state)
+        batcher = Batcher(encoder, state.metrics, settings.max_batch_tokens, settings.max_concurrent_requests)
+    except Exception as exc:  # reported by /health/* and /info; the process stays up to say so
+        log.exception("loading the model failed")
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        return
+    backend = "triton" if encoder.device.type == "cuda" else "torch"
+    with state.lock:
+        if state.draining:
+            return
+        state.encoder, state.batcher, state.backend = encoder, batcher, backend
+        state.max_input_tokens = encoder.max_input_tokens
+        batcher.start()
+        state.ready = True
+    state.metrics.set_build_info(__version__, encoder.name, str(encoder.device), backend)
+    log.info("ready: %s on %s, up to %d tokens per input", encoder.name, encoder.device, encoder.max_input_tokens)
+
+
+def _warm_up(encoder: Any, state: ServiceState) -> None:
+    """Run every method once, so the first request of each pays no one-off costs."""
+    for method in ("full", *APPROXIMATE_METHODS):
+        spec = dataclasses.replace(state.default_spec, method=method)
+        with torch.inference_mode():
+            encoder.embed([_WARMUP_TEXT], spec, max_batch_tokens=state.settings.max_batch_tokens)

@@ -1,0 +1,324 @@
+"""The scheduler: embedding requests queue here and one worker thread runs them in batches.
+
+A route tokenizes and validates its request, resolves each input's attention spec
+(`"auto"` picks a method by length) and submits a `Job`. The job's inputs enter a FIFO
+queue as `Item`s. The worker takes the oldest item and joins to it every queued item with
+the same batch key (resolved spec, normalize, dimensions) while the padded batch stays
+within the token budget, runs `encoder.embed` once for the batch, and hands each job its
+vectors when its last item is done. Inference never runs on the event loop, so health
+checks and metrics answer while a 30k-token batch is running.
+
+Per request the worker records:
+- queue time: arrival in the queue -> start of the first batch holding one of its inputs;
+- inference time: that start -> end of the last batch holding one of its inputs;
+- peak memory: the largest peak of those batches (see `metrics.PeakMemory`).
+
+Where later work plugs in (DESIGN.md / issue #6): admission is `Batcher.submit`'s check of
+`max_concurrent_requests`; a job carries its deadline, and the worker drops expired or
+cancelled jobs before it runs them; `_run_batch` is the one place that catches
+out-of-memory, so splitting a failed batch and retrying the halves goes there; `stop`
+drains the queue before the worker exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from kernels import AttentionSpec
+
+from . import errors
+from .metrics import Metrics, PeakMemory
+
+log = logging.getLogger("clusterserve")
+
+
+class Encoder(Protocol):
+    """What the scheduler needs of `models.load_encoder(...)`."""
+
+    device: torch.device
+
+    def embed(
+        self,
+        inputs: list[list[int]],
+        spec: AttentionSpec,
+        truncate: bool = False,
+        normalize: bool = True,
+        dimensions: int | None = None,
+        truncation_direction: str = "right",
+        max_batch_tokens: int = 16384,
+    ) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """Inputs batch together only when they are computed exactly the same way."""
+
+    spec: AttentionSpec
+    normalize: bool
+    dimensions: int | None
+
+
+@dataclass
+class Job:
+    """One client request: its inputs (token ids, already within the length limit) and specs."""
+
+    request_id: str
+    inputs: list[list[int]]
+    specs: list[AttentionSpec]  # resolved per input: never "auto"
+    normalize: bool = True
+    dimensions: int | None = None
+    deadline: float = float("inf")  # time.monotonic() by which it must be answered
+    timeout_s: float = float("inf")  # the deadline's length, for the 504 message
+
+    # Filled in by the scheduler.
+    enqueued_at: float = 0.0
+    started_at: float | None = None
+    finished_at: float = 0.0
+    peak_memory: int | None = None
+    vectors: list[Tensor | None] = field(default_factory=list)
+    remaining: int = 0
+    cancelled: bool = False  # set by the event loop; the worker skips the job's items
+    future: asyncio.Future[JobResult] | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(ids) for ids in self.inputs)
+
+
+@dataclass(frozen=True)
+class JobResult:
+    vectors: Tensor  # (n, dim) float32 on the CPU
+    queue_s: float
+    inference_s: float
+    peak_memory: int | None
+
+
+@dataclass(frozen=True)
+class Item:
+    job: Job
+    index: int
+    key: BatchKey
+
+    @property
+    def tokens(self) -> int:
+        return len(self.job.inputs[self.index])
+
+
+class Batcher:
+    """Queue + one worker thread. `submit` is called on the event loop; the rest runs on the worker."""
+
+    def __init__(
+        self,
+        encoder: Encoder,
+        metrics: Metrics,
+        max_batch_tokens: int,
+        max_concurrent_requests: int,
+    ) -> None:
+        self.encoder = encoder
+        self.metrics = metrics
+        self.max_batch_tokens = max_batch_tokens
+        self.max_concurrent_requests = max_concurrent_requests
+        self._pending: deque[Item] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._admitted = 0  # jobs between submit and answer; touched on the event loop only
+        self._waiting_jobs = 0  # jobs whose first batch has not started
+        self._peak = PeakMemory(encoder.device)
+        self._thread = threading.Thread(target=self._work, name="clusterserve-worker", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop admitting, let the worker finish what is queued, and join it."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("worker still busy %.0f s after shutdown began", timeout_s)
+
+    async def submit(self, job: Job) -> JobResult:
+        """Queue `job` and wait for its vectors. Raises ServiceError 429, 503 or 504."""
+        if self._stopping:
+            raise errors.not_ready("the server is shutting down")
+        if self._admitted >= self.max_concurrent_requests:
+            raise errors.overloaded(self.max_concurrent_requests)
+        loop = asyncio.get_running_loop()
+        job.loop, job.future = loop, loop.create_future()
+        job.vectors = [None] * len(job.inputs)
+        job.remaining = len(job.inputs)
+        job.enqueued_at = time.monotonic()
+        self._admitted += 1
+        self.metrics.inflight.set(self._admitted)
+        with self._cond:
+            self._waiting_jobs += 1
+            self.metrics.queue_depth.set(self._waiting_jobs)
+            for index, spec in enumerate(job.specs):
+                key = BatchKey(spec, job.normalize, job.dimensions)
+                self._pending.append(Item(job, index, key))
+            self._cond.notify()
+        try:
+            remaining = job.deadline - time.monotonic()
+            return await asyncio.wait_for(asyncio.shield(job.future), timeout=max(remaining, 0.0))
+        except TimeoutError:
+            raise errors.deadline_exceeded(job.timeout_s) from None
+        finally:
+            # Covers timeouts and cancelled clients: the worker drops the job's queued items.
+            job.cancelled = True
+            self._admitted -= 1
+            self.metrics.inflight.set(self._admitted)
+
+    # --- the worker thread -------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            try:
+                self._run_batch(batch)
+            except Exception as exc:  # a bug must fail its requests, not kill the worker
+                log.exception("batch failed")
+                for job in {id(item.job): item.job for item in batch}.values():
+                    self._fail(job, exc)
+
+    def _next_batch(self) -> list[Item] | None:
+        """Block for work; return the next batch, or None once stopping with nothing queued."""
+        with self._cond:
+            while True:
+                self._drop_dead_items()
+                if self._pending:
+                    break
+                if self._stopping:
+                    return None
+                self._cond.wait()
+            first = self._pending[0]
+            batch, longest, keep = [], 0, deque()
+            for item in self._pending:
+                longest_if_added = max(longest, item.tokens)
+                fits = (len(batch) + 1) * longest_if_added <= self.max_batch_tokens
+                if item.key == first.key and (not batch or fits):
+                    batch.append(item)
+                    longest = longest_if_added
+                else:
+                    keep.append(item)
+            self._pending = keep
+            return batch
+
+    def _drop_dead_items(self) -> None:
+        """Remove items of cancelled jobs; fail and remove jobs whose deadline has passed."""
+        now = time.monotonic()
+        alive: deque[Item] = deque()
+        for item in self._pending:
+            job = item.job
+            if not job.cancelled and now >= job.deadline:
+                self._fail(job, errors.deadline_exceeded(job.timeout_s))
+            if job.cancelled:
+                if job.started_at is None and item.index == 0:
+                    self._job_left_queue()
+                continue
+            alive.append(item)
+        self._pending = alive
+
+    def _job_left_queue(self) -> None:
+        self._waiting_jobs -= 1
+        self.metrics.queue_depth.set(self._waiting_jobs)
+
+    def _run_batch(self, batch: list[Item]) -> None:
+        key = batch[0].key
+        method = key.spec.method
+        started = time.monotonic()
+        with self._cond:
+            for item in batch:
+                if item.job.started_at is None:
+                    item.job.started_at = started
+                    self._job_left_queue()
+        for item in batch:
+            self.metrics.queue_duration.labels(method=method).observe(started - item.job.enqueued_at)
+            self.metrics.input_tokens.labels(method=method).observe(item.tokens)
+        tokens = sum(item.tokens for item in batch)
+
+        self._peak.reset()
+        try:
+            with torch.inference_mode():
+                vectors = self.encoder.embed(
+                    [item.job.inputs[item.index] for item in batch],
+                    key.spec,
+                    normalize=key.normalize,
+                    dimensions=key.dimensions,
+                    max_batch_tokens=self.max_batch_tokens,
+                )
+        except (torch.OutOfMemoryError, MemoryError):
+            # Issue #6: split the batch and retry the halves before giving up on a request.
+            log.warning("out of memory in a batch of %d inputs, %d tokens", len(batch), tokens)
+            for job in {id(item.job): item.job for item in batch}.values():
+                self._fail(job, errors.out_of_memory(tokens))
+            return
+        vectors = vectors.detach().float().cpu()
+        finished = time.monotonic()
+        peak = self._peak.read()
+
+        self.metrics.inference_duration.labels(method=method).observe(finished - started)
+        self.metrics.batch_size.labels(method=method).observe(len(batch))
+        self.metrics.batch_tokens.labels(method=method).observe(tokens)
+        if peak is not None:
+            self.metrics.peak_memory.labels(method=method).observe(peak)
+
+        for item, vector in zip(batch, vectors):
+            job = item.job
+            job.vectors[item.index] = vector
+            job.remaining -= 1
+            job.finished_at = finished
+            if peak is not None:
+                job.peak_memory = max(job.peak_memory or 0, peak)
+            if job.remaining == 0:
+                self._finish(job)
+
+    def _finish(self, job: Job) -> None:
+        assert job.started_at is not None  # set before any of its batches ran
+        result = JobResult(
+            vectors=torch.stack(job.vectors),  # type: ignore[arg-type]
+            queue_s=job.started_at - job.enqueued_at,
+            inference_s=job.finished_at - job.started_at,
+            peak_memory=job.peak_memory,
+        )
+        self._resolve(job, result, None)
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        job.cancelled = True
+        self._resolve(job, None, exc)
+
+    @staticmethod
+    def _resolve(job: Job, result: JobResult | None, exc: BaseException | None) -> None:
+        future, loop = job.future, job.loop
+        if future is None or loop is None:
+            return
+
+        def deliver() -> None:
+            if future.done():
+                return
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)  # type: ignore[arg-type]
+
+        try:
+            loop.call_soon_threadsafe(deliver)
+        except RuntimeError:  # the loop closed under us during shutdown
+            pass
+
+    def snapshot(self) -> dict[str, Any]:
+        """Queue state for debugging and tests."""
+        with self._cond:
+            return {"pending_items": len(self._pending), "waiting_jobs": self._waiting_jobs, "admitted": self._admitted}

@@ -1,0 +1,195 @@
+"""The JSON error model: every failure is `{"error": {"message", "type", "param"}}`.
+
+Routes raise `ServiceError` (or let FastAPI raise its own validation and HTTP errors); the
+handlers installed by `install_error_handlers` turn each into the documented status and
+count it in `clusterserve_request_failures_total{reason}`. A bad request never becomes a
+500; an exception that escapes a route (a bug) is answered in the same format by
+`middleware.RequestMiddleware`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+# The fixed set of failure reasons (the `reason` label); metrics pre-creates each one.
+FAILURE_REASONS = (
+    "malformed_json",
+    "invalid_field",
+    "empty_input",
+    "unauthorized",
+    "not_found",
+    "method_not_allowed",
+    "input_too_long",
+    "body_too_large",
+    "batch_too_large",
+    "overloaded",
+    "not_ready",
+    "out_of_memory",
+    "deadline",
+    "internal",
+)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class ServiceError(Exception):
+    """A failure with its HTTP status, a message for the client, and the field it concerns."""
+
+    def __init__(
+        self,
+        status: int,
+        reason: str,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        if reason not in FAILURE_REASONS:
+            raise ValueError(f"reason: must be one of {FAILURE_REASONS}, got {reason!r}")
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+
+def empty_input(param: str) -> ServiceError:
+    return ServiceError(400, "empty_input", f"{param}: must not be empty", param)
+
+
+def invalid_field(param: str, message: str) -> ServiceError:
+    return ServiceError(422, "invalid_field", f"{param}: {message}", param)
+
+
+def input_too_long(param: str, tokens: int, limit: int) -> ServiceError:
+    return ServiceError(
+        413,
+        "input_too_long",
+        f"{param}: {tokens} tokens is more than the limit of {limit}; "
+        "shorten it or send truncate=true",
+        param,
+    )
+
+
+def batch_too_large(param: str, size: int, limit: int) -> ServiceError:
+    return ServiceError(
+        413, "batch_too_large", f"{param}: {size} inputs is more than the limit of {limit}", param
+    )
+
+
+def unauthorized() -> ServiceError:
+    return ServiceError(
+        401,
+        "unauthorized",
+        "missing or wrong API key: send `Authorization: Bearer <key>`",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def not_ready(message: str = "the model is still loading; retry shortly") -> ServiceError:
+    return ServiceError(503, "not_ready", message, headers={"Retry-After": "1"})
+
+
+def overloaded(limit: int) -> ServiceError:
+    return ServiceError(
+        429,
+        "overloaded",
+        f"server busy: {limit} embedding requests already in progress; retry later",
+        headers={"Retry-After": "1"},
+    )
+
+
+def out_of_memory(tokens: int) -> ServiceError:
+    return ServiceError(
+        503,
+        "out_of_memory",
+        f"out of memory running a batch of {tokens} tokens; retry with fewer or shorter inputs",
+        headers={"Retry-After": "1"},
+    )
+
+
+def deadline_exceeded(timeout_s: float) -> ServiceError:
+    return ServiceError(504, "deadline", f"request did not finish within its deadline of {timeout_s:g} s")
+
+
+def error_body(status: int, message: str, param: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param}}
+
+
+def error_response(error: ServiceError) -> JSONResponse:
+    return JSONResponse(
+        error_body(error.status, error.message, error.param), error.status, headers=error.headers
+    )
+
+
+def param_from_loc(loc: tuple[Any, ...]) -> str | None:
+    """("body", "attention", "clusters") -> "attention.clusters"; ("body", "input", 2) -> "input[2]"."""
+    parts = list(loc[1:] if loc and loc[0] in ("body", "query", "header", "path") else loc)
+    # Pydantic names the union branch it tried ("str", "list[str]", ...); it is no field.
+    parts = [p for p in parts if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))]
+    param = ""
+    for part in parts:
+        param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else str(part))
+    return param or None
+
+
+_UNION_TAGS = {"str", "int", "list", "function-after", "function-before", "function-wrap"}
+
+
+def _count(request: Request, reason: str) -> None:
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None:
+        metrics.failures.labels(reason=reason).inc()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every failure FastAPI and Starlette know of through the JSON error model."""
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        _count(request, exc.reason)
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+        if first.get("type") == "json_invalid":
+            ctx = first.get("ctx") or {}
+            detail = ctx.get("error", first.get("msg"))
+            error = ServiceError(400, "malformed_json", f"body is not valid JSON: {detail}")
+        else:
+            param = param_from_loc(tuple(first.get("loc", ())))
+            # Our own validators raise ValueError, which pydantic prefixes; the prefix says nothing.
+            message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+            if len(errors) > 1:
+                message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+            error = ServiceError(422, "invalid_field", f"{param or 'body'}: {message}", param)
+        _count(request, error.reason)
+        return error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        reasons = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized", 413: "body_too_large"}
+        reason = reasons.get(exc.status_code, "malformed_json" if exc.status_code == 400 else "internal")
+        _count(request, reason)
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return JSONResponse(
+            error_body(exc.status_code, message, None), exc.status_code, headers=exc.headers
+        )

@@ -1,0 +1,195 @@
+"""Prometheus metrics (DESIGN.md's table), one `CollectorRegistry` per app.
+
+Every series is created when the app is built, labelled children included, so a scrape
+before the first request already lists each name (dashboards and alerts need no
+`absent()` guards). Labels stay low-cardinality: endpoints are route templates ("other"
+for anything unrouted), methods are attention methods, reasons a fixed set.
+
+Peak memory per batch (`clusterserve_peak_memory_bytes`, header `x-peak-memory-bytes`):
+- CUDA: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`: the allocator's
+  exact peak of live tensors during the batch, model weights included.
+- CPU (Linux): the process's peak resident set size during the batch. The kernel's
+  high-water mark (VmHWM in /proc/self/status) is reset to the current RSS by writing "5"
+  to /proc/self/clear_refs before the batch and read after it. It includes the weights and
+  the Python runtime, and it under-counts memory the allocator reuses without growing RSS
+  (small freed blocks glibc keeps); large tensors are mmap'd and show in full. Where the
+  reset is not allowed, nothing is reported rather than a stale process-lifetime peak.
+"""
+
+from __future__ import annotations
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kernels import METHODS
+
+from .errors import FAILURE_REASONS
+
+# Labels of the endpoint series, pre-created at start-up.
+INFERENCE_ENDPOINTS = ("/v1/embeddings", "/embed")
+OTHER_ENDPOINTS = (
+    "/tokenize",
+    "/info",
+    "/health",
+    "/health/live",
+    "/health/ready",
+    "/metrics",
+    "other",
+)
+# "none" is the method label of requests that run no attention (tokenize, info, ...) or fail
+# before their attention object is known.
+NO_METHOD = "none"
+RESOLVED_METHODS = tuple(m for m in METHODS if m != "auto")
+
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_TOKENS = tuple(float(2**i) for i in range(4, 17))  # 16 .. 65536
+_BATCH = tuple(float(2**i) for i in range(0, 9))  # 1 .. 256
+_BATCH_TOKENS = tuple(float(2**i) for i in range(6, 19))  # 64 .. 262144
+_BYTES = tuple(float(2**i) for i in range(26, 37))  # 64 MiB .. 64 GiB
+
+
+class Metrics:
+    """The service's series on a registry of its own (tests build several apps per process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "clusterserve_requests", "HTTP requests answered", ["endpoint", "method", "code"], registry=r
+        )
+        self.request_duration = Histogram(
+            "clusterserve_request_duration_seconds",
+            "time from request arrival to response start",
+            ["endpoint", "method"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.queue_duration = Histogram(
+            "clusterserve_queue_duration_seconds",
+            "time an input waited in the queue before its batch started",
+            ["method"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.inference_duration = Histogram(
+            "clusterserve_inference_duration_seconds",
+            "time of one batch's forward pass",
+            ["method"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.input_tokens = Histogram(
+            "clusterserve_input_tokens", "tokens per input (after truncation)", ["method"], buckets=_TOKENS, registry=r
+        )
+        self.batch_size = Histogram(
+            "clusterserve_batch_size", "inputs per batch", ["method"], buckets=_BATCH, registry=r
+        )
+        self.batch_tokens = Histogram(
+            "clusterserve_batch_tokens", "real (unpadded) tokens per batch", ["method"], buckets=_BATCH_TOKENS, registry=r
+        )
+        self.peak_memory = Histogram(
+            "clusterserve_peak_memory_bytes",
+            "peak memory while a batch ran (CUDA allocator peak; CPU: process peak RSS)",
+            ["method"],
+            buckets=_BYTES,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "clusterserve_queue_depth", "embedding requests waiting for their first batch", registry=r
+        )
+        self.inflight = Gauge(
+            "clusterserve_inflight_requests", "embedding requests admitted and not yet answered", registry=r
+        )
+        self.device_memory = Gauge(
+            "clusterserve_device_memory_bytes",
+            "memory now: CUDA allocated and reserved (0 on CPU), process RSS",
+            ["kind"],
+            registry=r,
+        )
+        self.failures = Counter(
+            "clusterserve_request_failures", "failed requests by reason", ["reason"], registry=r
+        )
+        self.build_info = Gauge(
+            "clusterserve_build_info", "always 1; labels describe the build", ["version", "model", "device", "backend"], registry=r
+        )
+        self._create_children()
+
+    def _create_children(self) -> None:
+        for endpoint in INFERENCE_ENDPOINTS:
+            for method in (*METHODS, NO_METHOD):
+                self.requests.labels(endpoint=endpoint, method=method, code="200")
+                self.request_duration.labels(endpoint=endpoint, method=method)
+        for endpoint in OTHER_ENDPOINTS:
+            self.requests.labels(endpoint=endpoint, method=NO_METHOD, code="200")
+            self.request_duration.labels(endpoint=endpoint, method=NO_METHOD)
+        for method in RESOLVED_METHODS:
+            for family in (
+                self.queue_duration,
+                self.inference_duration,
+                self.input_tokens,
+                self.batch_size,
+                self.batch_tokens,
+                self.peak_memory,
+            ):
+                family.labels(method=method)
+        for kind in ("allocated", "reserved", "rss"):
+            self.device_memory.labels(kind=kind)
+        for reason in FAILURE_REASONS:
+            self.failures.labels(reason=reason)
+
+    def set_build_info(self, version: str, model: str, device: str, backend: str) -> None:
+        self.build_info.clear()
+        self.build_info.labels(version=version, model=model, device=device, backend=backend).set(1)
+
+    def update_memory(self, device: torch.device | None) -> None:
+        """Refresh the memory gauges (called on each scrape)."""
+        allocated = reserved = 0
+        if device is not None and device.type == "cuda":
+            allocated = torch.cuda.memory_allocated(device)
+            reserved = torch.cuda.memory_reserved(device)
+        self.device_memory.labels(kind="allocated").set(allocated)
+        self.device_memory.labels(kind="reserved").set(reserved)
+        rss = read_proc_status("VmRSS")
+        if rss is not None:
+            self.device_memory.labels(kind="rss").set(rss)
+
+
+def read_proc_status(field: str) -> int | None:
+    """A memory line of /proc/self/status in bytes (e.g. "VmRSS"), None off Linux."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024  # the kernel reports kB
+    except OSError:
+        pass
+    return None
+
+
+class PeakMemory:
+    """Measures the peak memory of one batch (see the module docstring for what it means)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.available = device.type == "cuda" or self._reset_rss_peak()
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.available:
+            self._reset_rss_peak()
+
+    def read(self) -> int | None:
+        """Peak bytes since the last `reset`, or None where it cannot be measured."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return read_proc_status("VmHWM") if self.available else None
+
+    @staticmethod
+    def _reset_rss_peak() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as clear_refs:
+                clear_refs.write("5")  # "5": reset the peak RSS to the current RSS
+            return True
+        except OSError:
+            return False

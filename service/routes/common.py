@@ -1,0 +1,170 @@
+"""The embedding pipeline both embedding routes share, and the API-key check.
+
+validate (empty, batch size, attention, dimensions, token ids) -> tokenize off the event
+loop -> enforce the length limit or truncate -> resolve each input's attention spec by its
+length -> queue the job on the scheduler -> vectors, timings and the `x-*` headers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+from torch import Tensor
+
+from kernels import AttentionSpec
+
+from .. import errors
+from ..batching import Job, JobResult
+from ..middleware import ARRIVAL_KEY, METHOD_KEY, REQUEST_ID_KEY
+from ..schemas import AttentionRequest
+from ..state import ServiceState, get_state
+
+async def require_api_key(request: Request) -> None:
+    """FastAPI dependency: 401 unless the configured key is sent as `Authorization: Bearer <key>`."""
+    key = get_state(request).settings.api_key
+    if key is None:
+        return
+    scheme, _, sent = request.headers.get("authorization", "").partition(" ")
+    expected = key.get_secret_value().encode()
+    # compare_digest takes the same time wherever the strings differ: no timing oracle.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(sent.strip().encode(), expected):
+        raise errors.unauthorized()
+
+
+def resolve_attention(default: AttentionSpec, requested: AttentionRequest | None) -> AttentionSpec:
+    """The request's knobs over the server defaults, validated as an AttentionSpec (422 naming the knob)."""
+    if requested is None:
+        return default
+    knobs = requested.model_dump(exclude_none=True)
+    if "target_fidelity" in knobs:
+        raise errors.invalid_field(
+            "attention.target_fidelity",
+            "not supported yet: fidelity-calibrated auto selection is not implemented in this "
+            "version; choose a method and knobs instead",
+        )
+    try:
+        return dataclasses.replace(default, **knobs)
+    except ValueError as exc:
+        field, _, message = str(exc).partition(": ")
+        raise errors.invalid_field(f"attention.{field}", message or str(exc)) from None
+
+
+def echo_attention(specs: list[AttentionSpec], requested: AttentionSpec) -> dict[str, Any]:
+    """What the response reports: the one resolved spec, or for "auto" over mixed lengths the
+    threshold and each input's resolved spec."""
+    distinct = {spec for spec in specs}
+    if len(distinct) == 1:
+        return specs[0].used_knobs()
+    return {
+        "method": "auto",
+        "auto_threshold": requested.auto_threshold,
+        "inputs": [spec.used_knobs() for spec in specs],
+    }
+
+
+@dataclass(frozen=True)
+class Embedded:
+    vectors: Tensor  # (n, dim) float32, CPU
+    tokens: list[int]  # per input, after truncation, special tokens included
+    attention: dict[str, Any]
+    result: JobResult
+
+    def headers(self) -> dict[str, str]:
+        headers = {
+            "x-queue-time-ms": f"{self.result.queue_s * 1e3:.3f}",
+            "x-inference-time-ms": f"{self.result.inference_s * 1e3:.3f}",
+            "x-input-tokens": str(sum(self.tokens)),
+            "x-attention": json.dumps(self.attention, separators=(",", ":")),
+        }
+        if self.result.peak_memory is not None:
+            headers["x-peak-memory-bytes"] = str(self.result.peak_memory)
+        return headers
+
+
+def split_inputs(value: Any, param: str) -> tuple[list[Any], list[str], bool]:
+    """A request's `input(s)` as a list, the param name of each element, and whether they are ids.
+
+    A string or a flat list of ids is one input; a list of strings or of id lists is several.
+    """
+    if isinstance(value, str):
+        return [value], [param], False
+    if value and all(isinstance(v, int) for v in value):
+        return [value], [param], True
+    is_ids = bool(value) and isinstance(value[0], list)
+    return list(value), [f"{param}[{i}]" for i in range(len(value))], is_ids
+
+
+async def embed(
+    request: Request,
+    raw_inputs: Any,
+    *,
+    param: str,
+    attention: AttentionRequest | None,
+    truncate: bool,
+    truncation_direction: str = "right",
+    normalize: bool = True,
+    dimensions: int | None = None,
+) -> Embedded:
+    """Run the whole pipeline for one request; raises ServiceError with the documented status."""
+    state: ServiceState = get_state(request)
+    settings = state.settings
+    spec = resolve_attention(state.default_spec, attention)
+    request.scope[METHOD_KEY] = spec.method
+    encoder, batcher = state.require_ready()
+
+    inputs, params, is_ids = split_inputs(raw_inputs, param)
+    if not inputs:
+        raise errors.empty_input(param)
+    if len(inputs) > settings.max_client_batch_size:
+        raise errors.batch_too_large(param, len(inputs), settings.max_client_batch_size)
+    for value, name in zip(inputs, params):
+        if len(value) == 0:
+            raise errors.empty_input(name)
+    if dimensions is not None and dimensions > encoder.dim:
+        raise errors.invalid_field("dimensions", f"must be in [1, {encoder.dim}], got {dimensions}")
+
+    limit = state.max_input_tokens
+    direction = truncation_direction.lower()
+    if is_ids:
+        for ids, name in zip(inputs, params):
+            bad = next((t for t in ids if not 0 <= t < encoder.vocab_size), None)
+            if bad is not None:
+                raise errors.invalid_field(name, f"token ids must be in [0, {encoder.vocab_size}), got {bad}")
+        sequences = [list(ids) for ids in inputs]
+        if truncate:
+            sequences = [s[:limit] if direction == "right" else s[-limit:] for s in sequences]
+    else:
+        # Tokenizing a 30k-token text takes milliseconds: off the loop, in the thread pool.
+        tokenized = await run_in_threadpool(
+            encoder.tokenizer.encode, inputs, limit if truncate else None, direction
+        )
+        sequences = [t.ids for t in tokenized]
+    for ids, name in zip(sequences, params):
+        if len(ids) > limit:
+            raise errors.input_too_long(name, len(ids), limit)
+
+    specs = [spec.resolve(len(ids)) for ids in sequences]
+    timeout = settings.request_timeout_s
+    job = Job(
+        request_id=request.scope.get(REQUEST_ID_KEY, ""),
+        inputs=sequences,
+        specs=specs,
+        normalize=normalize,
+        dimensions=dimensions,
+        deadline=request.scope.get(ARRIVAL_KEY, time.monotonic()) + timeout,
+        timeout_s=timeout,
+    )
+    result = await batcher.submit(job)
+    return Embedded(
+        vectors=result.vectors,
+        tokens=[len(ids) for ids in sequences],
+        attention=echo_attention(specs, spec),
+        result=result,
+    )

