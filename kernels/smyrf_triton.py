@@ -1,0 +1,369 @@
+"""SMYRF attention as Triton kernels (Daras et al. 2020, arXiv:2010.05315).
+
+Matches the PyTorch reference in smyrf.py (same seed, same clusters, same output):
+
+1. `_smyrf_hash_kernel`, one program per (batch, head): max squared norms of the real
+   queries and keys, then for every round the hash of F(q) and G(k) (eq. 4 and 14) in
+   float32; padded tokens hash to +inf so they sort last.
+2. `torch.argsort(stable=True)` of the hashes, on device.
+3. `_smyrf_attention_kernel`, once per round: each program takes BLOCK_M consecutive
+   sorted query ranks, gathers their rows of Q by index, and streams the contiguous run of
+   sorted key ranks that their clusters own (gathering K and V rows by index), with an
+   online softmax in float32. Cluster membership is arithmetic - rank r of n real tokens
+   lies in cluster floor(r L / n) - so a tile that straddles clusters masks the logits
+   block-diagonally and no per-cluster layout, slot size or host-side count is needed.
+   The round's output and log-sum-exp are merged by softmax mass (eq. 15) into a float32
+   accumulator at the query's original position; the last round writes the output dtype.
+
+No host synchronisation: per-batch token and cluster counts stay on the device; the grid
+depends only on shapes.
+
+Shapes: q (B, H, N, D), k (B, H, M, D), v (B, H, M, Dv) -> (B, H, N, Dv).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .smyrf import smyrf_projections
+from .spec import AttentionSpec
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """tl.dot with float32 accumulation; UPCAST multiplies in float32 (exact for half inputs)."""
+    if UPCAST:
+        product = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        product = tl.dot(a, b, input_precision=DOT_PRECISION)
+    return product
+
+
+@triton.jit
+def _load_rows(base, rows, n_rows, stride_n, stride_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows `rows` (< n_rows) of a (n_rows, HEAD_DIM) matrix as float32, zero padded."""
+    dims = tl.arange(0, BLOCK_D)
+    ptrs = base + rows[:, None] * stride_n + dims[None, :] * stride_d
+    valid = (rows[:, None] < n_rows) & (dims[None, :] < HEAD_DIM)
+    return tl.load(ptrs, mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _real_rows(mask_row, rows, n_rows, USE_MASK: tl.constexpr):
+    """Which rows are real tokens: inside the sequence and (if masked) marked True."""
+    real = rows < n_rows
+    if USE_MASK:
+        real = real & (tl.load(mask_row + rows, mask=real, other=0) != 0)
+    return real
+
+
+@triton.jit
+def _max_sq_norm(base, mask_row, n_rows, stride_n, stride_d,
+                 USE_MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_T: tl.constexpr):
+    """Largest squared norm over the real rows (0 if none)."""
+    best = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for start in range(0, n_rows, BLOCK_T):
+        rows = start + tl.arange(0, BLOCK_T)
+        x = _load_rows(base, rows, n_rows, stride_n, stride_d, HEAD_DIM, BLOCK_D)
+        sq = tl.sum(x * x, axis=1)
+        best = tl.maximum(best, tl.where(_real_rows(mask_row, rows, n_rows, USE_MASK), sq, 0.0))
+    return tl.max(best, axis=0)
+
+
+@triton.jit
+def _store_hashes(base, proj, hashes, mask_row, radius, n_rows, rounds,
+                  stride_n, stride_d, stride_pr, stride_pd, stride_hr,
+                  EXTRA: tl.constexpr, USE_MASK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Hash every row for every round: x.a[:D] + sqrt(radius - |x|^2) * a[D + EXTRA].
+
+    EXTRA = 1 for queries (F(q)'s last coordinate), 0 for keys (G(k)'s second-to-last).
+    """
+    dims = tl.arange(0, BLOCK_D)
+    for start in range(0, n_rows, BLOCK_T):
+        rows = start + tl.arange(0, BLOCK_T)
+        x = _load_rows(base, rows, n_rows, stride_n, stride_d, HEAD_DIM, BLOCK_D)
+        extra = tl.sqrt(tl.maximum(radius - tl.sum(x * x, axis=1), 0.0))
+        real = _real_rows(mask_row, rows, n_rows, USE_MASK)
+        for r in range(rounds):
+            a = tl.load(proj + r * stride_pr + dims * stride_pd, mask=dims < HEAD_DIM, other=0.0)
+            a_extra = tl.load(proj + r * stride_pr + (HEAD_DIM + EXTRA) * stride_pd)
+            h = tl.sum(x * a[None, :], axis=1) + extra * a_extra
+            h = tl.where(real, h, float("inf"))
+            tl.store(hashes + r * stride_hr + rows, h, mask=rows < n_rows)
+
+
+@triton.jit
+def _smyrf_hash_kernel(
+    Q, K, Proj, Mask, QHash, KHash,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_km, stride_kd,
+    stride_pr, stride_ph, stride_pd,
+    stride_maskb,
+    stride_qhashr, stride_qhashb, stride_qhashh,
+    stride_khashr, stride_khashb, stride_khashh,
+    H, N, M, ROUNDS,
+    HAS_MASK: tl.constexpr, MASK_QUERIES: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Asymmetric transform and hashes of one (batch, head), all rounds.
+
+    QHash (R, B, H, N) and KHash (R, B, H, M) float32, contiguous in the last dim.
+    """
+    pid = tl.program_id(0)
+    b = (pid // H).to(tl.int64)
+    h = (pid % H).to(tl.int64)
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + h * stride_kh
+    mask_row = Mask + b * stride_maskb
+    max_q = _max_sq_norm(q_base, mask_row, N, stride_qn, stride_qd, MASK_QUERIES, HEAD_DIM, BLOCK_D, BLOCK_T)
+    max_k = _max_sq_norm(k_base, mask_row, M, stride_km, stride_kd, HAS_MASK, HEAD_DIM, BLOCK_D, BLOCK_T)
+    radius = max_q + max_k
+    proj = Proj + h * stride_ph
+    _store_hashes(q_base, proj, QHash + b * stride_qhashb + h * stride_qhashh, mask_row, radius, N, ROUNDS,
+                  stride_qn, stride_qd, stride_pr, stride_pd, stride_qhashr,
+                  1, MASK_QUERIES, HEAD_DIM, BLOCK_D, BLOCK_T)
+    _store_hashes(k_base, proj, KHash + b * stride_khashb + h * stride_khashh, mask_row, radius, M, ROUNDS,
+                  stride_km, stride_kd, stride_pr, stride_pd, stride_khashr,
+                  0, HAS_MASK, HEAD_DIM, BLOCK_D, BLOCK_T)
+
+
+@triton.jit
+def _smyrf_attention_kernel(
+    Q, K, V, QOrder, KOrder, NReal, MReal, Acc, AccLse, Out,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_km, stride_kd,
+    stride_vb, stride_vh, stride_vm, stride_vd,
+    stride_qob, stride_qoh,
+    stride_kob, stride_koh,
+    stride_accb, stride_acch, stride_accn, stride_accd,
+    stride_lseb, stride_lseh,
+    stride_ob, stride_oh, stride_on, stride_od,
+    H, cluster_size, qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_FIRST: tl.constexpr, IS_LAST: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """One round of attention inside balanced clusters, merged into the running result.
+
+    Program (i, b * H + h) owns sorted query ranks [i BLOCK_M, (i + 1) BLOCK_M). qk_scale is
+    the logit scale times log2(e): the softmax runs in base 2, and AccLse holds base-2
+    log-sum-exps. Acc/AccLse are read unless IS_FIRST and written unless IS_LAST; the last
+    round writes Out (B, H, N, Dv) in its own dtype. Padded queries are never written.
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+
+    # Per-batch counts and clusters, as in the reference: L = min(ceil(max(n, m) / cs), n, m) >= 1.
+    n_real = tl.load(NReal + b).to(tl.int64)
+    m_real = tl.load(MReal + b).to(tl.int64)
+    n_clusters = tl.minimum(tl.cdiv(tl.maximum(n_real, m_real), cluster_size), tl.minimum(n_real, m_real))
+    n_clusters = tl.maximum(n_clusters, 1)
+    n_safe = tl.maximum(n_real, 1)
+    m_safe = tl.maximum(m_real, 1)
+
+    # Query ranks of this tile and their clusters; int64 because rank * L can pass 2^31.
+    first = pid_m.to(tl.int64) * BLOCK_M
+    ranks = first + tl.arange(0, BLOCK_M)
+    rank_valid = ranks < n_real
+    query_cluster = ranks * n_clusters // n_safe
+    last = tl.minimum(first + BLOCK_M, n_real) - 1
+    first_cluster = first * n_clusters // n_safe
+    last_cluster = tl.maximum(last, 0) * n_clusters // n_safe
+    # The key ranks of clusters first_cluster..last_cluster: [ceil(c m / L), ceil((c_last + 1) m / L)).
+    key_start = tl.cdiv(first_cluster * m_real, n_clusters)
+    key_stop = tl.cdiv((last_cluster + 1) * m_real, n_clusters)
+    key_stop = tl.where(first < n_real, key_stop, key_start)
+
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    q_pos = tl.load(QOrder + b * stride_qob + h * stride_qoh + ranks, mask=rank_valid, other=0)
+    q_ptrs = Q + b * stride_qb + h * stride_qh + q_pos[:, None] * stride_qn + dims[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=rank_valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+
+    k_order = KOrder + b * stride_kob + h * stride_koh
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    for start in range(key_start.to(tl.int32), key_stop.to(tl.int32), BLOCK_N):
+        key_ranks = start + tl.arange(0, BLOCK_N).to(tl.int64)
+        key_valid = key_ranks < key_stop
+        k_pos = tl.load(k_order + key_ranks, mask=key_valid, other=0)
+        k = tl.load(k_base + k_pos[:, None] * stride_km + dims[None, :] * stride_kd,
+                    mask=key_valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+        v = tl.load(v_base + k_pos[:, None] * stride_vm + dims_v[None, :] * stride_vd,
+                    mask=key_valid[:, None] & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
+        logits = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale
+        key_cluster = key_ranks * n_clusters // m_safe
+        same_cluster = (query_cluster[:, None] == key_cluster[None, :]) & key_valid[None, :]
+        logits = tl.where(same_cluster, logits, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+        # A row with no key yet keeps max -inf; subtract 0 there so no inf - inf appears.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        probs = tl.math.exp2(logits - shift[:, None])
+        rescale = tl.math.exp2(row_max - shift)
+        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+        acc = acc * rescale[:, None] + _dot(probs.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+        row_max = new_max
+
+    # A query whose cluster has no key (all keys padded) gets 0 and lse -inf, as in the reference.
+    has_mass = row_sum > 0
+    out = acc / tl.where(has_mass, row_sum, 1.0)[:, None]
+    lse = tl.where(has_mass, row_max + tl.math.log2(tl.where(has_mass, row_sum, 1.0)), float("-inf"))
+
+    acc_ptrs = Acc + b * stride_accb + h * stride_acch + q_pos[:, None] * stride_accn + dims_v[None, :] * stride_accd
+    lse_ptrs = AccLse + b * stride_lseb + h * stride_lseh + q_pos
+    row_mask = rank_valid[:, None] & (dims_v[None, :] < HEAD_DIM_V)
+    if not IS_FIRST:
+        # Eq. 15: weight each side by its share of the total softmax mass.
+        old_out = tl.load(acc_ptrs, mask=row_mask, other=0.0)
+        old_lse = tl.load(lse_ptrs, mask=rank_valid, other=float("-inf"))
+        top = tl.maximum(old_lse, lse)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w_old = tl.math.exp2(old_lse - top)
+        w_new = tl.math.exp2(lse - top)
+        total = w_old + w_new
+        has_total = total > 0
+        inv_total = tl.where(has_total, 1.0 / tl.where(has_total, total, 1.0), 0.0)
+        out = (old_out * w_old[:, None] + out * w_new[:, None]) * inv_total[:, None]
+        lse = tl.where(has_total, top + tl.math.log2(tl.where(has_total, total, 1.0)), float("-inf"))
+    tl.store(lse_ptrs, lse, mask=rank_valid)
+    if IS_LAST:
+        out_ptrs = Out + b * stride_ob + h * stride_oh + q_pos[:, None] * stride_on + dims_v[None, :] * stride_od
+        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_mask)
+    else:
+        tl.store(acc_ptrs, out, mask=row_mask)
+
+
+def _pow2_block(size: int, low: int, high: int) -> int:
+    return max(low, min(high, triton.next_power_of_2(max(size, 1))))
+
+
+def _real_counts(key_padding_mask: Tensor | None, b: int, n: int, m: int, device) -> tuple[Tensor, Tensor]:
+    """Real queries and keys per batch element, (B,) int32 on the device (no host sync)."""
+    if key_padding_mask is None:
+        return (torch.full((b,), n, dtype=torch.int32, device=device),
+                torch.full((b,), m, dtype=torch.int32, device=device))
+    m_real = key_padding_mask.sum(1, dtype=torch.int32)
+    n_real = m_real if n == m else torch.full((b,), n, dtype=torch.int32, device=device)
+    return n_real, m_real
+
+
+def smyrf_hashes_triton(q: Tensor, k: Tensor, key_padding_mask: Tensor | None, projections: Tensor) -> tuple[Tensor, Tensor]:
+    """Hashes of F(q) and G(k) for every round, as `smyrf.asymmetric_hashes`.
+
+    q: (B, H, N, D), k: (B, H, M, D); key_padding_mask (B, M) bool or None, marking the
+    queries too when N == M; projections (R, H, D + 2) on any device.
+    Returns (R, B, H, N) and (R, B, H, M) float32; padded tokens hash to +inf.
+    """
+    b, h, n, d = q.shape
+    m = k.shape[2]
+    rounds = projections.shape[0]
+    # non_blocking: a pageable host-to-device copy then needs no stream synchronisation.
+    projections = projections.to(device=q.device, dtype=torch.float32, non_blocking=True)
+    q_hash = torch.empty(rounds, b, h, n, dtype=torch.float32, device=q.device)
+    k_hash = torch.empty(rounds, b, h, m, dtype=torch.float32, device=q.device)
+    has_mask = key_padding_mask is not None
+    # Triton reads bool as bytes; a dummy pointer stands in when there is no mask.
+    mask = key_padding_mask.contiguous().view(torch.uint8) if has_mask else q_hash
+    _smyrf_hash_kernel[(b * h,)](
+        q, k, projections, mask, q_hash, k_hash,
+        *q.stride(), *k.stride(), *projections.stride(),
+        mask.stride(0) if has_mask else 0,
+        *q_hash.stride()[:3], *k_hash.stride()[:3],
+        h, n, m, rounds,
+        HAS_MASK=has_mask, MASK_QUERIES=has_mask and n == m,
+        HEAD_DIM=d, BLOCK_D=_pow2_block(d, 16, 1024), BLOCK_T=32,
+    )
+    return q_hash, k_hash
+
+
+def smyrf_cluster_attention_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_orders: Tensor,
+    k_orders: Tensor,
+    key_padding_mask: Tensor | None,
+    cluster_size: int,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Attention inside balanced clusters for every round, rounds merged by softmax mass.
+
+    q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv); q_orders (R, B, H, N) and
+    k_orders (R, B, H, M): positions sorted by hash, real tokens first. Returns out
+    (B, H, N, Dv) in q.dtype (padded queries 0) and its natural log-sum-exp (B, H, N) float32
+    (-inf for padded queries).
+    """
+    b, h, n, d = q.shape
+    m, dv = k.shape[2], v.shape[-1]
+    rounds = q_orders.shape[0]
+    n_real, m_real = _real_counts(key_padding_mask, b, n, m, q.device)
+    out = torch.zeros(b, h, n, dv, dtype=q.dtype, device=q.device)
+    lse = torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
+    # float32 outputs accumulate in place; half precisions keep a float32 accumulator.
+    acc = out if q.dtype == torch.float32 or rounds == 1 else torch.empty(b, h, n, dv, dtype=torch.float32, device=q.device)
+    # Typical cluster sizes set the tiles (any size is correct): a tile spanning clusters wastes work.
+    n_clusters = max(1, min(math.ceil(max(n, m) / cluster_size), n, m))
+    block_m = _pow2_block(math.ceil(n / n_clusters), 16, 64)
+    block_n = _pow2_block(math.ceil(m / n_clusters), 16, 64)
+    grid = (triton.cdiv(n, block_m), b * h)
+    for r in range(rounds):
+        q_order, k_order = q_orders[r], k_orders[r]
+        _smyrf_attention_kernel[grid](
+            q, k, v, q_order, k_order, n_real, m_real, acc, lse, out,
+            *q.stride(), *k.stride(), *v.stride(),
+            *q_order.stride()[:2], *k_order.stride()[:2],
+            *acc.stride(), *lse.stride()[:2], *out.stride(),
+            h, cluster_size, scale * math.log2(math.e),
+            HEAD_DIM=d, HEAD_DIM_V=dv,
+            BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_D=_pow2_block(d, 16, 1024), BLOCK_DV=_pow2_block(dv, 16, 1024),
+            IS_FIRST=r == 0, IS_LAST=r == rounds - 1,
+            # TF32 would cost float32 inputs ~1e-3 of accuracy; half inputs ignore this.
+            DOT_PRECISION="ieee",
+            # Triton's interpreter multiplies bfloat16 bit patterns as integers in tl.dot
+            # (triton-lang/triton#11584); on CPU tensors, bfloat16 products go through float32.
+            UPCAST_DOT=q.dtype == torch.bfloat16 and not q.is_cuda,
+        )
+    return out, lse * math.log(2.0)
+
+
+def smyrf_attention_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    spec: AttentionSpec,
+    key_padding_mask: Tensor | None,
+    scale: float,
+) -> Tensor:
+    """SMYRF attention on the GPU. q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv) -> (B, H, N, Dv).
+
+    key_padding_mask (B, M) bool marks real keys, and real queries too when N == M; padded
+    queries get 0. float16, bfloat16 and float32 inputs, float32 accumulation; output in
+    q.dtype. Same clusters and output as `smyrf.smyrf_attention_torch`.
+    """
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"q: the triton backend takes float16, bfloat16 or float32, got {q.dtype}; use backend='torch'"
+        )
+    projections = smyrf_projections(spec.hash_rounds, q.shape[1], q.shape[-1], spec.seed)
+    q_hashes, k_hashes = smyrf_hashes_triton(q, k, key_padding_mask, projections)
+    q_orders = q_hashes.argsort(dim=-1, stable=True)  # (R, B, H, N)
+    k_orders = k_hashes.argsort(dim=-1, stable=True)  # (R, B, H, M)
+    out, _ = smyrf_cluster_attention_triton(
+        q, k, v, q_orders, k_orders, key_padding_mask, spec.cluster_size, scale
+    )
+    return out
