@@ -1,0 +1,78 @@
+"""Triton kernel for the LSH codes of clustered attention: projection on the random planes,
+bias, sign and packing of the sign bits into one int64 per query, in one pass.
+
+Matches `hashing.hash_codes` (bit b set where projection b, bias included, is positive).
+The planes come from the same seeded CPU generator as the reference; they are copied to the
+device once per (heads, dim, bits, seed, device) and kept, because a blocking host-to-device
+copy inside every attention call would synchronise the host (and break CUDA-graph capture).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .hashing import hash_planes
+
+# Codes are packed into one int64, so at most 63 bits (spec.bits <= 63): the tile is 64 wide.
+BLOCK_BITS = 64
+
+
+@triton.jit
+def _hash_kernel(
+    x_ptr, planes_ptr, codes_ptr,
+    stride_xb, stride_xh, stride_xn, stride_xd,
+    stride_ph, stride_pd, stride_pbit,
+    H, N, D, BITS,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_BITS: tl.constexpr,
+):
+    """codes[b, h, n] = sum_bit [x[b, h, n] . planes[h, :D, bit] + planes[h, D, bit] > 0] << bit."""
+    bh = tl.program_id(1).to(tl.int64)
+    batch, head = bh // H, bh % H
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    bit = tl.arange(0, BLOCK_BITS)
+    x = tl.load(
+        x_ptr + batch * stride_xb + head * stride_xh + rows[:, None] * stride_xn + dims[None, :] * stride_xd,
+        mask=(rows[:, None] < N) & (dims[None, :] < D), other=0.0,
+    ).to(tl.float32)
+    planes_head = planes_ptr + head * stride_ph
+    weights = tl.load(
+        planes_head + dims[:, None] * stride_pd + bit[None, :] * stride_pbit,
+        mask=(dims[:, None] < D) & (bit[None, :] < BITS), other=0.0,
+    )
+    bias = tl.load(planes_head + D * stride_pd + bit * stride_pbit, mask=bit < BITS, other=0.0)
+    # ieee: TF32 would flip the signs of small projections that the reference keeps.
+    projections = tl.dot(x, weights, input_precision="ieee") + bias[None, :]
+    is_set = (projections > 0) & (bit[None, :] < BITS)
+    codes = tl.sum(is_set.to(tl.int64) << bit[None, :].to(tl.int64), axis=1)
+    tl.store(codes_ptr + bh * N + rows, codes, mask=rows < N)
+
+
+@functools.lru_cache(maxsize=64)
+def device_planes(heads: int, dim: int, bits: int, seed: int, device: torch.device) -> Tensor:
+    """`hashing.hash_planes` (H, D + 1, bits) float32, on `device`, copied once."""
+    return hash_planes(heads, dim, bits, seed).to(device)
+
+
+def hash_codes_triton(x: Tensor, planes: Tensor) -> Tensor:
+    """LSH codes of x: (B, H, N, D) -> (B, H, N) int64; planes (H, D + 1, bits) float32 on x's device."""
+    b, h, n, d = x.shape
+    bits = planes.shape[-1]
+    if planes.shape[:2] != (h, d + 1) or not 1 <= bits <= 63:
+        raise ValueError(f"planes: expected shape (H, D + 1, bits <= 63) = ({h}, {d + 1}, bits), got {tuple(planes.shape)}")
+    codes = torch.empty(b, h, n, dtype=torch.int64, device=x.device)
+    block_n = 64
+    grid = (triton.cdiv(n, block_n), b * h)
+    _hash_kernel[grid](
+        x, planes, codes,
+        *x.stride(),
+        *planes.stride(),
+        h, n, d, bits,
+        BLOCK_N=block_n, HEAD_DIM=max(16, triton.next_power_of_2(d)), BLOCK_BITS=BLOCK_BITS,
+    )
+    return codes

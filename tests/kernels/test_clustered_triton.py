@@ -1,0 +1,253 @@
+"""The Triton clustered / improved clustered kernels against the PyTorch reference, stage by
+stage and end to end, on CPU through Triton's interpreter (small shapes: it runs numpy per
+program). Nothing here needs a GPU."""
+
+import os
+
+# Before triton is imported anywhere: the kernels are decorated as interpreted functions.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from kernel_inputs import padding_mask, qkv  # noqa: E402
+
+from kernels import AttentionSpec, attention  # noqa: E402
+from kernels.clustered import _centroid_attention, _improved, cluster_queries  # noqa: E402
+from kernels.full import full_attention  # noqa: E402
+from kernels.hashing import hash_codes, hash_planes, hash_signs, pack_codes  # noqa: E402
+from kernels.kmeans import (  # noqa: E402
+    _count_members,
+    _nearest,
+    cluster_means,
+    hamming_kmeans,
+    initial_centroid_positions,
+    initial_offsets,
+    refine_clusters,
+)
+
+triton_clustered = pytest.importorskip("kernels.clustered_triton")
+from kernels.hashing_triton import hash_codes_triton  # noqa: E402
+from kernels.kmeans_triton import cluster_means_triton, hamming_kmeans_triton, refine_clusters_triton  # noqa: E402
+
+METHODS = ("clustered", "i-clustered")
+
+
+def run(q, k, v, spec, mask=None, backend="triton"):
+    return attention(q, k, v, spec, key_padding_mask=mask, backend=backend)
+
+
+# ---- stages --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "d, bits, dtype",
+    [(16, 63, torch.float32), (24, 5, torch.float32), (64, 63, torch.float32), (32, 1, torch.float16),
+     (16, 40, torch.bfloat16)],
+)
+def test_hash_codes_equal_the_reference(d, bits, dtype):
+    q, _, _ = qkv(n=37, d=d, dtype=dtype, structured=False)
+    planes = hash_planes(2, d, bits, seed=3)
+    got = hash_codes_triton(q, planes)
+    expected = hash_codes(q, planes)
+    # A projection within 1e-4 of 0 may round to either sign under another summation order.
+    projections = q.double() @ planes[:, :-1].double() + planes[:, -1:].double()
+    unsure = pack_codes(torch.where(projections.abs() < 1e-4, 1.0, -1.0))
+    assert (unsure == 0).float().mean() > 0.9
+    assert torch.equal(got & ~unsure, expected & ~unsure)
+    assert got.shape == (2, 2, 37) and ((got >> bits) == 0).all()
+
+
+def _signs(n, d=16, bits=63, seed=0, duplicates=None):
+    """+-1 hash signs of random queries; with `duplicates`, only that many distinct queries."""
+    q, _, _ = qkv(n=n, d=d, seed=seed, structured=duplicates is None)
+    if duplicates is not None:
+        q = q[:, :, torch.arange(n) % duplicates]
+    return q, hash_signs(q, hash_planes(2, d, bits, seed=seed))
+
+
+@pytest.mark.parametrize(
+    "n, lengths, clusters, iterations, bits, duplicates",
+    [
+        (48, [48, 30], 5, 10, 63, None),
+        (37, [37, 37], 1, 3, 63, None),
+        (40, [40, 33], 6, 4, 8, 3),  # copies of 3 queries: clusters empty out and get re-seeded
+        (20, [20, 6], 8, 3, 63, None),  # more clusters than real queries in row 1
+        (30, [30, 30], 4, 0, 1, None),
+    ],
+)
+def test_hamming_kmeans_equals_the_reference(n, lengths, clusters, iterations, bits, duplicates):
+    _, signs = _signs(n, bits=bits, duplicates=duplicates)
+    mask = padding_mask(2, n, lengths)
+    offsets = initial_offsets(2, seed=1)
+    expected = hamming_kmeans(signs, mask, clusters, iterations, offsets)
+    got = hamming_kmeans_triton(pack_codes(signs), mask, clusters, iterations, offsets, bits)
+    assert torch.equal(got, expected)
+    if duplicates is not None:  # the case does exercise the re-seeding
+        first = signs.gather(2, initial_centroid_positions(mask, clusters, offsets)[..., None].expand(-1, -1, -1, bits))
+        members = _count_members(_nearest(signs, first, None, ~mask[:, None, :]), clusters)
+        assert (members == 0).any()
+
+
+@pytest.mark.parametrize("n, lengths, clusters, duplicates", [(48, [48, 35], 5, None), (40, [40, 31], 6, 4)])
+def test_refinement_equals_the_reference(n, lengths, clusters, duplicates):
+    q, signs = _signs(n, d=24, duplicates=duplicates)
+    mask = padding_mask(2, n, lengths)
+    start = hamming_kmeans(signs, mask, clusters, 3, initial_offsets(2, seed=0))
+    expected = refine_clusters(q, start, mask, clusters, 3)
+    assert not torch.equal(expected, start)  # refinement moves something
+    assert torch.equal(refine_clusters_triton(q, start, mask, clusters, 3), expected)
+
+
+def test_cluster_means_equal_the_reference():
+    q, _, _ = qkv(n=45, d=24, structured=False)
+    assign = torch.randint(0, 7, (2, 2, 45), generator=torch.Generator().manual_seed(0))
+    assign[:, :, ::5] = 6  # C = 6: every fifth query padded, and cluster 6 is not a cluster
+    assign[1, 1][assign[1, 1] == 2] = 3  # an empty cluster
+    means, members, _ = cluster_means_triton(q, assign, 6)
+    assert torch.allclose(means, cluster_means(q, assign, 6), atol=1e-6, rtol=0)
+    assert torch.equal(members, _count_members(assign, 6).long())
+
+
+@pytest.mark.parametrize("d, dv, m", [(24, 16, 37), (128, 32, 20)])
+def test_centroid_attention_equals_the_reference(d, dv, m):
+    _, k, v = qkv(m=m, d=d, dv=dv)
+    centroids = torch.randn(2, 2, 5, d, generator=torch.Generator().manual_seed(1))
+    mask = padding_mask(2, m, [m - 3, 0])  # row 1 has no real key at all
+    scale = d**-0.5
+    probs, values = triton_clustered.centroid_attention_triton(centroids, k, v, mask, scale, write_probs=True)
+    expected = _centroid_attention(centroids, k, mask, scale)
+    assert torch.allclose(probs, expected, atol=1e-6, rtol=0)
+    assert torch.allclose(values, expected @ v, atol=1e-5, rtol=0)
+    assert (probs[1] == 0).all() and (values[1] == 0).all()
+
+
+@pytest.mark.parametrize("n, m, topk, lengths", [(45, 45, 6, [45, 31]), (30, 100, 80, [100, 70])])
+def test_improved_sparse_part_equals_the_reference(n, m, topk, lengths):
+    """The fused tile kernel, given the reference's clusters and centroid attention. The second
+    case has more top-k keys than one block and than row 1's real keys."""
+    q, k, v = qkv(n=n, m=m, d=16, dv=24)
+    key_mask = padding_mask(2, m, lengths)
+    query_mask = key_mask if n == m else torch.ones(2, n, dtype=torch.bool)
+    spec = AttentionSpec(method="i-clustered", clusters=4, topk=topk, iterations=3, refine=1)
+    assign = cluster_queries(q, query_mask, spec)
+    probs = _centroid_attention(cluster_means(q, assign, 4), k, key_mask, 0.25)
+    values = probs @ v
+    expected = _improved(q, k, v, assign, probs, values, key_mask, 0.25, topk)
+    got = triton_clustered.improved_triton(q, k, v, assign, probs, values, key_mask, 0.25, topk)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=0)
+
+
+# ---- end to end -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(
+    "n, m, d, dv, lengths",
+    [(37, 37, 16, 16, [37, 26]), (50, 23, 24, 24, None), (64, 64, 64, 64, [64, 41]), (19, 45, 32, 16, [45, 30])],
+)
+def test_float32_matches_the_torch_backend(method, n, m, d, dv, lengths):
+    q, k, v = qkv(n=n, m=m, d=d, dv=dv)
+    mask = None if lengths is None else padding_mask(2, m, lengths)
+    spec = AttentionSpec(method=method, clusters=5, topk=7, iterations=6, refine=2, seed=2)
+    got = run(q, k, v, spec, mask)
+    assert got.shape == (2, 2, n, dv) and got.dtype == torch.float32
+    assert (got - run(q, k, v, spec, mask, backend="torch")).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_error_at_most_twice_the_torch_backend(method, dtype):
+    q, k, v = qkv(n=40, d=32, dtype=dtype)
+    mask = padding_mask(2, 40, [40, 27])
+    spec = AttentionSpec(method=method, clusters=5, topk=6, iterations=5, refine=2)
+    exact = run(q.double(), k.double(), v.double(), spec, mask, backend="torch")
+    got = run(q, k, v, spec, mask)
+    assert got.dtype == dtype
+    torch_error = (run(q, k, v, spec, mask, backend="torch").double() - exact).abs().max()
+    triton_error = (got.double() - exact).abs().max()
+    assert triton_error <= 2 * torch_error + 1e-5, (triton_error, torch_error)
+
+
+@pytest.mark.parametrize("n, m, lengths", [(40, 40, [40, 23]), (37, 53, [53, 30])])
+def test_exact_cases_equal_full_attention(n, m, lengths):
+    q, k, v = qkv(n=n, m=m)
+    mask = padding_mask(2, m, lengths)
+    expected = full_attention(q, k, v, mask, 16**-0.5)
+    one_per_cluster = AttentionSpec(method="clustered", clusters=64, iterations=2, refine=1)
+    all_keys = AttentionSpec(method="i-clustered", clusters=3, topk=64, iterations=3, refine=1)
+    for spec in (one_per_cluster, all_keys):
+        assert (run(q, k, v, spec, mask) - expected).abs().max() <= 1e-5, spec.method
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_padded_tokens_have_no_influence_and_padded_queries_are_zero(method):
+    spec = AttentionSpec(method=method, clusters=4, topk=5, iterations=4, refine=2)
+    q, k, v = qkv(n=40)
+    mask = padding_mask(2, 40, [40, 29])
+    out = run(q, k, v, spec, mask)
+    noisy = [t.clone() for t in (q, k, v)]
+    for t in noisy:
+        t[1, :, 29:] = torch.randn_like(t[1, :, 29:]) * 100
+    out2 = run(*noisy, spec, mask)
+    assert torch.equal(out[:, :, :29], out2[:, :, :29]) and torch.equal(out[0], out2[0])
+    assert (out[1, :, 29:] == 0).all()
+
+
+def test_all_keys_padded_gives_zero_rows_not_nan():
+    q, k, v = qkv(n=16)
+    mask = padding_mask(2, 16, [16, 0])
+    for method in METHODS:
+        out = run(q, k, v, AttentionSpec(method=method, clusters=4, topk=3, iterations=2, refine=1), mask)
+        assert torch.isfinite(out).all() and (out[1] == 0).all()
+
+
+# ---- no host synchronisation, errors ----------------------------------------------------------
+
+
+def test_no_host_synchronisation(monkeypatch):
+    """Outside the kernels nothing reads a tensor's value on the host (.item(), bool(t), ...)
+    or compares tensors there; with CUDA tensors each of these would wait for the device."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    guarded = {"on": True}
+
+    def refuse(name):
+        original = getattr(torch.Tensor, name)
+
+        def check(self, *args, **kwargs):
+            if guarded["on"]:
+                raise AssertionError(f"host synchronisation: Tensor.{name}")
+            return original(self, *args, **kwargs)
+
+        return check
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    monkeypatch.setattr(torch, "equal", lambda *a: (_ for _ in ()).throw(AssertionError("torch.equal")))
+    launch = InterpretedFunction.run
+
+    def unguarded_launch(self, *args, **kwargs):  # the interpreter itself reads tensors, as a GPU would
+        guarded["on"] = False
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            guarded["on"] = True
+
+    monkeypatch.setattr(InterpretedFunction, "run", unguarded_launch)
+    q, k, v = qkv(n=24)
+    mask = padding_mask(2, 24, [24, 17])
+    for method in METHODS:
+        run(q, k, v, AttentionSpec(method=method, clusters=4, topk=4, iterations=3, refine=2), mask)
+
+
+def test_cpu_tensors_without_the_interpreter_raise(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    q, k, v = qkv(n=8)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        run(q, k, v, AttentionSpec(method="clustered"))
+
+
+def test_float64_is_refused_with_a_pointer_to_the_torch_backend():
+    q, k, v = qkv(n=8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="backend='torch'"):
+        run(q, k, v, AttentionSpec(method="i-clustered"))
