@@ -1,0 +1,146 @@
+"""Shared pieces of the benchmarks: real long text, real Q/K/V, timing, peak memory, output.
+
+Benchmarks compare variants as ratios measured in the same run; absolute times depend on
+the machine and say little on their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+LICENSE_DIR = Path("/usr/share/common-licenses")
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def long_text_ids(encoder, tokens: int, offset: int = 0) -> list[int]:
+    """Token ids of `tokens` tokens of real English prose (Debian's license texts, repeated
+    when more is asked than they hold), starting `offset` tokens in, with [CLS]/[SEP]."""
+    files = sorted(p for p in LICENSE_DIR.iterdir() if p.is_file() and not p.is_symlink())
+    if not files:
+        raise FileNotFoundError(f"no texts under {LICENSE_DIR}; install Debian's base-files")
+    corpus = "\n\n".join(p.read_text(errors="replace") for p in files)
+    body = encoder.tokenize([corpus])[0].ids[1:-1]  # without the special tokens
+    need = offset + tokens - 2
+    body = (body * (need // len(body) + 1))[offset:need]
+    first, last = encoder.tokenize([""])[0].ids
+    return [first, *body, last]
+
+
+def capture_qkv(encoder, ids: list[int], layer: int = 0) -> tuple[torch.Tensor, ...]:
+    """The q, k, v (1, H, N, D) that the default BERT model's `layer` feeds its attention."""
+    attn = encoder.model.layers[layer].attn
+    captured: dict[str, torch.Tensor] = {}
+
+    class Stop(Exception):
+        pass
+
+    def keep(name):
+        def hook(_module, _inputs, output):
+            b, n, c = output.shape
+            captured[name] = output.view(b, n, attn.num_heads, -1).transpose(1, 2).contiguous()
+            if len(captured) == 3:
+                raise Stop
+
+        return hook
+
+    handles = [getattr(attn, name).register_forward_hook(keep(name)) for name in ("q", "k", "v")]
+    try:
+        with torch.inference_mode():
+            encoder.model(torch.tensor([ids]), None, _full_spec())
+    except Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return captured["q"], captured["k"], captured["v"]
+
+
+def _full_spec():
+    from kernels import AttentionSpec
+
+    return AttentionSpec(method="full")
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median wall time of fn() over `repeats` runs after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident-set high-water mark (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the RSS high-water mark (Linux >= 4.0, /proc/self/clear_refs = 5); False if unsupported."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def current_rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def peak_memory_during(fn: Callable[[], object]) -> int:
+    """Bytes the process's RSS rose above its level before fn() (CPU), or the CUDA
+    allocator's peak above the allocation before it (GPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    reset_peak_rss()
+    before = current_rss_bytes()
+    fn()
+    return max(0, peak_rss_bytes() - before)
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def write_results(name: str, rows: list[dict], meta: dict) -> Path:
+    """Write rows and metadata as JSON under bench/results/; returns the path."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    return path
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.rjust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns))
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
