@@ -16,7 +16,9 @@ Matches the PyTorch reference in smyrf.py (same seed, same clusters, same output
    accumulator at the query's original position; the last round writes the output dtype.
 
 No host synchronisation: per-batch token and cluster counts stay on the device; the grid
-depends only on shapes.
+depends only on shapes. The hash directions come from the reference's CPU generator and are
+copied without a stream sync; capturing a CUDA graph needs them on the device beforehand,
+since a copy from pageable host memory cannot be captured.
 
 Shapes: q (B, H, N, D), k (B, H, M, D), v (B, H, M, Dv) -> (B, H, N, Dv).
 """
@@ -261,7 +263,9 @@ def _real_counts(key_padding_mask: Tensor | None, b: int, n: int, m: int, device
     return n_real, m_real
 
 
-def smyrf_hashes_triton(q: Tensor, k: Tensor, key_padding_mask: Tensor | None, projections: Tensor) -> tuple[Tensor, Tensor]:
+def smyrf_hashes_triton(
+    q: Tensor, k: Tensor, key_padding_mask: Tensor | None, projections: Tensor
+) -> tuple[Tensor, Tensor]:
     """Hashes of F(q) and G(k) for every round, as `smyrf.asymmetric_hashes`.
 
     q: (B, H, N, D), k: (B, H, M, D); key_padding_mask (B, M) bool or None, marking the
@@ -314,7 +318,8 @@ def smyrf_cluster_attention_triton(
     out = torch.zeros(b, h, n, dv, dtype=q.dtype, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
     # float32 outputs accumulate in place; half precisions keep a float32 accumulator.
-    acc = out if q.dtype == torch.float32 or rounds == 1 else torch.empty(b, h, n, dv, dtype=torch.float32, device=q.device)
+    in_place = q.dtype == torch.float32 or rounds == 1
+    acc = out if in_place else torch.empty(b, h, n, dv, dtype=torch.float32, device=q.device)
     # Typical cluster sizes set the tiles (any size is correct): a tile spanning clusters wastes work.
     n_clusters = max(1, min(math.ceil(max(n, m) / cluster_size), n, m))
     block_m = _pow2_block(math.ceil(n / n_clusters), 16, 64)

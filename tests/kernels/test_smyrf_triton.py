@@ -191,7 +191,9 @@ def scramble_padded(x, mask, generator):
     return x
 
 
-@pytest.mark.parametrize("n, m, lengths", [(40, 40, [40, 23]), (36, 36, [36, 0]), (24, 45, [45, 17]), (24, 45, [45, 0])])
+@pytest.mark.parametrize(
+    "n, m, lengths", [(40, 40, [40, 23]), (36, 36, [36, 0]), (24, 45, [45, 17]), (24, 45, [45, 0])]
+)
 def test_padding_is_ignored(n, m, lengths):
     """Padded keys and values (and queries, when N == M) do not change real outputs; padded
     query rows are 0; a batch element without real keys gives 0, as in the reference."""
