@@ -33,7 +33,8 @@ def attention(
         and their output rows are 0.
     scale: logit scale, default 1 / sqrt(D).
     backend: "torch" (the reference), "triton" (GPU kernels; CPU tensors only under
-        TRITON_INTERPRET=1), or "auto" (triton on CUDA tensors, torch otherwise).
+        TRITON_INTERPRET=1), or "auto" (triton on CUDA tensors other than float64, torch
+        otherwise).
     """
     _check_inputs(q, k, v, key_padding_mask)
     if backend not in BACKENDS:
@@ -63,7 +64,8 @@ def _use_triton(q: Tensor, backend: str) -> bool:
     if backend == "torch":
         return False
     if backend == "auto":
-        return q.is_cuda
+        # The kernels accumulate in float32; float64 asks for the reference's precision.
+        return q.is_cuda and q.dtype != torch.float64
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 in the environment "
