@@ -179,7 +179,8 @@ def _improved_tile_kernel(
             row_max = new_max
         # A tile whose top-k keys are all padded has no exact part (the reference's NaN -> 0).
         exact = acc * (tl.sum(top_mass, axis=0) / tl.where(row_sum > 0, row_sum, float("inf")))[:, None]
-        centroid_values = tl.load(centroid_values_ptr + (bh * C + cluster) * DV + vdims, mask=vdims < DV, other=0.0)
+        centroid_values = tl.load(centroid_values_ptr + (bh * C + cluster) * DV + vdims,
+                                  mask=vdims < DV, other=0.0)
         out = exact + (centroid_values - top_values)[None, :]
         out_ptrs = out_ptr + batch * stride_ob + head * stride_oh + position[:, None] * stride_on + vdims[None, :] * stride_od
         tl.store(out_ptrs, _rounded(out, out_ptr.dtype.element_ty), mask=valid[:, None] & (vdims[None, :] < DV))
@@ -276,7 +277,9 @@ def clustered_attention_triton(
     Matches `clustered.clustered_attention_torch` (float32 computation).
     """
     if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"q: the triton backend takes float32, float16 or bfloat16, got {q.dtype}; use backend='torch'")
+        raise ValueError(
+            f"q: the triton backend takes float32, float16 or bfloat16, got {q.dtype}; use backend='torch'"
+        )
     key_mask, query_mask = _masks(q, k, key_padding_mask)
     assign = cluster_queries_triton(q, query_mask, spec)
     centroids, _, _ = cluster_means_triton(q, assign, spec.clusters)

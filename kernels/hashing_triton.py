@@ -64,7 +64,9 @@ def hash_codes_triton(x: Tensor, planes: Tensor) -> Tensor:
     b, h, n, d = x.shape
     bits = planes.shape[-1]
     if planes.shape[:2] != (h, d + 1) or not 1 <= bits <= 63:
-        raise ValueError(f"planes: expected shape (H, D + 1, bits <= 63) = ({h}, {d + 1}, bits), got {tuple(planes.shape)}")
+        raise ValueError(
+            f"planes: expected shape (H, D + 1, bits <= 63) = ({h}, {d + 1}, bits), got {tuple(planes.shape)}"
+        )
     codes = torch.empty(b, h, n, dtype=torch.int64, device=x.device)
     block_n = 64
     grid = (triton.cdiv(n, block_n), b * h)

@@ -73,6 +73,7 @@ def _signs(n, d=16, bits=63, seed=0, duplicates=None):
         (40, [40, 33], 6, 4, 8, 3),  # copies of 3 queries: clusters empty out and get re-seeded
         (20, [20, 6], 8, 3, 63, None),  # more clusters than real queries in row 1
         (30, [30, 30], 4, 0, 1, None),
+        (64, [64, 50], 40, 4, 6, None),  # more clusters than one block of the kernel, many ties
     ],
 )
 def test_hamming_kmeans_equals_the_reference(n, lengths, clusters, iterations, bits, duplicates):
@@ -88,7 +89,9 @@ def test_hamming_kmeans_equals_the_reference(n, lengths, clusters, iterations, b
         assert (members == 0).any()
 
 
-@pytest.mark.parametrize("n, lengths, clusters, duplicates", [(48, [48, 35], 5, None), (40, [40, 31], 6, 4)])
+@pytest.mark.parametrize(
+    "n, lengths, clusters, duplicates", [(48, [48, 35], 5, None), (40, [40, 31], 6, 4), (64, [64, 60], 36, None)]
+)
 def test_refinement_equals_the_reference(n, lengths, clusters, duplicates):
     q, signs = _signs(n, d=24, duplicates=duplicates)
     mask = padding_mask(2, n, lengths)
@@ -142,13 +145,19 @@ def test_improved_sparse_part_equals_the_reference(n, m, topk, lengths):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize(
-    "n, m, d, dv, lengths",
-    [(37, 37, 16, 16, [37, 26]), (50, 23, 24, 24, None), (64, 64, 64, 64, [64, 41]), (19, 45, 32, 16, [45, 30])],
+    "n, m, d, dv, lengths, refine",
+    [
+        (37, 37, 16, 16, [37, 26], 2),
+        (50, 23, 24, 24, None, 0),
+        (64, 64, 64, 64, [64, 41], 2),
+        (19, 45, 32, 16, [45, 30], 1),
+        (24, 24, 128, 128, None, 1),
+    ],
 )
-def test_float32_matches_the_torch_backend(method, n, m, d, dv, lengths):
+def test_float32_matches_the_torch_backend(method, n, m, d, dv, lengths, refine):
     q, k, v = qkv(n=n, m=m, d=d, dv=dv)
     mask = None if lengths is None else padding_mask(2, m, lengths)
-    spec = AttentionSpec(method=method, clusters=5, topk=7, iterations=6, refine=2, seed=2)
+    spec = AttentionSpec(method=method, clusters=5, topk=7, iterations=6, refine=refine, seed=2)
     got = run(q, k, v, spec, mask)
     assert got.shape == (2, 2, n, dv) and got.dtype == torch.float32
     assert (got - run(q, k, v, spec, mask, backend="torch")).abs().max() <= 1e-4
@@ -191,6 +200,16 @@ def test_padded_tokens_have_no_influence_and_padded_queries_are_zero(method):
     out2 = run(*noisy, spec, mask)
     assert torch.equal(out[:, :, :29], out2[:, :, :29]) and torch.equal(out[0], out2[0])
     assert (out[1, :, 29:] == 0).all()
+
+
+def test_strided_inputs_give_the_same_output():
+    """The model hands over (B, N, H, D) tensors transposed to (B, H, N, D): the kernels read
+    them through their strides."""
+    q, k, v = qkv(n=33, m=29)
+    spec = AttentionSpec(method="i-clustered", clusters=4, topk=5, iterations=3, refine=1)
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    assert not strided[0].is_contiguous()
+    assert torch.equal(run(*strided, spec), run(q, k, v, spec))
 
 
 def test_all_keys_padded_gives_zero_rows_not_nan():
