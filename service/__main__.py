@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import typing
 from collections.abc import Sequence
@@ -43,6 +44,10 @@ def _explain(exc: ValidationError) -> str:
     return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
 
 
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_settings(argv)
     if settings.model is not None and not settings.model.is_dir():
@@ -50,6 +55,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .app import create_app
 
+    # uvicorn drains on SIGTERM, then re-raises it under the handler it found at start-up.
+    # Make that handler a clean exit, so an orchestrator's stop is exit status 0, not -15.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
 
 

@@ -44,7 +44,7 @@ EXPOSED_HEADERS = [
     "x-attention",
     "x-peak-memory-bytes",
 ]
-_WARMUP_TEXT = "Clustered attention groups queries and attends once per cluster. " * 24  # ~300 tokens
+_WARMUP_TEXT = "Clustered attention groups queries and attends once per cluster. " * 8  # ~100 tokens
 
 
 def load_model(settings: Settings) -> Any:

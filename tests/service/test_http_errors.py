@@ -1,0 +1,289 @@
+"""Every error status of DESIGN.md, in the JSON error model, and never a 500 for a bad request.
+
+400, 413, 422, 404 and 405 run against the real app; 401, 429, 503 and 504 against apps
+with a fake encoder that can be held busy or made to fail.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from service_helpers import FakeEncoder, fake_app, license_text, running
+
+LONG = license_text(12000)  # ~2500 tokens; the session app's limit is 1024
+
+
+def assert_error(response, status: int, param: str | None = None, says: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    assert "x-request-id" in response.headers
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["param"] == param
+    if says is not None:
+        assert says in error["message"], error["message"]
+    return error
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/embeddings", {"input": ""}, "input"),
+        ("/v1/embeddings", {"input": []}, "input"),
+        ("/v1/embeddings", {"input": ["a", ""]}, "input[1]"),
+        ("/v1/embeddings", {"input": [[101, 102], []]}, "input[1]"),
+        ("/embed", {"inputs": ""}, "inputs"),
+        ("/embed", {"inputs": []}, "inputs"),
+        ("/tokenize", {"inputs": []}, "inputs"),
+    ],
+)
+def test_400_empty_input(client, path, body, param):
+    error = assert_error(client.post(path, json=body), 400, param, "empty")
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [("/v1/embeddings", b'{"input": "a",'), ("/embed", b"{inputs: 1}"), ("/tokenize", b"\xff\xfe")],
+)
+def test_400_malformed_json(client, path, body):
+    response = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert_error(response, 400, None, "not valid JSON")
+
+
+@pytest.mark.parametrize(
+    "body, param, says",
+    [
+        ({"input": "a", "attention": {"clusters": 0}}, "attention.clusters", "greater than or equal to 1"),
+        ({"input": "a", "attention": {"bits": 64}}, "attention.bits", "less than or equal to 63"),
+        ({"input": "a", "attention": {"topk": "many"}}, "attention.topk", None),
+        ({"input": "a", "attention": {"seed": True}}, "attention.seed", None),
+        ({"input": "a", "attention": {"method": "linear"}}, "attention.method", "i-clustered"),
+        ({"input": "a", "attention": {"cluster": 8}}, "attention.cluster", None),
+        ({"input": "a", "attention": {"target_fidelity": 0.99}}, "attention.target_fidelity", "not supported yet"),
+        ({"input": "a", "attention": 5}, "attention", None),
+        ({"input": "a", "encoding_format": "hex"}, "encoding_format", None),
+        ({"input": "a", "dimensions": 0}, "dimensions", None),
+        ({"input": "a", "dimensions": 385}, "dimensions", "[1, 384]"),
+        ({"input": "a", "truncate": "yes"}, "truncate", None),
+        ({"input": 42}, "input", "list of token ids"),
+        ({"input": [1.5, 2]}, "input", "list of token ids"),
+        ({"input": ["a", 1]}, "input", None),
+        ({"input": [[101, 10**9]]}, "input[0]", "token ids must be in [0, 30522)"),
+        ({"input": [-1]}, "input", "token ids must be in"),
+        ({}, "input", "required"),
+        ({"input": "a", "temperature": 1}, "temperature", None),
+    ],
+)
+def test_422_names_the_field_openai(client, body, param, says):
+    error = assert_error(client.post("/v1/embeddings", json=body), 422, param, says)
+    assert error["message"].startswith(param)
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/embed", {"inputs": "a", "truncation_direction": "up"}, "truncation_direction"),
+        ("/embed", {"inputs": "a", "normalize": "no"}, "normalize"),
+        ("/embed", {"inputs": [[1, 2]]}, "inputs"),
+        ("/embed", {"inputs": "a", "attention": {"refine": -1}}, "attention.refine"),
+        ("/tokenize", {"inputs": 3}, "inputs"),
+        ("/tokenize", {"inputs": "a", "add_special_tokens": 2}, "add_special_tokens"),
+    ],
+)
+def test_422_names_the_field_other_routes(client, path, body, param):
+    assert_error(client.post(path, json=body), 422, param)
+
+
+def test_422_body_not_an_object(client):
+    assert_error(client.post("/v1/embeddings", json=["a"]), 422, None)
+
+
+def test_413_input_too_long(client):
+    response = client.post("/v1/embeddings", json={"input": ["short", LONG]})
+    error = assert_error(response, 413, "input[1]", "more than the limit of 1024")
+    assert "truncate" in error["message"]
+    assert_error(client.post("/embed", json={"inputs": LONG}), 413, "inputs")
+    assert_error(client.post("/v1/embeddings", json={"input": list(range(1000, 3000))}), 413, "input")
+
+
+def test_413_batch_too_large(client):
+    assert_error(client.post("/v1/embeddings", json={"input": ["a"] * 9}), 413, "input", "9 inputs")
+    assert_error(client.post("/tokenize", json={"inputs": ["a"] * 9}), 413, "inputs")
+
+
+def test_413_body_too_large(client):
+    big = {"input": "word " * 20000}  # ~100 kB, the session limit is 64 KiB
+    assert_error(client.post("/v1/embeddings", json=big), 413, None, "limit")
+
+    def chunks():  # no Content-Length: the limit is enforced while reading
+        for _ in range(100):
+            yield b"x" * 1024
+
+    response = client.post("/embed", content=chunks(), headers={"content-type": "application/json"})
+    assert_error(response, 413, None, "limit")
+
+
+def test_404_and_405(client):
+    assert_error(client.get("/v2/nothing"), 404, None)
+    assert_error(client.get("/v1/embeddings"), 405, None)
+
+
+def test_bad_requests_never_500(client):
+    bodies = [b"", b"null", b"[]", b"1", b'"x"', b'{"input": null}', b'{"input": {"a": 1}}',
+              b'{"input": [[]]}', b'{"input": [[-5]]}', b'{"input": "a", "dimensions": 1e9}',
+              b'{"input": "a", "attention": {"seed": 1e30}}', b'{"input": "a", "attention": []}']
+    for path in ("/v1/embeddings", "/embed", "/tokenize"):
+        for body in bodies:
+            response = client.post(path, content=body, headers={"content-type": "application/json"})
+            assert 400 <= response.status_code < 500, (path, body, response.text)
+            assert set(response.json()["error"]) == {"message", "type", "param"}
+
+
+# --- statuses that need a server in a particular state --------------------------------
+
+
+@pytest.mark.anyio
+async def test_401_api_key():
+    app, _ = fake_app(api_key="s3cret")
+    async with running(app) as http:
+        body = {"input": "hello"}
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic s3cret"}):
+            response = await http.post("/v1/embeddings", json=body, headers=headers)
+            error = assert_error(response, 401, None, "API key")
+            assert error["type"] == "authentication_error"
+            assert response.headers["www-authenticate"] == "Bearer"
+        assert (await http.post("/embed", json={"inputs": "a"})).status_code == 401
+        assert (await http.post("/tokenize", json={"inputs": "a"})).status_code == 401
+        ok = await http.post("/v1/embeddings", json=body, headers={"authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        for open_path in ("/health/ready", "/health/live", "/metrics", "/info"):
+            assert (await http.get(open_path)).status_code == 200, open_path
+
+
+@pytest.mark.anyio
+async def test_429_over_max_concurrent_requests():
+    import anyio
+
+    gate = threading.Event()
+    app, encoder = fake_app(FakeEncoder(gate=gate), max_concurrent_requests=1)
+    async with running(app) as http:
+        async with anyio.create_task_group() as tasks:
+            first = {}
+
+            async def hold():
+                first["response"] = await http.post("/v1/embeddings", json={"input": "first"})
+
+            tasks.start_soon(hold)
+            with anyio.fail_after(10):
+                while not encoder.calls:  # the first request is running
+                    await anyio.sleep(0.005)
+            response = await http.post("/v1/embeddings", json={"input": "second"})
+            error = assert_error(response, 429, None, "busy")
+            assert error["type"] == "rate_limit_error"
+            assert response.headers["retry-after"] == "1"
+            gate.set()
+        assert first["response"].status_code == 200
+        # Capacity is back once the first answer went out.
+        assert (await http.post("/v1/embeddings", json={"input": "third"})).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_503_until_the_model_is_loaded():
+    loaded = threading.Event()
+    encoder = FakeEncoder()
+
+    def slow_load(_settings):
+        loaded.wait(10)
+        return encoder
+
+    from service.app import create_app
+    from service.settings import Settings
+
+    app = create_app(Settings(warmup=False), load=slow_load)
+    async with running(app, ready=False) as http:
+        assert (await http.get("/health/live")).status_code == 200
+        for path in ("/health/ready", "/health"):
+            assert_error(await http.get(path), 503, None, "loading")
+        response = await http.post("/v1/embeddings", json={"input": "a"})
+        assert_error(response, 503, None, "loading")
+        assert response.headers["retry-after"] == "1"
+        assert_error(await http.post("/tokenize", json={"inputs": "a"}), 503, None)
+        assert_error(await http.get("/info"), 503, None)
+        loaded.set()
+        import anyio
+
+        with anyio.fail_after(10):
+            while (await http.get("/health/ready")).status_code != 200:
+                await anyio.sleep(0.01)
+        assert (await http.post("/v1/embeddings", json={"input": "a"})).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_503_when_the_model_fails_to_load():
+    from service.app import create_app
+    from service.settings import Settings
+
+    def broken(_settings):
+        raise FileNotFoundError("no config.json in /nowhere")
+
+    app = create_app(Settings(warmup=False), load=broken)
+    async with running(app, ready=False) as http:
+        import anyio
+
+        with anyio.fail_after(10):
+            while (await http.get("/health/live")).status_code == 200:
+                await anyio.sleep(0.01)
+        assert_error(await http.get("/health/live"), 503, None, "no config.json")
+        assert_error(await http.get("/health/ready"), 503, None, "failed to load")
+        assert_error(await http.post("/embed", json={"inputs": "a"}), 503, None, "failed to load")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("fault", [MemoryError(), torch.OutOfMemoryError("CUDA out of memory")])
+async def test_503_out_of_memory_and_the_server_keeps_serving(fault):
+    app, encoder = fake_app(FakeEncoder(fail=fault))
+    async with running(app) as http:
+        response = await http.post("/v1/embeddings", json={"input": ["hello world", "abc"]})
+        error = assert_error(response, 503, None, "out of memory")
+        assert "7 tokens" in error["message"]  # [CLS] hello world [SEP] + [CLS] abc [SEP]
+        assert response.headers["retry-after"] == "1"
+        encoder.fail = None
+        assert (await http.post("/v1/embeddings", json={"input": "hello world"})).status_code == 200
+        assert (await http.get("/health/ready")).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_504_deadline_and_expired_work_is_never_started():
+    import anyio
+
+    gate = threading.Event()
+    app, encoder = fake_app(FakeEncoder(gate=gate), request_timeout_s=0.3)
+    async with running(app) as http:
+        async with anyio.create_task_group() as tasks:
+            responses = {}
+
+            async def post(name):
+                responses[name] = await http.post("/v1/embeddings", json={"input": name})
+
+            tasks.start_soon(post, "running")
+            with anyio.fail_after(10):
+                while not encoder.calls:
+                    await anyio.sleep(0.005)
+            tasks.start_soon(post, "queued")
+            await anyio.sleep(0.6)  # both deadlines pass while the worker is held
+            gate.set()
+        for name in ("running", "queued"):
+            error = assert_error(responses[name], 504, None, "deadline of 0.3 s")
+            assert error["type"] == "timeout_error"
+        # The queued request expired before the worker reached it: it never ran.
+        with anyio.fail_after(5):
+            while (await http.post("/v1/embeddings", json={"input": "later"})).status_code != 200:
+                await anyio.sleep(0.01)
+        ran = [call["inputs"] for call in encoder.calls]
+        queued_ids = encoder.tokenize(["queued"])[0].ids
+        assert [queued_ids] not in ran
+        assert len(ran) == 2  # "running" and "later"

@@ -1,0 +1,137 @@
+"""The real server, started as users start it (`python -m service`) on a free loopback port,
+driven with the official `openai` client and with plain HTTP."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from service_helpers import license_text
+
+ROOT = Path(__file__).resolve().parents[2]
+METHODS = ["full", "clustered", "i-clustered", "smyrf"]
+DOCUMENT = license_text(12000)  # real prose, ~2,300 tokens
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLUSTERSERVE_")}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"server exited with {process.returncode}:\n{log_path.read_text()}")
+            try:
+                if httpx.get(f"{base}/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not ready after 240 s:\n{log_path.read_text()}")
+            time.sleep(0.25)
+        yield {"base": base, "process": process, "log": log_path}
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_openai_client_base64_default_and_float_agree(client):
+    texts = ["The quick brown fox jumps over the lazy dog.", "Clustered attention for long documents."]
+    default = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts)  # asks for base64
+    as_float = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts, encoding_format="float")
+    assert default.model == "all-MiniLM-L6-v2"
+    assert [d.index for d in default.data] == [0, 1]
+    a = np.array([d.embedding for d in default.data], dtype=np.float32)
+    b = np.array([d.embedding for d in as_float.data], dtype=np.float32)
+    assert a.shape == (2, 384)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(np.linalg.norm(a, axis=1), 1.0, atol=1e-5)
+    assert default.usage.prompt_tokens == default.usage.total_tokens > 10
+
+
+def test_openai_client_long_document_each_method(client):
+    vectors = {}
+    for method in METHODS:
+        raw = client.embeddings.with_raw_response.create(
+            model="all-MiniLM-L6-v2", input=DOCUMENT, extra_body={"attention": {"method": method}}
+        )
+        response = raw.parse()
+        echo = json.loads(raw.headers["x-attention"])
+        assert echo["method"] == method
+        assert response.model_extra["attention"] == echo
+        assert response.usage.prompt_tokens > 2000
+        assert int(raw.headers["x-input-tokens"]) == response.usage.prompt_tokens
+        for header in ("x-request-id", "x-queue-time-ms", "x-inference-time-ms", "x-total-time-ms", "x-peak-memory-bytes"):
+            assert header in raw.headers, header
+        vectors[method] = np.array(response.data[0].embedding, dtype=np.float32)
+        assert vectors[method].shape == (384,)
+        assert abs(np.linalg.norm(vectors[method]) - 1.0) < 1e-5
+    # The approximations are of the same document: close to exact attention, not equal to it.
+    for method in METHODS[1:]:
+        cosine = float(vectors[method] @ vectors["full"])
+        assert 0.5 < cosine < 1.0 - 1e-7, (method, cosine)
+
+
+def test_plain_http(server):
+    base = server["base"]
+    with httpx.Client(base_url=base, timeout=300) as http:
+        assert http.get("/health/live").json() == {"status": "live"}
+        info = http.get("/info").json()
+        assert info["extended_positions"] == 32768 and info["native_positions"] == 512
+
+        body = {"inputs": [DOCUMENT, "short"], "attention": {"method": "auto"}}
+        response = http.post("/embed", json=body)
+        assert response.status_code == 200
+        assert np.array(response.json()).shape == (2, 384)
+        echo = json.loads(response.headers["x-attention"])
+        assert [spec["method"] for spec in echo["inputs"]] == ["i-clustered", "full"]
+
+        raw = http.post("/v1/embeddings", json={"input": "hello", "encoding_format": "base64"}).json()
+        assert np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4").shape == (384,)
+
+        error = http.post("/v1/embeddings", json={"input": "a", "attention": {"topk": 0}})
+        assert error.status_code == 422 and error.json()["error"]["param"] == "attention.topk"
+        assert http.post("/v1/embeddings", content=b"{", headers={"content-type": "application/json"}).status_code == 400
+
+        metrics = http.get("/metrics").text
+        assert 'clusterserve_requests_total{code="200",endpoint="/embed",method="auto"} 1.0' in metrics
+        assert 'clusterserve_build_info{backend="torch",device="cpu",model="all-MiniLM-L6-v2"' in metrics
+
+
+def test_sigterm_stops_cleanly(server):
+    process = server["process"]
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(60) == 0, server["log"].read_text()
+    log = server["log"].read_text()
+    assert "Traceback" not in log, log

@@ -1,0 +1,81 @@
+"""Settings from CLUSTERSERVE_* variables and `python -m service` flags; CORS."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+from service_helpers import fake_app, running
+
+from kernels import AttentionSpec
+from service.__main__ import parse_settings
+from service.settings import Settings
+
+
+def test_defaults_match_the_contract(monkeypatch):
+    for name in ("HOST", "PORT", "MODEL", "METHOD", "API_KEY"):
+        monkeypatch.delenv(f"CLUSTERSERVE_{name}", raising=False)
+    settings = Settings()
+    assert (settings.host, settings.port, settings.model) == ("127.0.0.1", 8000, None)
+    assert settings.default_spec() == AttentionSpec()
+    assert settings.api_key is None and settings.cors_origins == []
+
+
+def test_environment_variables(monkeypatch):
+    monkeypatch.setenv("CLUSTERSERVE_PORT", "9123")
+    monkeypatch.setenv("CLUSTERSERVE_METHOD", "smyrf")
+    monkeypatch.setenv("CLUSTERSERVE_HASH_ROUNDS", "8")
+    monkeypatch.setenv("CLUSTERSERVE_MAX_BATCH_TOKENS", "4096")
+    monkeypatch.setenv("CLUSTERSERVE_CORS_ORIGINS", "http://a.example, http://b.example")
+    monkeypatch.setenv("CLUSTERSERVE_API_KEY", "key-9f3a")
+    monkeypatch.setenv("CLUSTERSERVE_LOG_LEVEL", "WARNING")
+    settings = Settings()
+    assert settings.port == 9123 and settings.max_batch_tokens == 4096
+    assert settings.default_spec() == AttentionSpec(method="smyrf", hash_rounds=8)
+    assert settings.cors_origins == ["http://a.example", "http://b.example"]
+    assert settings.api_key.get_secret_value() == "key-9f3a" and "key-9f3a" not in repr(settings)
+    assert settings.log_level == "warning"
+
+
+def test_flags_override_the_environment(monkeypatch):
+    monkeypatch.setenv("CLUSTERSERVE_PORT", "9123")
+    monkeypatch.setenv("CLUSTERSERVE_CLUSTERS", "50")
+    settings = parse_settings(["--port", "9001", "--host", "127.0.0.2", "--topk", "8", "--no-warmup",
+                               "--auto-threshold", "2048", "--auto-method", "smyrf", "--model", "/tmp"])
+    assert (settings.port, settings.host, settings.warmup) == (9001, "127.0.0.2", False)
+    assert settings.default_spec() == AttentionSpec(clusters=50, topk=8, auto_threshold=2048, auto_method="smyrf")
+    assert str(settings.model) == "/tmp"
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"clusters": 0}, "clusters"), ({"bits": 64}, "bits"), ({"method": "linear"}, "method"),
+     ({"auto_method": "full"}, "auto_method"), ({"max_batch_tokens": 0}, "max_batch_tokens"),
+     ({"device": "tpu9"}, "device"), ({"port": 70000}, "port")],
+)
+def test_bad_settings_stop_start_up(kwargs, field):
+    with pytest.raises(ValidationError, match=field):
+        Settings(**kwargs)
+
+
+def test_bad_flag_exits_with_a_message(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_settings(["--clusters", "0"])
+    assert exit_info.value.code == 2
+    assert "clusters" in capsys.readouterr().err
+
+
+@pytest.mark.anyio
+async def test_cors_exposes_the_timing_headers():
+    app, _ = fake_app(cors_origins=["http://ui.example"])
+    async with running(app) as http:
+        preflight = await http.options(
+            "/v1/embeddings",
+            headers={"origin": "http://ui.example", "access-control-request-method": "POST"},
+        )
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "http://ui.example"
+        response = await http.post("/embed", json={"inputs": "a"}, headers={"origin": "http://ui.example"})
+        exposed = response.headers["access-control-expose-headers"]
+        assert "x-attention" in exposed and "x-total-time-ms" in exposed
+        other = await http.post("/embed", json={"inputs": "a"}, headers={"origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
