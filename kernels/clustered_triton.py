@@ -24,9 +24,10 @@ import triton.language as tl
 from torch import Tensor
 
 from .clustered import TILE, _masks, cluster_tiles
-from .hashing_triton import device_planes, hash_codes_triton
-from .kmeans import one_query_per_cluster
-from .kmeans_triton import cluster_means_triton, device_offsets, hamming_kmeans_triton, refine_clusters_triton
+from .hashing import hash_planes, on_device
+from .hashing_triton import hash_codes_triton
+from .kmeans import initial_offsets, one_query_per_cluster
+from .kmeans_triton import cluster_means_triton, hamming_kmeans_triton, refine_clusters_triton
 from .spec import AttentionSpec
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -189,8 +190,8 @@ def _improved_tile_kernel(
 def cluster_queries_triton(q: Tensor, query_mask: Tensor, spec: AttentionSpec) -> Tensor:
     """`clustered.cluster_queries` on the device: (B, H, N, D) -> (B, H, N) int64 in [0, C]."""
     _, h, _, d = q.shape
-    codes = hash_codes_triton(q, device_planes(h, d, spec.bits, spec.seed, q.device))
-    offsets = device_offsets(h, spec.seed, q.device)
+    codes = hash_codes_triton(q, on_device(hash_planes, (h, d, spec.bits, spec.seed), q.device))
+    offsets = on_device(initial_offsets, (h, spec.seed), q.device)
     assign = hamming_kmeans_triton(codes, query_mask, spec.clusters, spec.iterations, offsets, spec.bits)
     if spec.refine:
         assign = refine_clusters_triton(q, assign, query_mask, spec.clusters, spec.refine)

@@ -8,6 +8,9 @@ same on every device and for every batch the request lands in.
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -15,6 +18,13 @@ from torch import Tensor
 def seeded_generator(seed: int, stream: int) -> torch.Generator:
     """A CPU generator for one purpose (`stream`) of one seed; streams never share draws."""
     return torch.Generator().manual_seed((seed * 1_000_003 + stream) % (2**63))
+
+
+@functools.lru_cache(maxsize=128)
+def on_device(make: Callable[..., Tensor], args: tuple, device: torch.device) -> Tensor:
+    """`make(*args)`, a seeded CPU tensor, copied to `device` once and kept. The GPU paths
+    use it so that a call neither waits on a host-to-device copy nor breaks CUDA-graph capture."""
+    return make(*args).to(device)
 
 
 def hash_planes(heads: int, dim: int, bits: int, seed: int) -> Tensor:

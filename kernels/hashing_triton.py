@@ -9,14 +9,11 @@ copy inside every attention call would synchronise the host (and break CUDA-grap
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from .hashing import hash_planes
 
 # Codes are packed into one int64, so at most 63 bits (spec.bits <= 63): the tile is 64 wide.
 BLOCK_BITS = 64
@@ -51,12 +48,6 @@ def _hash_kernel(
     is_set = (projections > 0) & (bit[None, :] < BITS)
     codes = tl.sum(is_set.to(tl.int64) << bit[None, :].to(tl.int64), axis=1)
     tl.store(codes_ptr + bh * N + rows, codes, mask=rows < N)
-
-
-@functools.lru_cache(maxsize=64)
-def device_planes(heads: int, dim: int, bits: int, seed: int, device: torch.device) -> Tensor:
-    """`hashing.hash_planes` (H, D + 1, bits) float32, on `device`, copied once."""
-    return hash_planes(heads, dim, bits, seed).to(device)
 
 
 def hash_codes_triton(x: Tensor, planes: Tensor) -> Tensor:

@@ -11,14 +11,13 @@ torch ops (cumsum, top-k, gathers) update the centroids; none of them waits on t
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from .kmeans import initial_centroid_positions, initial_offsets
+from .kmeans import initial_centroid_positions
 
 # Hamming distance of a masked-out centroid column: above any real one (<= 63).
 _FAR = 1 << 20
@@ -151,13 +150,6 @@ def _cluster_means_kernel(
                            mask=member[:, None] & in_dims[None, :], other=0.0).to(tl.float32)
             gap = tl.where(in_dims[None, :], rows - mean[None, :], 0.0)
             tl.store(distance_ptr + bh * N + position, tl.sum(gap * gap, axis=1), mask=member)
-
-
-@functools.lru_cache(maxsize=64)
-def device_offsets(heads: int, seed: int, device: torch.device) -> Tensor:
-    """`kmeans.initial_offsets` (H,) float32 on `device`, copied once: a blocking copy in
-    every call would synchronise the host."""
-    return initial_offsets(heads, seed).to(device)
 
 
 def hamming_kmeans_triton(

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .hashing import on_device
 from .smyrf import smyrf_projections
 from .spec import AttentionSpec
 
@@ -364,7 +365,7 @@ def smyrf_attention_triton(
         raise ValueError(
             f"q: the triton backend takes float16, bfloat16 or float32, got {q.dtype}; use backend='torch'"
         )
-    projections = smyrf_projections(spec.hash_rounds, q.shape[1], q.shape[-1], spec.seed)
+    projections = on_device(smyrf_projections, (spec.hash_rounds, q.shape[1], q.shape[-1], spec.seed), q.device)
     q_hashes, k_hashes = smyrf_hashes_triton(q, k, key_padding_mask, projections)
     q_orders = q_hashes.argsort(dim=-1, stable=True)  # (R, B, H, N)
     k_orders = k_hashes.argsort(dim=-1, stable=True)  # (R, B, H, M)
