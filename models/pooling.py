@@ -3,6 +3,7 @@
 `read_pooling(folder)` reads `modules.json` and the Pooling module's `config.json` (both the
 legacy `pooling_mode_*_tokens` flags and the newer `pooling_mode` string); a folder without
 them gets mean pooling and no normalisation. `pool` reduces (B, N, C) states to (B, C).
+`include_prompt` is moot: the encoder never prepends a prompt.
 """
 
 from __future__ import annotations
@@ -63,8 +64,6 @@ def _pooling_mode(config: dict) -> str:
         modes = [modes]
     if len(modes) != 1 or modes[0] not in POOLING_MODES:
         raise UnsupportedArchitecture(f"pooling mode {modes!r}; supported: {', '.join(POOLING_MODES)}")
-    if config.get("include_prompt") is False:
-        raise UnsupportedArchitecture("pooling with include_prompt=false")
     return modes[0]
 
 
