@@ -220,3 +220,13 @@ def test_exact_configurations_of_approximate_methods_match_full(default_encoder,
     assert max(default_encoder.count_tokens(texts)) <= 64
     exact = default_encoder.embed(texts, full_spec)
     torch.testing.assert_close(default_encoder.embed(texts, spec), exact, atol=1e-5, rtol=0)
+
+
+def test_bfloat16_weights_give_float32_vectors_close_to_float32(default_encoder, full_spec):
+    encoder = load_encoder(None, max_input_tokens=512, dtype=torch.bfloat16)
+    assert encoder.dtype == torch.bfloat16 and encoder.info()["dtype"] == "bfloat16"
+    texts = ["half precision weights", "still return float32 vectors on the cpu"]
+    vectors = encoder.embed(texts, full_spec)
+    assert vectors.dtype == torch.float32
+    cosine = torch.nn.functional.cosine_similarity(vectors, default_encoder.embed(texts, full_spec))
+    assert (cosine > 0.99).all(), cosine
