@@ -1,7 +1,4 @@
-"""kernels/local.py: chunked sliding-window attention against a dense banded-mask reference.
-
-(Lives here because ModernBERT's local layers are its only user; it could move to tests/kernels.)
-"""
+"""kernels/local.py: chunked sliding-window attention against a dense banded-mask reference."""
 
 import pytest
 import torch
