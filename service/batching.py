@@ -174,8 +174,10 @@ class Batcher:
         except TimeoutError:
             raise errors.deadline_exceeded(job.timeout_s) from None
         finally:
-            # Covers timeouts and cancelled clients: the worker drops the job's queued items.
+            # Covers timeouts and cancelled clients: the worker drops the job's queued items,
+            # and a result or failure it still delivers lands on a cancelled future, unread.
             job.cancelled = True
+            job.future.cancel()
             self._admitted -= 1
             self.metrics.inflight.set(self._admitted)
 
@@ -251,14 +253,13 @@ class Batcher:
 
         self._peak.reset()
         try:
-            with torch.inference_mode():
-                vectors = self.encoder.embed(
-                    [item.job.inputs[item.index] for item in batch],
-                    key.spec,
-                    normalize=key.normalize,
-                    dimensions=key.dimensions,
-                    max_batch_tokens=self.max_batch_tokens,
-                )
+            vectors = self.encoder.embed(
+                [item.job.inputs[item.index] for item in batch],
+                key.spec,
+                normalize=key.normalize,
+                dimensions=key.dimensions,
+                max_batch_tokens=self.max_batch_tokens,
+            )
         except (torch.OutOfMemoryError, MemoryError):
             # Issue #6: split the batch and retry the halves before giving up on a request.
             log.warning("out of memory in a batch of %d inputs, %d tokens", len(batch), tokens)
@@ -286,11 +287,11 @@ class Batcher:
                 self._finish(job)
 
     def _finish(self, job: Job) -> None:
-        assert job.started_at is not None  # set before any of its batches ran
+        started = job.started_at if job.started_at is not None else job.enqueued_at
         result = JobResult(
             vectors=torch.stack(job.vectors),  # type: ignore[arg-type]
-            queue_s=job.started_at - job.enqueued_at,
-            inference_s=job.finished_at - job.started_at,
+            queue_s=started - job.enqueued_at,
+            inference_s=job.finished_at - started,
             peak_memory=job.peak_memory,
         )
         self._resolve(job, result, None)
