@@ -206,8 +206,9 @@ def settings_from_env(env: dict[str, str]) -> Any:
 
     from service.settings import Settings
 
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("CLUSTERSERVE_")}
-    with mock.patch.dict(os.environ, {**clean, **env}, clear=True):
+    with mock.patch.dict(os.environ, env):  # restores the environment on exit
+        for name in [n for n in os.environ if n.startswith("CLUSTERSERVE_") and n not in env]:
+            del os.environ[name]
         return Settings()
 
 

@@ -42,7 +42,9 @@ def bind_mounts(service: dict) -> dict[str, str]:
 
 @pytest.mark.parametrize("path", [COMPOSE, COMPOSE_CPU], ids=lambda p: p.name)
 def test_compose_file_passes_the_compose_specification(path):
-    compose_spec = pytest.importorskip("compose_spec", reason="the Compose parser (test extra `compose-spec`) is not installed")
+    compose_spec = pytest.importorskip(
+        "compose_spec", reason="the Compose parser (test extra `compose-spec`, Linux x86-64 wheels) is not installed"
+    )
     compose_spec.PyCompose.from_yaml(path.read_text())  # raises on an unknown key or a bad value
 
 
@@ -101,7 +103,9 @@ def test_prometheus_config_passes_promtool():
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not found (Debian package `prometheus`, installed by .ci/run)")
-    result = subprocess.run([promtool, "check", "config", str(PROMETHEUS_CONFIG)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [promtool, "check", "config", str(PROMETHEUS_CONFIG)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

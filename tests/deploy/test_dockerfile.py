@@ -139,11 +139,13 @@ def test_healthcheck_probes_liveness_on_the_served_port(commands):
 def test_healthcheck_command_passes_on_a_live_server_and_fails_without_one(commands, server):
     from deploy_helpers import free_port
 
-    code = healthcheck_code(commands)
-    live = subprocess.run([sys.executable, "-c", code.replace(":8000/", f":{server['port']}/")], capture_output=True, timeout=30)
+    def run_on(port: int) -> subprocess.CompletedProcess:
+        code = healthcheck_code(commands).replace(":8000/", f":{port}/")
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30)
+
+    live = run_on(server["port"])
     assert live.returncode == 0, live.stderr.decode()
-    dead = subprocess.run([sys.executable, "-c", code.replace(":8000/", f":{free_port()}/")], capture_output=True, timeout=30)
-    assert dead.returncode != 0
+    assert run_on(free_port()).returncode != 0
 
 
 def test_readme_documents_the_docker_commands():

@@ -53,7 +53,8 @@ def validate(resource: dict) -> None:
             kubernetes_validate.validate(resource, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
             path = ".".join(str(p) for p in exc.path)
-            pytest.fail(f"{resource['kind']}/{resource['metadata']['name']} invalid for Kubernetes {version}: {path}: {exc.message}")
+            name = f"{resource['kind']}/{resource['metadata']['name']}"
+            pytest.fail(f"{name} invalid for Kubernetes {version}: {path}: {exc.message}")
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(K8S)))
