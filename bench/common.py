@@ -36,7 +36,8 @@ def long_text_ids(encoder, tokens: int, offset: int = 0) -> list[int]:
 
 
 def capture_qkv(encoder, ids: list[int], layer: int = 0) -> tuple[torch.Tensor, ...]:
-    """The q, k, v (1, H, N, D) that the default BERT model's `layer` feeds its attention."""
+    """The q, k, v (1, H, N, D) that the default BERT model's `layer` feeds its attention, on
+    the encoder's device and in its dtype."""
     attn = encoder.model.layers[layer].attn
     captured: dict[str, torch.Tensor] = {}
 
@@ -55,7 +56,7 @@ def capture_qkv(encoder, ids: list[int], layer: int = 0) -> tuple[torch.Tensor, 
     handles = [getattr(attn, name).register_forward_hook(keep(name)) for name in ("q", "k", "v")]
     try:
         with torch.inference_mode():
-            encoder.model(torch.tensor([ids]), None, _full_spec())
+            encoder.model(torch.tensor([ids], device=encoder.device), None, _full_spec())
     except Stop:
         pass
     finally:
