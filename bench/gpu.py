@@ -1,0 +1,462 @@
+"""GPU benchmark (issue #5): exact attention (SDPA) against clustered, improved clustered and
+SMYRF attention through the Triton backend, from 1k to 64k tokens, with a per-stage breakdown
+and end-to-end embedding times, as ratios measured in one run.
+
+    python -m bench.gpu [--lengths 1024 ... 65536] [--head-dims 64 32] [--repeats 10]
+    python -m bench.gpu --check        # Triton backend vs the torch reference (issue #4's GPU run)
+    python -m bench.gpu --dry-run      # the same script on CPU under TRITON_INTERPRET=1, tiny sizes
+
+Attention alone: B = 1, 12 heads, bfloat16, for each head dim. Q, K, V are the default
+model's own projections of real text (Debian's license texts): at the model's head dim (32)
+they are its layer 0 as is; at 64 each head concatenates that head's 32-dim projections from
+layers 0 and 1 (so its logits are the sum of two real heads' logits, scaled by 1/sqrt(64)).
+Times are medians of CUDA-event times after warm-up, each repeat from an idle GPU (the
+latency a caller sees); `graph_ms` is the same call replayed from a CUDA graph (no launch
+gaps). rel_err is |out - exact| / |exact| (Frobenius), exact = float32 attention on the same
+bfloat16 inputs, so the `full` row shows bfloat16's own error. peak_bytes is the CUDA
+allocator's peak above what was allocated before the call.
+
+Stage breakdown: the backend's stage functions timed one by one (bench/stages.py), with the
+torch ops and Triton launches each makes. End to end: one document of 4k, 16k and 32k tokens
+embedded by the default model on the GPU, per method.
+
+Writes under --out (default bench/results/): <date>-<gpu>.json, a list of rows
+{"method", "seq_len", "batch", "heads", "head_dim", "dtype", "ms", "speedup_vs_full",
+"peak_bytes", "rel_err", "device"} (plus "kind": attention | embed, and extras);
+<date>-<gpu>-stages.json; <date>-<gpu>.png (time and speed-up against length); with
+--profile-length, <date>-<gpu>-profile.txt. Prints the tables. The JSON is rewritten after
+every length, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from kernels import AttentionSpec, attention
+from kernels.full import full_attention
+
+from .common import RESULTS_DIR, capture_qkv, device_name, long_text_ids, peak_memory_during, print_table
+from .cpu import SPECS
+
+# Issue #5's sizes; --dry-run swaps in DRY_RUN's.
+LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
+E2E_LENGTHS = [4096, 16384, 32768]
+CHECK_LENGTHS = [4096, 16384, 65536]
+DRY_RUN = dict(lengths=[64], e2e_lengths=[64], check_lengths=[64], heads=2, repeats=1, warmup=0, e2e_repeats=1)
+
+
+def dry_run_spec(spec: AttentionSpec) -> AttentionSpec:
+    """The knobs scaled down so that Triton's interpreter runs a method in well under a second
+    (100 clusters would make 64 tokens one query per cluster, and take ~10 s)."""
+    return dataclasses.replace(
+        spec, clusters=4, topk=8, iterations=2, refine=min(spec.refine, 1), hash_rounds=2, cluster_size=16
+    )
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one run measures and where; built once from the command line."""
+
+    device: torch.device
+    dtype: torch.dtype
+    heads: int
+    head_dims: tuple[int, ...]
+    lengths: tuple[int, ...]
+    e2e_lengths: tuple[int, ...]
+    e2e_dtype: torch.dtype
+    check_lengths: tuple[int, ...]
+    check_dtypes: tuple[torch.dtype, ...]
+    repeats: int
+    warmup: int
+    e2e_repeats: int
+    stages: bool
+    graphs: bool
+    profile_length: int
+    specs: dict[str, AttentionSpec]
+    model: str | None
+    out: Path
+    stem: str
+    dry_run: bool
+
+    @property
+    def device_label(self) -> str:
+        return device_name()
+
+
+# ---- inputs ----------------------------------------------------------------------------------
+
+
+def real_qkv(encoder, ids: list[int], head_dim: int, heads: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v (1, heads, N, head_dim) in dtype from the model on real text. head_dim must be a
+    multiple of the model's (32): head h concatenates head h of layers 0, 1, ... so that every
+    coordinate is a real projection of the same tokens."""
+    model_dim = encoder.model.config.head_dim
+    layers = head_dim // model_dim
+    if head_dim % model_dim or not 1 <= layers <= encoder.model.config.num_layers:
+        raise ValueError(f"head_dim: must be a multiple of the model's {model_dim} up to its layers, got {head_dim}")
+    parts = [capture_qkv(encoder, ids, layer) for layer in range(layers)]
+    return tuple(torch.cat([p[i] for p in parts], dim=-1)[:, :heads].to(dtype).contiguous() for i in range(3))
+
+
+def exact_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, scale: float,
+                    chunk: int = 2048) -> Tensor:
+    """Exact attention in float32, `chunk` queries at a time so that no SDPA backend needs
+    N x M memory (float32 may not take the flash path). Same masking as `full_attention`."""
+    qf, kf, vf = q.float(), k.float(), v.float()
+    n, m = q.shape[2], k.shape[2]
+    out = torch.cat(
+        [full_attention(qf[:, :, s : s + chunk], kf, vf, key_padding_mask, scale) for s in range(0, n, chunk)], dim=2
+    )
+    if key_padding_mask is not None and n == m:
+        out = out * key_padding_mask[:, None, :, None]
+    return out
+
+
+def rel_err(out: Tensor, exact: Tensor) -> float:
+    """|out - exact| / |exact|, Frobenius norms in float32."""
+    return ((out.float() - exact).norm() / exact.norm().clamp(min=1e-30)).item()
+
+
+# ---- attention alone -------------------------------------------------------------------------
+
+
+def bench_attention(settings: Settings, encoder, n: int, rows: list, stage_rows: list, profile: list) -> None:
+    """Every method on the model's q, k, v of n tokens of real text, per head dim: appends a
+    row per method to `rows`, stage rows to `stage_rows`, profiler tables to `profile`."""
+    ids = long_text_ids(encoder, n)
+    for head_dim in settings.head_dims:
+        q, k, v = real_qkv(encoder, ids, head_dim, settings.heads, settings.dtype)
+        scale = 1.0 / math.sqrt(head_dim)
+        exact = exact_attention(q, k, v, None, scale)
+        group = []
+        for label, spec in settings.specs.items():
+            def call(spec=spec):
+                return attention(q, k, v, spec, scale=scale, backend="triton")
+
+            out = call()  # compiles, and the row's error
+            row = dict(
+                kind="attention", method=label, seq_len=n, batch=1, heads=settings.heads, head_dim=head_dim,
+                dtype=_name(settings.dtype), ms=_time(settings, call), graph_ms=_graph_ms(settings, call, out),
+                speedup_vs_full=None, peak_bytes=int(peak_memory_during(call)), rel_err=rel_err(out, exact),
+                device=settings.device_label, spec=spec.used_knobs(),
+                backend="sdpa" if spec.method == "full" else "triton",
+            )
+            group.append(row)
+            print(_progress(row), flush=True)
+            if settings.stages:
+                stage_rows += _stage_rows(settings, q, k, v, spec, scale, out, row)
+            if n == settings.profile_length and head_dim == settings.head_dims[0]:
+                profile.append(_profile(settings, label, call))
+            del out
+        _speedups(group)
+        rows += group
+
+
+def _time(settings: Settings, fn) -> float:
+    from .timing import median_ms
+
+    return median_ms(fn, settings.device, settings.repeats, settings.warmup)
+
+
+def _graph_ms(settings: Settings, fn, eager: Tensor) -> float | None:
+    """Replay time of fn from a CUDA graph; None on CPU, with --no-graphs, or when capture
+    fails (the failure is printed: it means a host sync or a capture-unsafe op)."""
+    if settings.device.type != "cuda" or not settings.graphs:
+        return None
+    from .timing import capture_graph, median_ms
+
+    try:
+        graph, out = capture_graph(fn, settings.device)
+    except Exception as error:  # noqa: BLE001 - reported, and the eager time stands
+        print(f"  CUDA graph capture failed: {type(error).__name__}: {error}", flush=True)
+        return None
+    ms = median_ms(graph.replay, settings.device, settings.repeats, settings.warmup)
+    if not torch.equal(out, eager):
+        print("  CUDA graph replay differs from the eager output", flush=True)
+    del graph, out
+    torch.cuda.empty_cache()
+    return ms
+
+
+def _stage_rows(settings: Settings, q, k, v, spec: AttentionSpec, scale: float, out: Tensor, row: dict) -> list[dict]:
+    """Time and kernel counts of each stage of spec's method, plus their sum, as rows."""
+    from .stages import count_stage_launches, same_as_backend, stage_plan, time_stages
+
+    plan = stage_plan(q, k, v, spec, scale)
+    if not same_as_backend(plan, out):
+        print(f"  WARNING: the stages of {row['method']} do not reproduce the backend's output", flush=True)
+    times = time_stages(plan, lambda fn: _time(settings, fn))
+    launches = count_stage_launches(plan)
+    total = row["ms"]
+    result = []
+    for stage in plan.stages:
+        ms = times[stage.name]
+        result.append(dict(
+            method=row["method"], seq_len=row["seq_len"], heads=row["heads"], head_dim=row["head_dim"],
+            dtype=row["dtype"], stage=stage.name, ms=ms, share_of_call=ms / total if total > 0 else None,
+            **launches[stage.name], device=row["device"],
+        ))
+    result.append(dict(
+        method=row["method"], seq_len=row["seq_len"], heads=row["heads"], head_dim=row["head_dim"],
+        dtype=row["dtype"], stage="sum of stages", ms=sum(times.values()),
+        share_of_call=sum(times.values()) / total if total > 0 else None,
+        torch_ops=sum(r["torch_ops"] for r in result), triton_launches=sum(r["triton_launches"] for r in result),
+        device=row["device"],
+    ))
+    return result
+
+
+def _profile(settings: Settings, label: str, fn) -> str:
+    """torch.profiler's table of one call (kernels by device time on CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = settings.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    fn()
+    with profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize(settings.device)
+    sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return f"== {label} ==\n" + prof.key_averages().table(sort_by=sort_by, row_limit=25)
+
+
+def _speedups(group: list[dict]) -> None:
+    full = next((r["ms"] for r in group if r["method"] == "full"), None)
+    for r in group:
+        r["speedup_vs_full"] = full / r["ms"] if full and r["ms"] > 0 else None
+
+
+# ---- end to end ------------------------------------------------------------------------------
+
+
+def bench_embed(settings: Settings, encoder, n: int, rows: list) -> None:
+    """One document of n tokens embedded by `encoder` (weights in e2e_dtype) per method.
+    On CPU (dry run) the model's attention takes the torch reference, as `auto` does there."""
+    from .timing import median_ms
+
+    ids = long_text_ids(encoder, n)
+    group, exact = [], None
+    for label, spec in settings.specs.items():
+        def call(spec=spec):
+            return encoder.embed([ids], spec, max_batch_tokens=n)
+
+        vector = call()
+        exact = vector if spec.method == "full" else exact
+        row = dict(
+            kind="embed", method=label, seq_len=n, batch=1, heads=encoder.model.config.num_heads,
+            head_dim=encoder.model.config.head_dim, dtype=_name(settings.e2e_dtype),
+            ms=median_ms(call, settings.device, settings.e2e_repeats, min(settings.warmup, 1)),
+            graph_ms=None, speedup_vs_full=None, peak_bytes=int(peak_memory_during(call)),
+            rel_err=rel_err(vector, exact) if exact is not None else None,
+            cosine=torch.nn.functional.cosine_similarity(vector, exact).item() if exact is not None else None,
+            device=settings.device_label, spec=spec.used_knobs(), backend="sdpa" if spec.method == "full" else "auto",
+        )
+        group.append(row)
+        print(_progress(row), flush=True)
+    _speedups(group)
+    rows += group
+
+
+def load_model(settings: Settings, dtype: torch.dtype):
+    """The model (embedded default or --model) on the device, with positions for the longest
+    length asked (a learned table is extended by copying)."""
+    from models import load_encoder
+
+    longest = max((*settings.lengths, *settings.e2e_lengths, *settings.check_lengths, 32768))
+    return load_encoder(settings.model, max_input_tokens=longest, device=settings.device, dtype=dtype)
+
+
+# ---- output ----------------------------------------------------------------------------------
+
+
+def write_outputs(settings: Settings, rows: list[dict], stage_rows: list[dict], profile: list[str]) -> list[Path]:
+    settings.out.mkdir(parents=True, exist_ok=True)
+    main = settings.out / f"{settings.stem}.json"
+    main.write_text(json.dumps(rows, indent=1) + "\n")
+    paths = [main]
+    if stage_rows:
+        stages = settings.out / f"{settings.stem}-stages.json"
+        stages.write_text(json.dumps(stage_rows, indent=1) + "\n")
+        paths.append(stages)
+    if profile:
+        text = settings.out / f"{settings.stem}-profile.txt"
+        text.write_text("\n\n".join(profile) + "\n")
+        paths.append(text)
+    return paths
+
+
+def print_tables(rows: list[dict], stage_rows: list[dict]) -> None:
+    shown = [
+        dict(kind=r["kind"], method=r["method"], seq_len=r["seq_len"], head_dim=r["head_dim"], dtype=r["dtype"],
+             ms=r["ms"], graph_ms=r["graph_ms"], speedup_vs_full=r["speedup_vs_full"],
+             peak_MiB=r["peak_bytes"] / 2**20, peak_B_per_token=r["peak_bytes"] / r["seq_len"], rel_err=r["rel_err"])
+        for r in rows
+    ]
+    print()
+    print_table(shown, list(shown[0]) if shown else [])
+    if stage_rows:
+        print()
+        columns = ["method", "seq_len", "head_dim", "stage", "ms", "share_of_call", "torch_ops", "triton_launches"]
+        print_table(stage_rows, columns)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Time and speed-up over full against length: one column per (kind, head dim)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["kind"], r["head_dim"]) for r in rows}, key=lambda g: (g[0], -g[1]))
+    if not groups:
+        return
+    fig, axes = plt.subplots(2, len(groups), figsize=(6 * len(groups), 8), squeeze=False)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for col, (kind, head_dim) in enumerate(groups):
+        for method in methods:
+            pts = sorted((r["seq_len"], r["ms"], r["speedup_vs_full"], r["graph_ms"]) for r in rows
+                         if (r["kind"], r["head_dim"], r["method"]) == (kind, head_dim, method))
+            if not pts:
+                continue
+            lengths, ms, speedup, graph = zip(*pts)
+            line, = axes[0][col].loglog(lengths, ms, marker="o", label=method, base=2)
+            if all(g is not None for g in graph):
+                axes[0][col].loglog(lengths, graph, ls="--", color=line.get_color(), base=2, label=f"{method} (graph)")
+            axes[1][col].semilogx(lengths, [s or float("nan") for s in speedup], marker="o", label=method, base=2)
+        axes[0][col].set_title(f"{kind}, head dim {head_dim}: time (ms)")
+        axes[1][col].set_title(f"{kind}, head dim {head_dim}: speed-up over full")
+        axes[1][col].axhline(1.0, color="grey", lw=0.8)
+        for ax in axes[:, col]:
+            ax.set_xlabel("tokens")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"{rows[0]['device']}, {rows[0]['dtype']}, batch 1", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _progress(row: dict) -> str:
+    graph = f" graph {row['graph_ms']:.3f} ms" if row.get("graph_ms") is not None else ""
+    err = f" rel_err {row['rel_err']:.3g}" if row.get("rel_err") is not None else ""
+    return (f"{row['kind']:9s} {row['method']:20s} N={row['seq_len']:6d} d={row['head_dim']:3d} "
+            f"{row['ms']:9.3f} ms{graph} peak {row['peak_bytes'] / 2**20:8.1f} MiB{err}")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+def parse_settings(argv: list[str] | None = None) -> tuple[Settings, bool]:
+    """Settings and whether to run --check instead of the benchmark."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="*", help=f"attention lengths (default {LENGTHS})")
+    parser.add_argument("--methods", nargs="+", choices=list(SPECS), default=list(SPECS),
+                        help="methods to run (full always runs in the benchmark: speed-ups are over it)")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 32], help="multiples of the model's 32")
+    parser.add_argument("--heads", type=int, help="heads (default 12, the model's)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--repeats", type=int, help="timed repeats per measurement (default 10)")
+    parser.add_argument("--warmup", type=int, help="untimed calls before them (default 3)")
+    parser.add_argument("--e2e-lengths", type=int, nargs="*",
+                        help=f"document lengths embedded end to end (default {E2E_LENGTHS}); none to skip")
+    parser.add_argument("--e2e-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="model weights for end to end")
+    parser.add_argument("--e2e-repeats", type=int, help="timed repeats end to end (default 3)")
+    parser.add_argument("--no-stages", action="store_true", help="skip the stage breakdown")
+    parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replay times")
+    parser.add_argument("--profile-length", type=int, default=16384,
+                        help="torch.profiler table per method at this length (0: none)")
+    parser.add_argument("--check", action="store_true",
+                        help="Triton backend vs torch reference at realistic sizes, log under --out")
+    parser.add_argument("--check-lengths", type=int, nargs="+", help=f"lengths for --check (default {CHECK_LENGTHS})")
+    parser.add_argument("--check-dtypes", nargs="+", default=["float32", "float16", "bfloat16"])
+    parser.add_argument("--dry-run", "--interpret", action="store_true", dest="dry_run",
+                        help="CPU, Triton's interpreter, tiny sizes and knobs: tests the script, measures nothing")
+    parser.add_argument("--model", help="checkpoint folder (default: the embedded all-MiniLM-L6-v2)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for the results")
+    parser.add_argument("--name", help="file stem (default <date>-<gpu>)")
+    args = parser.parse_args(argv)
+
+    defaults = dict(lengths=LENGTHS, e2e_lengths=E2E_LENGTHS, check_lengths=CHECK_LENGTHS, heads=12, repeats=10,
+                    warmup=3, e2e_repeats=3)
+    if args.dry_run:
+        defaults.update(DRY_RUN)
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton first decorates a kernel
+        if os.environ["TRITON_INTERPRET"] != "1" or "kernels.clustered_triton" in sys.modules:
+            raise SystemExit("--dry-run needs TRITON_INTERPRET=1 before the kernels are imported")
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU, or pass --dry-run to test the script on CPU")
+    else:
+        device = torch.device("cuda")
+    pick = {name: getattr(args, name) if getattr(args, name) is not None else value for name, value in defaults.items()}
+    specs = {
+        label: dry_run_spec(spec) if args.dry_run and spec.method != "full" else spec
+        for label, spec in SPECS.items() if label in args.methods or spec.method == "full"
+    }
+    profile_length = args.profile_length
+    if args.dry_run and profile_length not in (0, *pick["lengths"]):
+        profile_length = pick["lengths"][0]  # so that the dry run goes through the profiler too
+    machine = "cpu-interpret" if args.dry_run else device_name()
+    stem = args.name or f"{datetime.date.today().isoformat()}-{_slug(machine)}"
+    settings = Settings(
+        device=device, dtype=getattr(torch, args.dtype), heads=pick["heads"], head_dims=tuple(args.head_dims),
+        lengths=tuple(pick["lengths"]), e2e_lengths=tuple(pick["e2e_lengths"]),
+        e2e_dtype=getattr(torch, args.e2e_dtype),
+        check_lengths=tuple(pick["check_lengths"]), check_dtypes=tuple(getattr(torch, d) for d in args.check_dtypes),
+        repeats=pick["repeats"], warmup=pick["warmup"], e2e_repeats=pick["e2e_repeats"],
+        stages=not args.no_stages, graphs=not args.no_graphs,
+        profile_length=profile_length,
+        specs=specs, model=args.model, out=args.out, stem=stem, dry_run=args.dry_run,
+    )
+    return settings, args.check
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings, check = parse_settings(argv)
+    torch.set_grad_enabled(False)
+    if check:
+        from .gpu_check import run_check
+
+        raise SystemExit(run_check(settings, load_model(settings, torch.float32)))
+    dry = "; DRY RUN: nothing here is a measurement" if settings.dry_run else ""
+    print(f"{settings.device_label}; torch {torch.__version__}{dry}", flush=True)
+    encoder = load_model(settings, torch.float32)  # float32 projections, cast per benchmark dtype
+    embed_encoder = load_model(settings, settings.e2e_dtype) if settings.e2e_lengths else None
+    rows, stage_rows, profile = [], [], []
+    for n in settings.lengths:
+        bench_attention(settings, encoder, n, rows, stage_rows, profile)
+        write_outputs(settings, rows, stage_rows, profile)
+    for n in settings.e2e_lengths:
+        bench_embed(settings, embed_encoder, n, rows)
+        write_outputs(settings, rows, stage_rows, profile)
+    paths = write_outputs(settings, rows, stage_rows, profile)
+    print_tables(rows, stage_rows)
+    png = settings.out / f"{settings.stem}.png"
+    plot(rows, png)
+    print("wrote " + ", ".join(str(p) for p in [*paths, png]))
+
+
+if __name__ == "__main__":
+    main()

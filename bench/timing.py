@@ -1,0 +1,123 @@
+"""Timing for the GPU benchmark: median milliseconds by CUDA events (wall clock on CPU), the
+same for a CUDA-graph replay, and how many kernels a call launches.
+
+Each timed repeat starts from an idle device (synchronised), so a CUDA-event time is the
+latency a caller sees: GPU work plus any gap while the host is still launching. Replaying a
+CUDA graph removes the launch gaps; the ratio of the two says how launch-bound a method is.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> float:
+    """Median milliseconds of fn() over `repeats` runs after `warmup` runs: CUDA events on a
+    CUDA device, perf_counter otherwise."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            start_s = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - start_s))
+    return statistics.median(times)
+
+
+def capture_graph(fn: Callable[[], object], device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:
+    """fn captured in a CUDA graph (after two warm-up calls on a side stream, as PyTorch asks).
+    Returns the graph and the output tensors its replays overwrite. Raises whatever the
+    capture raises, e.g. on a host synchronisation inside fn."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@contextmanager
+def counting_launches() -> Iterator[dict[str, int]]:
+    """Count, inside the block, the torch ops that launch a kernel (views and allocations left
+    out: roughly one device kernel each) and the Triton kernel launches of the kernels/
+    package. Yields {"torch_ops": n, "triton_launches": n}, filled in as the block runs.
+
+    Only for a counting pass, never a timed one: it wraps each Triton kernel's `run` for
+    the duration of the block (and the interpreter's own tensor copies are not counted).
+    """
+    counts = {"torch_ops": 0, "triton_launches": 0}
+    mode = _OpCounter(counts)
+    kernels = _triton_kernels()
+    own = [vars(kernel).get("run") for kernel in kernels]  # None: the class's method
+    for kernel in kernels:
+        kernel.run = _counted_run(kernel.run, counts, mode)
+    try:
+        with mode:
+            yield counts
+    finally:
+        for kernel, run in zip(kernels, own):
+            if run is None:
+                del kernel.run
+            else:
+                kernel.run = run
+
+
+class _OpCounter(TorchDispatchMode):
+    # Ops that allocate or alias without a kernel; everything else launches (about) one.
+    _NO_KERNEL = ("empty", "detach", "lift_fresh", "alias", "_local_scalar_dense")
+
+    def __init__(self, counts: dict[str, int]):
+        super().__init__()
+        self.counts = counts
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if not self.paused and not getattr(func, "is_view", False) and not name.startswith(self._NO_KERNEL):
+            self.counts["torch_ops"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counted_run(run, counts: dict[str, int], mode: _OpCounter):
+    def counted(*args, **kwargs):
+        counts["triton_launches"] += 1
+        mode.paused = True  # the interpreter copies tensors with torch ops: not ours
+        try:
+            return run(*args, **kwargs)
+        finally:
+            mode.paused = False
+
+    return counted
+
+
+def _triton_kernels() -> list:
+    import triton
+
+    from kernels import clustered_triton, hashing_triton, kmeans_triton, smyrf_triton
+
+    found = []
+    for module in (hashing_triton, kmeans_triton, clustered_triton, smyrf_triton):
+        for name, value in vars(module).items():
+            if name.endswith("_kernel") and isinstance(value, triton.runtime.KernelInterface):
+                found.append(value)
+    return found

@@ -1,0 +1,79 @@
+"""`python -m bench.gpu --dry-run`: the whole GPU benchmark script, run on CPU through Triton's
+interpreter at tiny sizes and knobs in a subprocess, writes complete, sane rows. It measures
+nothing; it proves the script runs end to end before a GPU session spends time on it."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FIELDS = {"method", "seq_len", "batch", "heads", "head_dim", "dtype", "ms", "speedup_vs_full", "peak_bytes",
+          "rel_err", "device"}
+METHODS = {"full", "clustered", "i-clustered (paper)", "i-clustered", "smyrf"}
+STAGES = {
+    "full": {"sdpa"},
+    "clustered": {"hash", "k-means", "refine", "centroids", "centroid attention", "broadcast"},
+    "i-clustered (paper)": {"hash", "k-means", "centroids", "centroid attention", "top-k", "tiles", "sparse part"},
+    "i-clustered": {"hash", "k-means", "refine", "centroids", "centroid attention", "top-k", "tiles", "sparse part"},
+    "smyrf": {"hash", "sort", "cluster attention"},
+}
+
+
+def dry_run(out: Path, *args: str) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", "--dry-run", "--out", str(out), "--name", "dry", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result.stdout
+
+
+def test_dry_run_writes_every_field_with_sane_values(tmp_path):
+    stdout = dry_run(tmp_path, "--head-dims", "64")
+    assert "do not reproduce the backend" not in stdout
+
+    rows = json.loads((tmp_path / "dry.json").read_text())
+    assert isinstance(rows, list)
+    attention_rows = [r for r in rows if r["kind"] == "attention"]
+    embed_rows = [r for r in rows if r["kind"] == "embed"]
+    assert {r["method"] for r in attention_rows} == METHODS == {r["method"] for r in embed_rows}
+    for row in rows:
+        assert FIELDS <= row.keys(), FIELDS - row.keys()
+        assert (row["seq_len"], row["batch"], row["dtype"]) == (64, 1, "bfloat16")
+        assert (row["heads"], row["head_dim"]) == ((2, 64) if row["kind"] == "attention" else (12, 32))
+        assert row["device"].startswith("cpu")
+        assert math.isfinite(row["ms"]) and row["ms"] > 0
+        assert math.isfinite(row["speedup_vs_full"]) and row["speedup_vs_full"] > 0
+        assert isinstance(row["peak_bytes"], int) and row["peak_bytes"] >= 0
+        assert math.isfinite(row["rel_err"]) and 0 <= row["rel_err"] < 3
+        if row["method"] == "full":
+            assert row["speedup_vs_full"] == 1
+            # bfloat16 SDPA against float32 attention; the exact embedding against itself
+            assert row["rel_err"] < 0.02 if row["kind"] == "attention" else row["rel_err"] == 0
+        else:
+            assert row["rel_err"] > 0  # 4 clusters for 64 tokens: approximate, never exact
+
+    stages = json.loads((tmp_path / "dry-stages.json").read_text())
+    for method, names in STAGES.items():
+        got = [s for s in stages if s["method"] == method]
+        assert {s["stage"] for s in got} == names | {"sum of stages"}
+        for s in got:
+            assert s["ms"] >= 0 and s["torch_ops"] >= 0 and s["triton_launches"] >= 0
+        total = next(s for s in got if s["stage"] == "sum of stages")
+        assert total["triton_launches"] >= (0 if method == "full" else 1)
+    assert (tmp_path / "dry.png").stat().st_size > 10_000
+    assert "== smyrf ==" in (tmp_path / "dry-profile.txt").read_text()
+
+
+def test_dry_run_check_logs_every_case_as_passing(tmp_path):
+    dry_run(tmp_path, "--check", "--methods", "i-clustered", "smyrf", "--check-dtypes", "bfloat16")
+    log = (tmp_path / "dry-check.log").read_text().splitlines()
+    cases = [line for line in log if not line.startswith(("#", "case"))]
+    # 2 methods x (plain, padded, N_q != N_k, head dims 32 and 128, exact)
+    assert len(cases) == 12
+    assert all(" PASS " in line for line in cases), "\n".join(log)
+    assert log[-1] == "# 12 cases, 0 failed"
