@@ -90,10 +90,6 @@ class Job:
     future: asyncio.Future[JobResult] | None = None
     loop: asyncio.AbstractEventLoop | None = None
 
-    @property
-    def tokens(self) -> int:
-        return sum(len(ids) for ids in self.inputs)
-
 
 @dataclass(frozen=True)
 class JobResult:
