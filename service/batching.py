@@ -15,14 +15,17 @@ Per request the worker records:
 
 Where later work plugs in (DESIGN.md / issue #6): admission is `Batcher.submit`'s check of
 `max_concurrent_requests`; a job carries its deadline, and the worker drops expired or
-cancelled jobs before it runs them; `_run_batch` is the one place that catches
-out-of-memory, so splitting a failed batch and retrying the halves goes there; `stop`
-drains the queue before the worker exits.
+cancelled jobs before it runs them; `_run_or_split` is the one place that catches
+out-of-memory: it frees what the attempt held and retries each half of the batch, down to
+single inputs, so one input too big for memory fails alone (503 naming its token count)
+and its batch-mates still get their vectors; `stop` drains the queue before the worker
+exits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -150,6 +153,8 @@ class Batcher:
             raise errors.not_ready("the server is shutting down")
         if self._admitted >= self.max_concurrent_requests:
             raise errors.overloaded(self.max_concurrent_requests)
+        if time.monotonic() >= job.deadline:  # expired while tokenizing: never queued, never run
+            raise errors.deadline_exceeded(job.timeout_s)
         loop = asyncio.get_running_loop()
         job.loop, job.future = loop, loop.create_future()
         job.vectors = [None] * len(job.inputs)
@@ -245,9 +250,20 @@ class Batcher:
         for item in batch:
             self.metrics.queue_duration.labels(method=method).observe(started - item.job.enqueued_at)
             self.metrics.input_tokens.labels(method=method).observe(item.tokens)
-        tokens = sum(item.tokens for item in batch)
+        self._run_or_split(batch)
 
+    def _run_or_split(self, batch: list[Item]) -> None:
+        """Embed `batch`; on out-of-memory, free what the attempt held and retry each half,
+        down to single inputs. An input that does not fit alone fails its job with 503."""
+        batch = [item for item in batch if not item.job.cancelled]  # a failed sibling, a gone client
+        if not batch:
+            return
+        key = batch[0].key
+        method = key.spec.method
+        tokens = sum(item.tokens for item in batch)
+        started = time.monotonic()
         self._peak.reset()
+        out_of_memory = False
         try:
             vectors = self.encoder.embed(
                 [item.job.inputs[item.index] for item in batch],
@@ -257,10 +273,18 @@ class Batcher:
                 max_batch_tokens=self.max_batch_tokens,
             )
         except (torch.OutOfMemoryError, MemoryError):
-            # Issue #6: split the batch and retry the halves before giving up on a request.
-            log.warning("out of memory in a batch of %d inputs, %d tokens", len(batch), tokens)
-            for job in {id(item.job): item.job for item in batch}.values():
-                self._fail(job, errors.out_of_memory(tokens))
+            out_of_memory = True  # handled outside the except: its traceback pins the batch's tensors
+        if out_of_memory:
+            self._free_memory()
+            if len(batch) == 1:
+                item = batch[0]
+                log.warning("out of memory on a single input of %d tokens (request %s)", item.tokens, item.job.request_id)
+                self._fail(item.job, errors.out_of_memory(item.tokens))
+                return
+            log.warning("out of memory in a batch of %d inputs, %d tokens: retrying in halves", len(batch), tokens)
+            half = len(batch) // 2
+            self._run_or_split(batch[:half])
+            self._run_or_split(batch[half:])
             return
         vectors = vectors.detach().float().cpu()
         finished = time.monotonic()
@@ -281,6 +305,12 @@ class Batcher:
                 job.peak_memory = max(job.peak_memory or 0, peak)
             if job.remaining == 0:
                 self._finish(job)
+
+    def _free_memory(self) -> None:
+        """Give back what a failed forward pass held, so the retry (and later batches) can use it."""
+        gc.collect()
+        if self.encoder.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _finish(self, job: Job) -> None:
         started = job.started_at if job.started_at is not None else job.enqueued_at

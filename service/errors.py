@@ -116,10 +116,12 @@ def overloaded(limit: int) -> ServiceError:
 
 
 def out_of_memory(tokens: int) -> ServiceError:
+    """An input that ran out of memory even alone in its batch (after splitting the batch)."""
     return ServiceError(
         503,
         "out_of_memory",
-        f"out of memory running a batch of {tokens} tokens; retry with fewer or shorter inputs",
+        f"out of memory on an input of {tokens} tokens, even in a batch of its own; "
+        "retry later or send a shorter input",
         headers={"Retry-After": "1"},
     )
 

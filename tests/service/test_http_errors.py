@@ -249,11 +249,64 @@ async def test_503_out_of_memory_and_the_server_keeps_serving(fault):
     async with running(app) as http:
         response = await http.post("/v1/embeddings", json={"input": ["hello world", "abc"]})
         error = assert_error(response, 503, None, "out of memory")
-        assert "7 tokens" in error["message"]  # [CLS] hello world [SEP] + [CLS] abc [SEP]
+        # Split down to single inputs; the first, [CLS] hello world [SEP], failed alone.
+        assert "input of 4 tokens" in error["message"]
         assert response.headers["retry-after"] == "1"
+        assert [len(call["inputs"]) for call in encoder.calls] == [2, 1]  # its batch-mate was skipped
         encoder.fail = None
         assert (await http.post("/v1/embeddings", json={"input": "hello world"})).status_code == 200
         assert (await http.get("/health/ready")).status_code == 200
+        metrics = (await http.get("/metrics")).text
+        assert 'clusterserve_request_failures_total{reason="out_of_memory"} 1.0' in metrics
+
+
+@pytest.mark.anyio
+async def test_out_of_memory_mid_batch_splits_and_retries_down_to_the_input_that_does_not_fit():
+    import anyio
+
+    gate = threading.Event()
+    # Out of memory above 40 padded tokens: eight short inputs together, or the long one alone.
+    encoder = FakeEncoder(gate=gate, fail=torch.OutOfMemoryError("CUDA out of memory"), fail_above_tokens=40)
+    app, encoder = fake_app(encoder)
+    shorts = [f"short text {i}" for i in range(8)]  # 5 tokens each
+    long = " ".join(["word"] * 48)  # 50 tokens
+    async with running(app) as http:
+        responses = {}
+
+        async def post(text):
+            responses[text] = await http.post("/v1/embeddings", json={"input": text})
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(post, "hold")  # holds the worker while the others queue
+            with anyio.fail_after(10):
+                while not encoder.calls:
+                    await anyio.sleep(0.005)
+            for text in [*shorts[:4], long, *shorts[4:]]:
+                tasks.start_soon(post, text)
+            with anyio.fail_after(10):
+                while app.state.service.batcher.snapshot()["pending_items"] < 9:
+                    await anyio.sleep(0.005)
+            gate.set()
+
+        for text in ["hold", *shorts]:
+            assert responses[text].status_code == 200, responses[text].text
+            assert responses[text].json()["data"][0]["embedding"]
+        error = assert_error(responses[long], 503, None, "input of 50 tokens")
+        assert error["type"] == "service_unavailable"
+        sizes = [len(call["inputs"]) for call in encoder.calls]
+        assert sizes[:2] == [1, 9]  # the hold, then the whole queue in one batch, which failed
+        assert max(sizes[2:]) < 9 and sum(1 for call in encoder.calls if [len(x) for x in call["inputs"]] == [50]) == 1
+        # Every short input was embedded exactly once, in a batch that fit.
+        succeeded = [ids for call in encoder.calls[2:] for ids in call["inputs"]
+                     if len(call["inputs"]) * max(map(len, call["inputs"])) <= 40]
+        assert sorted(map(tuple, succeeded)) == sorted(tuple(t.ids) for t in encoder.tokenize(shorts))
+
+        # The server keeps serving, even long inputs that fit alone.
+        encoder.fail_above_tokens = 60
+        assert (await http.post("/v1/embeddings", json={"input": long})).status_code == 200
+        assert (await http.get("/health/ready")).status_code == 200
+        metrics = (await http.get("/metrics")).text
+        assert 'clusterserve_request_failures_total{reason="out_of_memory"} 1.0' in metrics
 
 
 @pytest.mark.anyio
@@ -287,3 +340,41 @@ async def test_504_deadline_and_expired_work_is_never_started():
         running_ids, queued_ids = (t.ids for t in encoder.tokenize(["running", "queued"]))
         assert ran[0] == [running_ids]
         assert [queued_ids] not in ran
+
+
+@pytest.mark.anyio
+async def test_deadline_header_shortens_but_never_extends_the_server_deadline():
+    import anyio
+
+    gate = threading.Event()
+    app, encoder = fake_app(FakeEncoder(gate=gate), request_timeout_s=0.5)
+    async with running(app) as http:
+        async with anyio.create_task_group() as tasks:
+            responses = {}
+
+            async def post(name, timeout_ms):
+                headers = {"x-request-timeout-ms": timeout_ms}
+                responses[name] = await http.post("/v1/embeddings", json={"input": name}, headers=headers)
+
+            tasks.start_soon(post, "running", "100")
+            with anyio.fail_after(10):
+                while not encoder.calls:
+                    await anyio.sleep(0.005)
+            tasks.start_soon(post, "queued", "100000")  # asks for 100 s: capped at the server's 0.5 s
+            await anyio.sleep(0.8)
+            gate.set()
+        assert_error(responses["running"], 504, None, "deadline of 0.1 s")
+        assert_error(responses["queued"], 504, None, "deadline of 0.5 s")
+        ran = [call["inputs"] for call in encoder.calls]
+        assert [encoder.tokenize(["queued"])[0].ids] not in ran  # expired in the queue: never run
+
+        # A deadline already passed on arrival is answered at once and never queued.
+        calls = len(encoder.calls)
+        response = await http.post("/v1/embeddings", json={"input": "late"}, headers={"x-request-timeout-ms": "0.001"})
+        assert_error(response, 504, None, "deadline")
+        assert len(encoder.calls) == calls
+        for bad in ("0", "-5", "soon", "nan", "inf"):
+            response = await http.post("/v1/embeddings", json={"input": "a"}, headers={"x-request-timeout-ms": bad})
+            assert_error(response, 422, "x-request-timeout-ms", "milliseconds")
+        ok = await http.post("/embed", json={"inputs": "a"}, headers={"x-request-timeout-ms": "5000"})
+        assert ok.status_code == 200
