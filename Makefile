@@ -32,5 +32,9 @@ bench: install-test
 	$(PY) -m bench.cpu
 	$(PY) -m bench.fidelity
 
+lint: install-test
+	$(PY) -m pip install --quiet ruff
+	$(PY) -m ruff check kernels models service bench tests
+
 clean:
 	rm -rf $(VENV) build *.egg-info

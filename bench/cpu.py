@@ -105,7 +105,8 @@ def _plot(rows: list[dict], path) -> None:
     fig, axes = plt.subplots(2, len(kinds), figsize=(6 * len(kinds), 8), squeeze=False)
     for col, kind in enumerate(kinds):
         for method in SPECS:
-            pts = sorted((r["seq_len"], r["ms"], r["speedup_vs_full"]) for r in rows if r["kind"] == kind and r["method"] == method)
+            mine = (r for r in rows if r["kind"] == kind and r["method"] == method)
+            pts = sorted((r["seq_len"], r["ms"], r["speedup_vs_full"]) for r in mine)
             if not pts:
                 continue
             lengths, ms, speedup = zip(*pts)

@@ -178,7 +178,8 @@ def main() -> None:
             full = [r for r in rows if r["length"] == row["length"] and r["method"] == "full"]
             row["vs_full"] = row["latency_s"] / full[0]["latency_s"] if full else None
         print()
-        print_table(rows, ["length", "method", "tokens", "latency_s", "min_s", "inference_s", "queue_s", "peak_mib", "vs_full", "load_before", "load_after"])
+        columns = ["length", "method", "tokens", "latency_s", "min_s", "inference_s", "queue_s", "peak_mib", "vs_full"]
+        print_table(rows, columns + ["load_before", "load_after"])
         meta = {
             "url": url if args.url else "spawned python -m service",
             "model": info["model"],

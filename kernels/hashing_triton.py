@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-
 # Codes are packed into one int64, so at most 63 bits (spec.bits <= 63): the tile is 64 wide.
 BLOCK_BITS = 64
 

@@ -11,7 +11,6 @@ torch ops (cumsum, top-k, gathers) update the centroids; none of them waits on t
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

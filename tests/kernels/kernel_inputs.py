@@ -14,7 +14,8 @@ def qkv(b=2, h=2, n=48, m=None, d=16, dv=None, dtype=torch.float32, seed=0, stru
     if structured:
         centres = torch.randn(b, h, 6, d, generator=g, dtype=torch.float64) * 2
         pick = torch.randint(0, 6, (b, h, n), generator=g)
-        q = centres.gather(2, pick[..., None].expand(-1, -1, -1, d)) + 0.3 * torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+        noise = 0.3 * torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+        q = centres.gather(2, pick[..., None].expand(-1, -1, -1, d)) + noise
     else:
         q = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
     k = torch.randn(b, h, m, d, generator=g, dtype=torch.float64)

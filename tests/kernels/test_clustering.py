@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kernels import AttentionSpec, attention
 from kernels.clustered import cluster_queries, cluster_tiles
 from kernels.hashing import hash_codes, hash_planes, hash_signs, pack_codes, unpack_bits
-from kernels.kmeans import hamming_kmeans, initial_offsets
+from kernels.kmeans import hamming_kmeans
 
 
 @pytest.mark.parametrize("bits", [1, 8, 63])

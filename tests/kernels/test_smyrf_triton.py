@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from kernel_inputs import padding_mask, qkv
 
 from kernels import AttentionSpec, attention
 from kernels.smyrf import (
@@ -19,8 +20,6 @@ from kernels.smyrf import (
     smyrf_projections,
 )
 from kernels.smyrf_triton import smyrf_attention_triton, smyrf_cluster_attention_triton, smyrf_hashes_triton
-
-from kernel_inputs import padding_mask, qkv
 
 FULL = AttentionSpec(method="full")
 
