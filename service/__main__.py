@@ -58,7 +58,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     # uvicorn drains on SIGTERM, then re-raises it under the handler it found at start-up.
     # Make that handler a clean exit, so an orchestrator's stop is exit status 0, not -15.
     signal.signal(signal.SIGTERM, _exit_cleanly)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]  # a float works
+    )
 
 
 if __name__ == "__main__":

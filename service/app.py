@@ -70,7 +70,7 @@ def create_app(settings: Settings | None = None, load: Callable[[Settings], Any]
         with state.lock:
             state.draining, state.ready = True, False
         if state.batcher is not None:
-            await asyncio.to_thread(state.batcher.stop)
+            await asyncio.to_thread(state.batcher.stop, settings.drain_timeout_s)
 
     app = FastAPI(
         title="clusterserve",

@@ -31,6 +31,7 @@ FAILURE_REASONS = (
     "not_ready",
     "out_of_memory",
     "deadline",
+    "disconnected",
     "internal",
 )
 
@@ -42,6 +43,7 @@ _TYPES = {
     413: "request_too_large",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    499: "client_closed_request",
     500: "internal_error",
     503: "service_unavailable",
     504: "timeout_error",
@@ -128,6 +130,12 @@ def out_of_memory(tokens: int) -> ServiceError:
 
 def deadline_exceeded(timeout_s: float) -> ServiceError:
     return ServiceError(504, "deadline", f"request did not finish within its deadline of {timeout_s:g} s")
+
+
+def client_disconnected() -> ServiceError:
+    # 499 (nginx's "client closed request"): nobody reads it, but the access log and
+    # clusterserve_requests_total{code} show what happened.
+    return ServiceError(499, "disconnected", "the client disconnected before its embeddings were ready")
 
 
 def error_body(status: int, message: str, param: str | None) -> dict[str, Any]:

@@ -68,6 +68,13 @@ class Settings(BaseSettings):
         600.0, gt=0, description="deadline of an embedding request, from arrival; 504 after it"
     )
 
+    drain_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="on SIGTERM: how long uvicorn waits for open requests, then how long the "
+        "scheduler gets to finish its queue",
+    )
+
     api_key: SecretStr | None = Field(
         None, description="if set, embedding and tokenize routes need `Authorization: Bearer <key>`"
     )

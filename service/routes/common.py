@@ -7,6 +7,7 @@ length -> queue the job on the scheduler -> vectors, timings and the `x-*` heade
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import json
@@ -22,7 +23,7 @@ from torch import Tensor
 from kernels import AttentionSpec
 
 from .. import errors
-from ..batching import Job, JobResult
+from ..batching import Batcher, Job, JobResult
 from ..middleware import ARRIVAL_KEY, METHOD_KEY, REQUEST_ID_KEY
 from ..schemas import AttentionRequest
 from ..state import ServiceState, get_state
@@ -86,6 +87,30 @@ def echo_attention(specs: list[AttentionSpec], requested: AttentionSpec) -> dict
         "auto_threshold": requested.auto_threshold,
         "inputs": [spec.used_knobs() for spec in specs],
     }
+
+
+async def submit_unless_disconnected(request: Request, batcher: Batcher, job: Job) -> JobResult:
+    """`batcher.submit(job)`, withdrawn if the client disconnects first: its queued inputs are
+    dropped unrun, and the request ends as 499 (counted as reason="disconnected")."""
+    submitted = asyncio.ensure_future(batcher.submit(job))
+    gone = asyncio.ensure_future(_client_gone(request))
+    done: set[asyncio.Future[Any]] = set()
+    try:
+        done, _ = await asyncio.wait({submitted, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not submitted.done():
+            submitted.cancel()  # submit's own clean-up marks the job cancelled for the worker
+            await asyncio.wait({submitted})
+    if submitted in done:
+        return submitted.result()
+    raise errors.client_disconnected()
+
+
+async def _client_gone(request: Request) -> None:
+    """Return when the client disconnects (the body was read already: nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @dataclass(frozen=True)
@@ -180,7 +205,7 @@ async def embed(
         deadline=request.scope.get(ARRIVAL_KEY, time.monotonic()) + timeout,
         timeout_s=timeout,
     )
-    result = await batcher.submit(job)
+    result = await submit_unless_disconnected(request, batcher, job)
     return Embedded(
         vectors=result.vectors,
         tokens=[len(ids) for ids in sequences],

@@ -378,3 +378,65 @@ async def test_deadline_header_shortens_but_never_extends_the_server_deadline():
             assert_error(response, 422, "x-request-timeout-ms", "milliseconds")
         ok = await http.post("/embed", json={"inputs": "a"}, headers={"x-request-timeout-ms": "5000"})
         assert ok.status_code == 200
+
+
+@pytest.mark.anyio
+async def test_a_client_that_disconnects_before_its_batch_runs_is_dropped_and_counted():
+    import json
+
+    import anyio
+
+    gate = threading.Event()
+    app, encoder = fake_app(FakeEncoder(gate=gate))
+    async with running(app) as http:
+        held = {}
+        body = json.dumps({"input": "gone away"}).encode()
+        incoming = [{"type": "http.request", "body": body, "more_body": False}]
+        leave, answered, sent = anyio.Event(), anyio.Event(), []
+
+        async def receive():
+            if incoming:
+                return incoming.pop()
+            await leave.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "scheme": "http", "path": "/v1/embeddings", "raw_path": b"/v1/embeddings", "query_string": b"",
+            "root_path": "", "client": ("127.0.0.1", 40000), "server": ("testserver", 80),
+            "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode())],
+        }
+
+        async def hold():
+            held["response"] = await http.post("/v1/embeddings", json={"input": "hold"})
+
+        async def leaving_client():
+            await app(scope, receive, send)
+            answered.set()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(hold)
+            with anyio.fail_after(10):
+                while not encoder.calls:
+                    await anyio.sleep(0.005)
+            tasks.start_soon(leaving_client)
+            batcher = app.state.service.batcher
+            with anyio.fail_after(10):
+                while batcher.snapshot()["pending_items"] < 1:  # queued behind the held batch
+                    await anyio.sleep(0.005)
+            leave.set()
+            with anyio.fail_after(5):
+                await answered.wait()
+            assert batcher.snapshot()["admitted"] == 1  # only the held request is still in
+            gate.set()
+        assert held["response"].status_code == 200
+        assert sent[0]["status"] == 499
+        gone_ids = encoder.tokenize(["gone away"])[0].ids
+        assert all(gone_ids not in call["inputs"] for call in encoder.calls)  # never run
+        assert (await http.post("/v1/embeddings", json={"input": "next"})).status_code == 200
+        metrics = (await http.get("/metrics")).text
+        assert 'clusterserve_request_failures_total{reason="disconnected"} 1.0' in metrics

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def server(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLUSTERSERVE_")}
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port)],
+            [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port), "--drain-timeout-s", "120"],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         )
     base = f"http://127.0.0.1:{port}"
@@ -129,9 +130,38 @@ def test_plain_http(server):
         assert 'clusterserve_build_info{backend="torch",device="cpu",model="all-MiniLM-L6-v2"' in metrics
 
 
-def test_sigterm_stops_cleanly(server):
-    process = server["process"]
+def test_sigterm_during_traffic_finishes_in_flight_requests_and_exits_0(server):
+    process, base = server["process"], server["base"]
+    results: list[httpx.Response | Exception] = []
+
+    def slow_request() -> None:
+        try:  # a ~3.3k-token document with exact attention: seconds of CPU work
+            body = {"inputs": DOCUMENT, "attention": {"method": "full"}}
+            results.append(httpx.post(f"{base}/embed", json=body, timeout=120))
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            results.append(exc)
+
+    threads = [threading.Thread(target=slow_request) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while "clusterserve_inflight_requests 3.0" not in httpx.get(f"{base}/metrics", timeout=5).text:
+        assert time.monotonic() < deadline, "the slow requests never got in flight"
+        time.sleep(0.02)
     process.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    try:  # a new request is refused: the listening socket is closed, or 503 while draining
+        late = httpx.post(f"{base}/embed", json={"inputs": "late"}, timeout=10)
+        assert late.status_code == 503, late.text
+    except httpx.TransportError:
+        pass
+    for thread in threads:
+        thread.join(120)
+    assert len(results) == 3
+    for result in results:
+        assert isinstance(result, httpx.Response), result
+        assert result.status_code == 200, result.text + server["log"].read_text()[-3000:]
+        assert np.array(result.json()).shape == (1, 384)
     assert process.wait(60) == 0, server["log"].read_text()
     log = server["log"].read_text()
     assert "Traceback" not in log, log
