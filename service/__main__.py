@@ -7,7 +7,6 @@ over `CLUSTERSERVE_*` environment variables, which win over the defaults.
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import sys
 import typing
@@ -16,6 +15,7 @@ from collections.abc import Sequence
 import uvicorn
 from pydantic import ValidationError
 
+from .logs import configure as configure_logging
 from .settings import Settings
 
 
@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_settings(argv)
     if settings.model is not None and not settings.model.is_dir():
         sys.exit(f"--model: {settings.model} is not a directory")
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_format, settings.log_level)
     from .app import create_app
 
     # uvicorn drains on SIGTERM, then re-raises it under the handler it found at start-up.
@@ -63,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        log_config=None,  # uvicorn's loggers go through our handler, in our format
+        access_log=False,  # the middleware writes one access line per request, with its id
         timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]  # a float works
     )
 

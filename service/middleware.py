@@ -19,6 +19,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import error_body
+from .logs import log_request
 from .metrics import INFERENCE_ENDPOINTS, NO_METHOD, OTHER_ENDPOINTS, Metrics
 
 log = logging.getLogger("clusterserve")
@@ -28,6 +29,12 @@ REQUEST_ID_KEY = "clusterserve.request_id"
 ARRIVAL_KEY = "clusterserve.arrival"  # time.monotonic() when the request arrived
 METHOD_KEY = "clusterserve.method"  # attention method, set by the embedding routes
 
+# Response headers copied into the access line (timings and size; nothing the client sent).
+_LOGGED_HEADERS = {
+    b"x-input-tokens": b"tokens",
+    b"x-queue-time-ms": b"queue_ms",
+    b"x-inference-time-ms": b"inference_ms",
+}
 _KNOWN_ENDPOINTS = frozenset(INFERENCE_ENDPOINTS + OTHER_ENDPOINTS)
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -48,12 +55,14 @@ class RequestMiddleware:
         scope[ARRIVAL_KEY] = arrival
         status = 500
         started = False
+        sent_headers: dict[bytes, bytes] = {}
 
         async def send_with_headers(message: Message) -> None:
             nonlocal status, started
             if message["type"] == "http.response.start":
                 status, started = message["status"], True
                 headers = list(message.get("headers", []))
+                sent_headers.update((k.lower(), v) for k, v in headers if k.lower() in _LOGGED_HEADERS)
                 headers.append((b"x-request-id", request_id.encode()))
                 headers.append((b"x-total-time-ms", f"{(time.monotonic() - arrival) * 1e3:.3f}".encode()))
                 message = {**message, "headers": headers}
@@ -80,8 +89,24 @@ class RequestMiddleware:
             endpoint = path if path in _KNOWN_ENDPOINTS else "other"
             method = scope.get(METHOD_KEY, NO_METHOD)
             self.metrics.requests.labels(endpoint=endpoint, method=method, code=str(status)).inc()
-            self.metrics.request_duration.labels(endpoint=endpoint, method=method).observe(
-                time.monotonic() - arrival
+            total_s = time.monotonic() - arrival
+            self.metrics.request_duration.labels(endpoint=endpoint, method=method).observe(total_s)
+            logged = {
+                name.decode(): sent_headers[key].decode("latin-1")
+                for key, name in _LOGGED_HEADERS.items()
+                if key in sent_headers
+            }
+            log_request(
+                {
+                    "request_id": request_id,
+                    "http_method": scope.get("method"),
+                    "route": endpoint,
+                    "path": scope.get("path"),
+                    "status": status,
+                    "attention": None if method == NO_METHOD else method,
+                    **logged,
+                    "total_ms": round(total_s * 1e3, 3),
+                }
             )
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | tuple[int, str, str] | None:

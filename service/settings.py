@@ -84,6 +84,11 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error", "critical"] = Field(
         "info", description="log level of the server and uvicorn"
     )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description='"json": one JSON object per log line (access lines carry the request id, '
+        "route, status, tokens, times)",
+    )
     warmup: bool = Field(True, description="run each method once at start-up before turning ready")
 
     @field_validator("cors_origins", mode="before")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 
-import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 

