@@ -24,3 +24,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "load: a bounded load test against a real server process (under ~60 s)")

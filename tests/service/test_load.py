@@ -1,0 +1,149 @@
+"""A bounded load test against a real server process (`python -m service` on 127.0.0.1).
+
+16 concurrent clients send a few hundred requests of mixed lengths (10 to ~2k tokens), both
+embedding routes and every attention method, under a hard time bound. Every request must be
+answered 200 (with a vector per input) or an explicit 429/503; the server must still be
+ready afterwards, and its RSS must not grow without bound once warm. Prints the request
+count, status counts, p50/p99 latency, throughput and RSS before and after (`pytest -s`).
+Marked `load`: it runs in `make test`; `-m "not load"` skips it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+from service_helpers import license_text
+
+ROOT = Path(__file__).resolve().parents[2]
+CONCURRENCY = 16
+MAX_REQUESTS = 300
+WARMUP_REQUESTS = 16
+TIME_BOUND_S = 30.0  # no new request starts after this; in-flight ones still finish
+RSS_GROWTH_LIMIT = 192 * 2**20  # second half of the load: a leak shows here
+RSS_TOTAL_LIMIT = 768 * 2**20  # whole load: the allocator's high-water mark of new batch shapes
+METHODS = ["full", "clustered", "i-clustered", "smyrf", "auto"]
+TEXT = license_text()
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def request_body(rng: random.Random) -> tuple[str, dict]:
+    tokens = int(10 * 200 ** rng.random())  # log-uniform in [10, 2000)
+    start = rng.randrange(0, len(TEXT) - 12000)
+    text = TEXT[start : start + tokens * 5]  # ~5 characters a token in this prose
+    attention = {"method": rng.choice(METHODS)}
+    if rng.random() < 0.5:
+        return "/v1/embeddings", {"input": text, "attention": attention}
+    return "/embed", {"inputs": [text, text[: len(text) // 2 + 1]], "attention": attention}
+
+
+async def drive(base: str, count: int, seed: int, stop_at: float) -> list[tuple[int, float, bool]]:
+    """(status, latency s, vectors present and well-formed) per request sent."""
+    rng = random.Random(seed)
+    bodies = [request_body(rng) for _ in range(count)]
+    results: list[tuple[int, float, bool]] = []
+    limits = httpx.Limits(max_connections=CONCURRENCY)
+    async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as http:
+        queue = iter(bodies)
+
+        async def client() -> None:
+            for path, body in queue:
+                if time.monotonic() > stop_at:
+                    return
+                began = time.monotonic()
+                response = await http.post(path, json=body)
+                latency = time.monotonic() - began
+                ok = False
+                if response.status_code == 200:
+                    payload = response.json()
+                    rows = [d["embedding"] for d in payload["data"]] if path == "/v1/embeddings" else payload
+                    expected = 1 if path == "/v1/embeddings" else 2
+                    ok = len(rows) == expected and all(len(row) == 384 for row in rows)
+                else:
+                    ok = response.json()["error"]["message"] != ""
+                results.append((response.status_code, latency, ok))
+                if response.status_code in (429, 503):  # back off as Retry-After asks (scaled down)
+                    await asyncio.sleep(float(response.headers.get("retry-after", "1")) / 4)
+
+        await asyncio.gather(*(client() for _ in range(CONCURRENCY)))
+    return results
+
+
+@pytest.mark.load
+@pytest.mark.timeout(150)
+def test_load_mixed_lengths_and_methods(tmp_path):
+    from test_server_process import free_port
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLUSTERSERVE_")}
+    env["MALLOC_ARENA_MAX"] = "2"  # glibc's per-thread arenas (the tokenizer's thread pool) inflate RSS
+    log_path = tmp_path / "server.log"
+    args = ["--host", "127.0.0.1", "--port", str(port), "--max-concurrent-requests", "14", "--max-input-tokens", "4096", "--max-batch-tokens", "4096"]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "service", *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(f"{base}/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.25)
+
+        # Warm-up reaches the high-water mark: the longest inputs with every method, two at a
+        # time (the 4096-token batch budget); the allocator keeps that memory for reuse.
+        longest = [TEXT[:9500], TEXT[10000:19500]]  # ~1.9k tokens each: both fit one 4096-token batch
+        with httpx.Client(base_url=base, timeout=120) as http:
+            for method in METHODS:
+                response = http.post("/embed", json={"inputs": longest, "attention": {"method": method}})
+                assert response.status_code == 200, response.text
+        warm = asyncio.run(drive(base, WARMUP_REQUESTS, seed=1, stop_at=time.monotonic() + 15))
+        assert all(status in (200, 429, 503) for status, _, _ in warm)
+        rss_before = rss_bytes(process.pid)
+
+        # Two halves: RSS may still rise through the first (allocator arenas of the tokenizer's
+        # thread pool, cached blocks of new batch shapes) but must level off in the second.
+        began = time.monotonic()
+        results = asyncio.run(drive(base, MAX_REQUESTS // 2, seed=2, stop_at=began + TIME_BOUND_S / 2))
+        rss_middle = rss_bytes(process.pid)
+        results += asyncio.run(drive(base, MAX_REQUESTS // 2, seed=3, stop_at=began + TIME_BOUND_S))
+        elapsed = time.monotonic() - began
+        rss_after = rss_bytes(process.pid)
+
+        statuses = Counter(status for status, _, _ in results)
+        latencies = sorted(latency for status, latency, _ in results if status == 200)
+        p50 = latencies[len(latencies) // 2]
+        p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
+        print(
+            f"\nload: {len(results)} requests, {CONCURRENCY} concurrent, statuses {dict(statuses)}, "
+            f"p50 {p50 * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms, {statuses[200] / elapsed:.1f} req/s over {elapsed:.1f} s, "
+            f"RSS {rss_before / 2**20:.0f} -> {rss_middle / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB"
+        )
+        assert len(results) >= 50, "too few requests answered within the time bound to mean anything"
+        assert set(statuses) <= {200, 429, 503}, statuses
+        assert statuses[200] >= 30, statuses
+        assert all(ok for _, _, ok in results), "a 200 without its vectors, or an error without a message"
+        assert httpx.get(f"{base}/health/ready", timeout=5).status_code == 200
+        assert rss_after - rss_before < RSS_TOTAL_LIMIT, (rss_before, rss_middle, rss_after)
+        assert rss_after - rss_middle < RSS_GROWTH_LIMIT, (rss_before, rss_middle, rss_after)
+    finally:
+        process.kill()
+        process.wait(10)
