@@ -110,7 +110,10 @@ class Metrics:
             "clusterserve_request_failures", "failed requests by reason", ["reason"], registry=r
         )
         self.build_info = Gauge(
-            "clusterserve_build_info", "always 1; labels describe the build", ["version", "model", "device", "backend"], registry=r
+            "clusterserve_build_info",
+            "always 1; labels describe the build",
+            ["version", "model", "device", "backend"],
+            registry=r,
         )
         self._create_children()
 

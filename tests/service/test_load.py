@@ -93,9 +93,11 @@ def test_load_mixed_lengths_and_methods(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLUSTERSERVE_")}
     env["MALLOC_ARENA_MAX"] = "2"  # glibc's per-thread arenas (the tokenizer's thread pool) inflate RSS
     log_path = tmp_path / "server.log"
-    args = ["--host", "127.0.0.1", "--port", str(port), "--max-concurrent-requests", "14", "--max-input-tokens", "4096", "--max-batch-tokens", "4096"]
+    args = ["--host", "127.0.0.1", "--port", str(port), "--max-concurrent-requests", "14"]
+    args += ["--max-input-tokens", "4096", "--max-batch-tokens", "4096"]
     with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "service", *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        command = [sys.executable, "-m", "service", *args]
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while True:
