@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .hashing import hash_planes, hash_signs
 from .kmeans import cluster_means, hamming_kmeans, initial_offsets, one_query_per_cluster, refine_clusters
+from .masks import token_masks
 from .spec import AttentionSpec
 
 # Members of one cluster are processed in tiles of this many queries (the Triton kernel's
@@ -57,7 +58,7 @@ def clustered_attention_torch(
     """
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kf, vf = q.to(compute), k.to(compute), v.to(compute)
-    key_mask, query_mask = _masks(q, k, key_padding_mask)
+    key_mask, query_mask = token_masks(q, k, key_padding_mask)
     assign = cluster_queries(qf, query_mask, spec)
     centroids = cluster_means(qf, assign, spec.clusters)  # (B, H, C, D)
     centroid_probs = _centroid_attention(centroids, kf, key_mask, scale)  # (B, H, C, M)
@@ -67,18 +68,6 @@ def clustered_attention_torch(
     else:
         out = _improved(qf, kf, vf, assign, centroid_probs, centroid_values, key_mask, scale, spec.topk)
     return out.to(q.dtype)
-
-
-def _masks(q: Tensor, k: Tensor, key_padding_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(key_mask (B, M), query_mask (B, N)); queries share the key mask only when N == M."""
-    b, _, n, _ = q.shape
-    m = k.shape[2]
-    if key_padding_mask is None:
-        key_mask = torch.ones(b, m, dtype=torch.bool, device=q.device)
-    else:
-        key_mask = key_padding_mask
-    query_mask = key_mask if n == m else torch.ones(b, n, dtype=torch.bool, device=q.device)
-    return key_mask, query_mask
 
 
 def _centroid_attention(centroids: Tensor, k: Tensor, key_mask: Tensor, scale: float) -> Tensor:

@@ -23,11 +23,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .clustered import TILE, _masks, cluster_tiles
+from .clustered import TILE, cluster_tiles
 from .hashing import hash_planes, on_device
 from .hashing_triton import hash_codes_triton
 from .kmeans import initial_offsets, one_query_per_cluster
 from .kmeans_triton import cluster_means_triton, hamming_kmeans_triton, refine_clusters_triton
+from .masks import token_masks
 from .spec import AttentionSpec
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -281,7 +282,7 @@ def clustered_attention_triton(
         raise ValueError(
             f"q: the triton backend takes float32, float16 or bfloat16, got {q.dtype}; use backend='torch'"
         )
-    key_mask, query_mask = _masks(q, k, key_padding_mask)
+    key_mask, query_mask = token_masks(q, k, key_padding_mask)
     assign = cluster_queries_triton(q, query_mask, spec)
     centroids, _, _ = cluster_means_triton(q, assign, spec.clusters)
     improved = spec.method == "i-clustered"

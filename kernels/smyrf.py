@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .hashing import seeded_generator
+from .masks import token_masks
 from .spec import AttentionSpec
 
 
@@ -88,9 +89,8 @@ def smyrf_attention_torch(
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kf, vf = q.to(compute), k.to(compute), v.to(compute)
     b, h, n, d = q.shape
-    m, dv = k.shape[2], v.shape[-1]
-    key_mask = key_padding_mask if key_padding_mask is not None else torch.ones(b, m, dtype=torch.bool, device=q.device)
-    query_mask = key_mask if n == m else torch.ones(b, n, dtype=torch.bool, device=q.device)
+    dv = v.shape[-1]
+    key_mask, query_mask = token_masks(q, k, key_padding_mask)
     n_real, m_real = query_mask.sum(1), key_mask.sum(1)
     n_clusters = torch.minimum(
         (torch.maximum(n_real, m_real) + spec.cluster_size - 1) // spec.cluster_size,
