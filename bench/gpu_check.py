@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from kernels import AttentionSpec, attention
-from kernels.clustered import _masks, cluster_queries
+from kernels.clustered import cluster_queries
+from kernels.masks import token_masks
 from kernels.smyrf import asymmetric_hashes, smyrf_projections
 
 from .common import long_text_ids
@@ -136,7 +137,7 @@ def _case(log: Log, name: str, q: Tensor, k: Tensor, v: Tensor, spec: AttentionS
 def _same_clusters(q: Tensor, k: Tensor, spec: AttentionSpec, mask: Tensor | None) -> float:
     """Share of real queries that both backends put in the same cluster (SMYRF: the same
     bucket, queries and keys, averaged over rounds)."""
-    key_mask, query_mask = _masks(q, k, mask)
+    key_mask, query_mask = token_masks(q, k, mask)
     if spec.method != "smyrf":
         from kernels.clustered_triton import cluster_queries_triton
 

@@ -22,7 +22,7 @@ import triton
 from torch import Tensor
 
 from kernels import AttentionSpec
-from kernels.clustered import TILE, _masks, cluster_tiles
+from kernels.clustered import TILE, cluster_tiles
 from kernels.clustered_triton import (
     broadcast_triton,
     centroid_attention_triton,
@@ -33,6 +33,7 @@ from kernels.hashing import hash_planes, on_device
 from kernels.hashing_triton import hash_codes_triton
 from kernels.kmeans import initial_offsets, one_query_per_cluster
 from kernels.kmeans_triton import cluster_means_triton, hamming_kmeans_triton, refine_clusters_triton
+from kernels.masks import token_masks
 from kernels.smyrf import smyrf_projections
 from kernels.smyrf_triton import smyrf_cluster_attention_triton, smyrf_hashes_triton
 
@@ -69,7 +70,7 @@ def _clustered_plan(q, k, v, spec: AttentionSpec, scale: float) -> StagePlan:
     """clustered_attention_triton and cluster_queries_triton, one call per stage."""
     _, h, n, d = q.shape
     clusters = spec.clusters
-    key_mask, query_mask = _masks(q, k, None)
+    key_mask, query_mask = token_masks(q, k, None)
     planes = on_device(hash_planes, (h, d, spec.bits, spec.seed), q.device)
     offsets = on_device(initial_offsets, (h, spec.seed), q.device)
     codes = hash_codes_triton(q, planes)
