@@ -49,6 +49,17 @@ def _rounded(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax_step(acc, row_max, row_sum, logits, values):
+    """Fold one block of logits (rows, keys) and its values (keys, Dv) into a running softmax."""
+    new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+    rescale = tl.exp(row_max - new_max)
+    p = tl.exp(logits - new_max[:, None])
+    row_sum = row_sum * rescale + tl.sum(p, axis=1)
+    acc = acc * rescale[:, None] + tl.dot(p, values, input_precision="ieee")
+    return acc, new_max, row_sum
+
+
+@triton.jit
 def _centroid_attention_kernel(
     centroids_ptr, k_ptr, v_ptr, key_mask_ptr, probs_ptr, values_ptr,
     stride_kb, stride_kh, stride_km, stride_kd,
@@ -81,12 +92,7 @@ def _centroid_attention_kernel(
                          mask=real[:, None] & (vdims[None, :] < DV), other=0.0).to(tl.float32)
         logits = tl.dot(centroids, tl.trans(keys), input_precision="ieee") * scale
         logits = tl.where(real[None, :], logits, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(logits, axis=1))
-        rescale = tl.exp(row_max - new_max)
-        p = tl.exp(logits - new_max[:, None])
-        row_sum = row_sum * rescale + tl.sum(p, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(p, values, input_precision="ieee")
-        row_max = new_max
+        acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, logits, values)
     inv_sum = 1.0 / tl.where(row_sum > 0, row_sum, float("inf"))  # 0 where no key is real
     tl.store(values_ptr + (bh * C + rows)[:, None] * DV + vdims[None, :], acc * inv_sum[:, None],
              mask=in_rows[:, None] & (vdims[None, :] < DV))
@@ -173,12 +179,7 @@ def _improved_tile_kernel(
             top_values += tl.sum(centroid_p[:, None] * values, axis=0)
             logits = tl.dot(queries, tl.trans(keys), input_precision="ieee") * scale
             logits = tl.where(real[None, :], logits, float("-inf"))
-            new_max = tl.maximum(row_max, tl.max(logits, axis=1))
-            rescale = tl.exp(row_max - new_max)
-            p = tl.exp(logits - new_max[:, None])
-            row_sum = row_sum * rescale + tl.sum(p, axis=1)
-            acc = acc * rescale[:, None] + tl.dot(p, values, input_precision="ieee")
-            row_max = new_max
+            acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, logits, values)
         # A tile whose top-k keys are all padded has no exact part (the reference's NaN -> 0).
         exact = acc * (tl.sum(top_mass, axis=0) / tl.where(row_sum > 0, row_sum, float("inf")))[:, None]
         centroid_values = tl.load(centroid_values_ptr + (bh * C + cluster) * DV + vdims,

@@ -114,6 +114,18 @@ def _euclidean_assign_kernel(
 
 
 @triton.jit
+def _member_rows(x_head, order_ptr, bh, N, start, size, offset, stride_xn, stride_xd, dims, in_dims,
+                 BLOCK_N: tl.constexpr):
+    """Positions and float32 rows of the cluster members in slots [offset, offset + BLOCK_N)."""
+    slot = offset + tl.arange(0, BLOCK_N)
+    member = slot < size
+    position = tl.load(order_ptr + bh * N + start + slot, mask=member, other=0)
+    rows = tl.load(x_head + position[:, None] * stride_xn + dims[None, :] * stride_xd,
+                   mask=member[:, None] & in_dims[None, :], other=0.0).to(tl.float32)
+    return member, position, rows
+
+
+@triton.jit
 def _cluster_means_kernel(
     x_ptr, order_ptr, starts_ptr, sizes_ptr, means_ptr, distance_ptr,
     stride_xb, stride_xh, stride_xn, stride_xd,
@@ -132,21 +144,15 @@ def _cluster_means_kernel(
     x_head = x_ptr + batch * stride_xb + head * stride_xh
     total = tl.zeros([HEAD_DIM], tl.float32)
     for offset in range(0, size, BLOCK_N):
-        slot = offset + tl.arange(0, BLOCK_N)
-        member = slot < size
-        position = tl.load(order_ptr + bh * N + start + slot, mask=member, other=0)
-        rows = tl.load(x_head + position[:, None] * stride_xn + dims[None, :] * stride_xd,
-                       mask=member[:, None] & in_dims[None, :], other=0.0).to(tl.float32)
+        _, _, rows = _member_rows(x_head, order_ptr, bh, N, start, size, offset, stride_xn, stride_xd,
+                                  dims, in_dims, BLOCK_N)
         total += tl.sum(rows, axis=0)
     mean = total / tl.maximum(size, 1).to(tl.float32)
     tl.store(means_ptr + (bh * C + cluster) * D + dims, mean, mask=in_dims)
     if WITH_DISTANCE:
         for offset in range(0, size, BLOCK_N):
-            slot = offset + tl.arange(0, BLOCK_N)
-            member = slot < size
-            position = tl.load(order_ptr + bh * N + start + slot, mask=member, other=0)
-            rows = tl.load(x_head + position[:, None] * stride_xn + dims[None, :] * stride_xd,
-                           mask=member[:, None] & in_dims[None, :], other=0.0).to(tl.float32)
+            member, position, rows = _member_rows(x_head, order_ptr, bh, N, start, size, offset, stride_xn, stride_xd,
+                                                  dims, in_dims, BLOCK_N)
             gap = tl.where(in_dims[None, :], rows - mean[None, :], 0.0)
             tl.store(distance_ptr + bh * N + position, tl.sum(gap * gap, axis=1), mask=member)
 
