@@ -4,7 +4,6 @@ expression refers to, and the routes and settings of the real app."""
 from __future__ import annotations
 
 import re
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +15,6 @@ K8S = DEPLOY / "k8s"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "clusterserve.json"
 ADAPTER_VALUES = DEPLOY / "prometheus-adapter" / "values.yaml"
 PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ComposeLoader(yaml.SafeLoader):

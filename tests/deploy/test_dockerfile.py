@@ -137,7 +137,7 @@ def test_healthcheck_probes_liveness_on_the_served_port(commands):
 
 
 def test_healthcheck_command_passes_on_a_live_server_and_fails_without_one(commands, server):
-    from deploy_helpers import free_port
+    from server_process import free_port
 
     def run_on(port: int) -> subprocess.CompletedProcess:
         code = healthcheck_code(commands).replace(":8000/", f":{port}/")

@@ -20,7 +20,8 @@ import time
 import httpx
 import pytest
 import yaml
-from deploy_helpers import ADAPTER_VALUES, DASHBOARD, PROMETHEUS_CONFIG, free_port
+from deploy_helpers import ADAPTER_VALUES, DASHBOARD, PROMETHEUS_CONFIG
+from server_process import free_port
 
 METHODS = ("full", "clustered", "i-clustered", "smyrf")
 REQUESTS_PER_METHOD = 3

@@ -91,7 +91,10 @@ class FakeEncoder:
     def tokenize(self, texts: list[str]):
         return self.tokenizer.encode(texts)
 
-    def embed(self, inputs, spec, truncate=False, normalize=True, dimensions=None, truncation_direction="right", max_batch_tokens=16384):
+    def embed(
+        self, inputs, spec, truncate=False, normalize=True, dimensions=None, truncation_direction="right",
+        max_batch_tokens=16384,
+    ):
         self.calls.append({"inputs": [list(x) for x in inputs], "spec": spec, "normalize": normalize})
         if self.gate is not None and not self.gate.wait(timeout=30):
             raise TimeoutError("test gate never opened")

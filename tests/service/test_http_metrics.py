@@ -51,7 +51,8 @@ async def test_every_series_before_the_first_request_and_counts_after():
             names = {label for (_, label_set) in before[name]["samples"] for label, _ in label_set}
             assert labels <= names | {"le"}, (name, names)
         for method in ("full", "clustered", "i-clustered", "smyrf"):
-            assert value(before, "clusterserve_inference_duration_seconds", "clusterserve_inference_duration_seconds_count", method=method) == 0
+            inference = ("clusterserve_inference_duration_seconds", "clusterserve_inference_duration_seconds_count")
+            assert value(before, *inference, method=method) == 0
         assert value(before, "clusterserve_requests", "clusterserve_requests_total",
                      endpoint="/v1/embeddings", method="full", code="200") == 0
         assert value(before, "clusterserve_build_info", "clusterserve_build_info",
@@ -77,7 +78,8 @@ async def test_every_series_before_the_first_request_and_counts_after():
     assert value(after, "clusterserve_input_tokens", "clusterserve_input_tokens_count", method="full") == 2
     assert value(after, "clusterserve_input_tokens", "clusterserve_input_tokens_sum", method="full") == 7
     assert value(after, "clusterserve_queue_duration_seconds", "clusterserve_queue_duration_seconds_count", method="full") == 2
-    assert value(after, "clusterserve_inference_duration_seconds", "clusterserve_inference_duration_seconds_count", method="full") == 1
+    inference = ("clusterserve_inference_duration_seconds", "clusterserve_inference_duration_seconds_count")
+    assert value(after, *inference, method="full") == 1
     assert value(after, "clusterserve_peak_memory_bytes", "clusterserve_peak_memory_bytes_count", method="full") == 1
     assert value(after, "clusterserve_request_failures", "clusterserve_request_failures_total", reason="invalid_field") == 1
     assert value(after, "clusterserve_queue_depth", "clusterserve_queue_depth") == 0

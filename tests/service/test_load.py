@@ -11,19 +11,16 @@ Marked `load`: it runs in `make test`; `-m "not load"` skips it.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
 import pytest
+from server_process import running_server
 from service_helpers import license_text
 
-ROOT = Path(__file__).resolve().parents[2]
 CONCURRENCY = 16
 MAX_REQUESTS = 300
 WARMUP_REQUESTS = 16
@@ -88,30 +85,10 @@ async def drive(base: str, count: int, seed: int, stop_at: float) -> list[tuple[
 @pytest.mark.load
 @pytest.mark.timeout(150)
 def test_load_mixed_lengths_and_methods(tmp_path):
-    from test_server_process import free_port
-
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CLUSTERSERVE_")}
-    env["MALLOC_ARENA_MAX"] = "2"  # glibc's per-thread arenas (the tokenizer's thread pool) inflate RSS
-    log_path = tmp_path / "server.log"
-    args = ["--host", "127.0.0.1", "--port", str(port), "--max-concurrent-requests", "14"]
-    args += ["--max-input-tokens", "4096", "--max-batch-tokens", "4096"]
-    with open(log_path, "w") as log:
-        command = [sys.executable, "-m", "service", *args]
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(f"{base}/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.25)
-
+    flags = ["--max-concurrent-requests", "14", "--max-input-tokens", "4096", "--max-batch-tokens", "4096"]
+    arenas = {"MALLOC_ARENA_MAX": "2"}  # glibc's per-thread arenas (the tokenizer's thread pool) inflate RSS
+    server = running_server(tmp_path / "server.log", *flags, env=arenas, ready_timeout_s=120)
+    with server as (base, process):
         # Warm-up reaches the high-water mark: the longest inputs with every method, two at a
         # time (the 4096-token batch budget); the allocator keeps that memory for reuse.
         longest = [TEXT[:9500], TEXT[10000:19500]]  # ~1.9k tokens each: both fit one 4096-token batch
@@ -149,6 +126,3 @@ def test_load_mixed_lengths_and_methods(tmp_path):
         assert httpx.get(f"{base}/health/ready", timeout=5).status_code == 200
         assert rss_after - rss_before < RSS_TOTAL_LIMIT, (rss_before, rss_middle, rss_after)
         assert rss_after - rss_middle < RSS_GROWTH_LIMIT, (rss_before, rss_middle, rss_after)
-    finally:
-        process.kill()
-        process.wait(10)

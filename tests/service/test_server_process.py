@@ -5,61 +5,26 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import pytest
+from server_process import running_server
 from service_helpers import license_text
 
-ROOT = Path(__file__).resolve().parents[2]
 METHODS = ["full", "clustered", "i-clustered", "smyrf"]
 DOCUMENT = license_text(17000)  # real prose, ~3,300 tokens
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CLUSTERSERVE_")}
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port), "--drain-timeout-s", "120"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"server exited with {process.returncode}:\n{log_path.read_text()}")
-            try:
-                if httpx.get(f"{base}/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready after 240 s:\n{log_path.read_text()}")
-            time.sleep(0.25)
+    with running_server(log_path, "--drain-timeout-s", "120") as (base, process):
         yield {"base": base, "process": process, "log": log_path}
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
 
 
 @pytest.fixture(scope="module")
