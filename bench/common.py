@@ -21,10 +21,19 @@ LICENSE_DIR = Path("/usr/share/common-licenses")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def long_text_ids(encoder, tokens: int, offset: int = 0) -> list[int]:
-    """Token ids of `tokens` tokens of real English prose (Debian's license texts, repeated
-    when more is asked than they hold), starting `offset` tokens in, with [CLS]/[SEP]."""
-    files = sorted(p for p in LICENSE_DIR.iterdir() if p.is_file() and not p.is_symlink())
+# Calibration measures on the first set; tests check its choices on the held-back second set.
+CALIBRATION_TEXTS = ("GPL-3", "GPL-2", "LGPL-2.1", "Apache-2.0", "CC0-1.0")
+HELD_BACK_TEXTS = ("MPL-1.1", "MPL-2.0", "GFDL-1.3", "Artistic", "BSD")
+
+
+def long_text_ids(encoder, tokens: int, offset: int = 0, texts: tuple[str, ...] | None = None) -> list[int]:
+    """Token ids of `tokens` tokens of real English prose (Debian's license texts, all of them
+    or the named ones, repeated when more is asked than they hold), starting `offset` tokens
+    in, with [CLS]/[SEP]."""
+    if texts is None:
+        files = sorted(p for p in LICENSE_DIR.iterdir() if p.is_file() and not p.is_symlink())
+    else:
+        files = [LICENSE_DIR / name for name in texts if (LICENSE_DIR / name).is_file()]
     if not files:
         raise FileNotFoundError(f"no texts under {LICENSE_DIR}; install Debian's base-files")
     corpus = "\n\n".join(p.read_text(errors="replace") for p in files)

@@ -9,6 +9,7 @@ Build one with `models.load_encoder`.
 from __future__ import annotations
 
 from numbers import Integral
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -39,7 +40,8 @@ class Encoder:
 
     name: model name; dim: embedding size; max_input_tokens: longest input accepted
     (special tokens included); native_positions: the longest input the checkpoint was
-    trained on; device, dtype: where and in what precision the weights live.
+    trained on; device, dtype: where and in what precision the weights live; folder: the
+    checkpoint folder it was loaded from.
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class Encoder:
         position_extension: str | None,
         pad_token_id: int,
         vocab_size: int,
+        folder: Path | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -66,6 +69,7 @@ class Encoder:
         self.position_extension = position_extension
         self.pad_token_id = pad_token_id
         self.vocab_size = vocab_size
+        self.folder = folder
         first = next(model.parameters())
         self.device = first.device
         self.dtype = first.dtype

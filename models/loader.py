@@ -97,6 +97,7 @@ def load_encoder(
         position_extension=extension,
         pad_token_id=config.pad_token_id,
         vocab_size=config.vocab_size,
+        folder=folder,
     )
 
 

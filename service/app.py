@@ -22,6 +22,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from kernels import APPROXIMATE_METHODS
+from models.calibration import Calibration, CalibrationError, find_calibration, load_calibration
 
 from . import __version__
 from .batching import Batcher
@@ -43,6 +44,8 @@ EXPOSED_HEADERS = [
     "x-input-tokens",
     "x-attention",
     "x-peak-memory-bytes",
+    "x-fidelity",
+    "x-exact-time-ms",
 ]
 _WARMUP_TEXT = "Clustered attention groups queries and attends once per cluster. " * 8  # ~100 tokens
 
@@ -52,6 +55,25 @@ def load_model(settings: Settings) -> Any:
     from models import load_encoder
 
     return load_encoder(settings.model, max_input_tokens=settings.max_input_tokens, device=settings.resolved_device())
+
+
+def load_calibration_for(encoder: Any, settings: Settings) -> Calibration | None:
+    """The calibration table for auto's `target_fidelity`: the configured one, else one found
+    for the model and device kind, else None (auto then falls back to its length threshold).
+    A configured table that is missing, a malformed one, or one for another model raises
+    CalibrationError, which fails start-up with its message."""
+    device = encoder.device.type
+    path = settings.calibration or find_calibration(encoder.name, getattr(encoder, "folder", None), device)
+    if path is None:
+        log.info("no calibration table for %s on %s: target_fidelity falls back to auto's threshold", encoder.name, device)
+        return None
+    table = load_calibration(path)
+    if table.model != encoder.name:
+        raise CalibrationError(f"calibration table {path} is for model {table.model!r}, not the served {encoder.name!r}")
+    if table.device != device:
+        log.warning("calibration table %s was measured on %s, not %s: its times may mislead", path, table.device, device)
+    log.info("calibration table %s: buckets %s", path, [b.tokens for b in table.buckets])
+    return table
 
 
 def create_app(settings: Settings | None = None, load: Callable[[Settings], Any] = load_model) -> FastAPI:
@@ -100,6 +122,7 @@ def _load_and_start(state: ServiceState, load: Callable[[Settings], Any]) -> Non
     settings = state.settings
     try:
         encoder = load(settings)
+        calibration = load_calibration_for(encoder, settings)
         if settings.warmup:
             _warm_up(encoder, state)
         batcher = Batcher(encoder, state.metrics, settings.max_batch_tokens, settings.max_concurrent_requests)
@@ -112,6 +135,7 @@ def _load_and_start(state: ServiceState, load: Callable[[Settings], Any]) -> Non
         if state.draining:
             return
         state.encoder, state.batcher, state.backend = encoder, batcher, backend
+        state.calibration = calibration
         state.max_input_tokens = encoder.max_input_tokens
         batcher.start()
         state.ready = True

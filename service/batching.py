@@ -88,6 +88,7 @@ class Job:
     finished_at: float = 0.0
     peak_memory: int | None = None
     vectors: list[Tensor | None] = field(default_factory=list)
+    spans: list[tuple[float, float] | None] = field(default_factory=list)  # per input: its batch's run
     remaining: int = 0
     cancelled: bool = False  # set by the event loop; the worker skips the job's items
     future: asyncio.Future[JobResult] | None = None
@@ -100,6 +101,11 @@ class JobResult:
     queue_s: float
     inference_s: float
     peak_memory: int | None
+    spans: tuple[tuple[float, float], ...] = ()  # per input: (start, end) of the forward pass that ran it
+
+    def run_seconds(self, indices: list[int]) -> float:
+        """Seconds of the forward passes that ran these inputs (a pass shared by several counts once)."""
+        return sum(end - start for start, end in {self.spans[i] for i in indices})
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         job.loop, job.future = loop, loop.create_future()
         job.vectors = [None] * len(job.inputs)
+        job.spans = [None] * len(job.inputs)
         job.remaining = len(job.inputs)
         job.enqueued_at = time.monotonic()
         self._admitted += 1
@@ -299,6 +306,7 @@ class Batcher:
         for item, vector in zip(batch, vectors):
             job = item.job
             job.vectors[item.index] = vector
+            job.spans[item.index] = (started, finished)
             job.remaining -= 1
             job.finished_at = finished
             if peak is not None:
@@ -319,6 +327,7 @@ class Batcher:
             queue_s=started - job.enqueued_at,
             inference_s=job.finished_at - started,
             peak_memory=job.peak_memory,
+            spans=tuple(job.spans),  # type: ignore[arg-type]
         )
         self._resolve(job, result, None)
 

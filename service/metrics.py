@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kernels import METHODS
+from kernels import APPROXIMATE_METHODS, METHODS
 
 from .errors import FAILURE_REASONS
 
@@ -45,6 +45,7 @@ _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 _TOKENS = tuple(float(2**i) for i in range(4, 17))  # 16 .. 65536
 _BATCH = tuple(float(2**i) for i in range(0, 9))  # 1 .. 256
 _BATCH_TOKENS = tuple(float(2**i) for i in range(6, 19))  # 64 .. 262144
+_FIDELITY = (0.5, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.998, 0.999, 1.0)
 _BYTES = tuple(float(2**i) for i in range(26, 37))  # 64 MiB .. 64 GiB
 
 
@@ -94,6 +95,13 @@ class Metrics:
             buckets=_BYTES,
             registry=r,
         )
+        self.fidelity = Histogram(
+            "clusterserve_fidelity",
+            'cosine of an approximate embedding to the exact one, per input of a "fidelity": true request',
+            ["method"],
+            buckets=_FIDELITY,
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "clusterserve_queue_depth", "embedding requests waiting for their first batch", registry=r
         )
@@ -135,6 +143,8 @@ class Metrics:
                 self.peak_memory,
             ):
                 family.labels(method=method)
+        for method in APPROXIMATE_METHODS:
+            self.fidelity.labels(method=method)
         for kind in ("allocated", "reserved", "rss"):
             self.device_memory.labels(kind=kind)
         for reason in FAILURE_REASONS:

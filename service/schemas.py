@@ -36,8 +36,19 @@ class AttentionRequest(BaseModel):
     cluster_size: StrictInt | None = _knob("cluster_size", "SMYRF queries per cluster")
     seed: StrictInt | None = _knob("seed", "seed of the random planes and initial centroids")
     target_fidelity: float | None = Field(
-        None, description="not supported yet: a request that sets it gets 422"
+        None,
+        gt=0,
+        le=1,
+        description="with method auto: the fastest calibrated configuration whose measured cosine to "
+        "exact attention at the input's length is at least this (exact when none is); the other "
+        "knobs except seed are chosen for you",
     )
+
+
+FIDELITY_DESCRIPTION = (
+    "also embed with exact attention and report, per input, the cosine of the returned embedding "
+    "to the exact one (x-exact-time-ms: the exact run's time); costs that exact run"
+)
 
 
 def _check_input(value: Any) -> str | list[str] | list[int] | list[list[int]]:
@@ -91,12 +102,14 @@ class EmbeddingRequest(BaseModel):
     user: str | None = Field(None, description="accepted and ignored (never logged)")
     attention: AttentionRequest | None = None
     truncate: StrictBool = Field(False, description="cut inputs longer than the limit instead of 413")
+    fidelity: StrictBool = Field(False, description=FIDELITY_DESCRIPTION)
 
 
 class EmbeddingData(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
     embedding: list[float] | str
+    fidelity: float | None = Field(None, description="with fidelity=true: cosine of this embedding to the exact one")
 
 
 class Usage(BaseModel):
@@ -123,6 +136,7 @@ class EmbedRequest(BaseModel):
     normalize: StrictBool = True
     dimensions: StrictInt | None = Field(None, ge=1)
     attention: AttentionRequest | None = None
+    fidelity: StrictBool = Field(False, description=FIDELITY_DESCRIPTION + " (header x-fidelity)")
 
 
 class TokenizeRequest(BaseModel):

@@ -51,6 +51,12 @@ class Settings(BaseSettings):
     auto_method: Literal[APPROXIMATE_METHODS] = Field(  # type: ignore[valid-type]
         _DEFAULT_SPEC.auto_method, description='"auto" runs this method from the threshold on'
     )
+    calibration: Path | None = Field(
+        None,
+        description="calibration table for auto's target_fidelity (python -m bench.calibrate); unset = "
+        "<model folder>/calibration.<cpu|cuda>.json or the table shipped for the model, if any; "
+        "a table that is named but missing, or found but malformed, fails start-up",
+    )
 
     # Limits.
     max_input_tokens: int | None = Field(

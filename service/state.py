@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import Request
 
 from kernels import AttentionSpec
+from models.calibration import Calibration
 
 from . import errors
 from .batching import Batcher
@@ -22,6 +23,7 @@ class ServiceState:
     metrics: Metrics
     default_spec: AttentionSpec
     encoder: Any = None  # models.Encoder once loaded
+    calibration: Calibration | None = None  # auto's target_fidelity table, if one was found
     batcher: Batcher | None = None
     max_input_tokens: int = 0  # the effective limit: the setting, or the model's own
     ready: bool = False  # loaded, warmed up and not draining

@@ -2,7 +2,8 @@
 
 validate (empty, batch size, attention, dimensions, token ids) -> tokenize off the event
 loop -> enforce the length limit or truncate -> resolve each input's attention spec by its
-length -> queue the job on the scheduler -> vectors, timings and the `x-*` headers.
+length (auto: by the length threshold, or by the calibration table for a target fidelity) ->
+queue the job on the scheduler -> vectors, timings, fidelity and the `x-*` headers.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from torch import Tensor
 
 from kernels import AttentionSpec
+from models.calibration import EXACT, Calibration
 
 from .. import errors
 from ..batching import Batcher, Job, JobResult
@@ -58,35 +61,67 @@ async def require_api_key(request: Request) -> None:
         raise errors.unauthorized()
 
 
-def resolve_attention(default: AttentionSpec, requested: AttentionRequest | None) -> AttentionSpec:
-    """The request's knobs over the server defaults, validated as an AttentionSpec (422 naming the knob)."""
+# Knobs a calibrated choice sets; a request that names target_fidelity leaves them out.
+CALIBRATED_KNOBS = ("clusters", "topk", "bits", "iterations", "refine", "hash_rounds", "cluster_size")
+
+
+def resolve_attention(default: AttentionSpec, requested: AttentionRequest | None) -> tuple[AttentionSpec, float | None]:
+    """The request's knobs over the server defaults, validated as an AttentionSpec (422 naming
+    the knob), and its target fidelity (None when it names none)."""
     if requested is None:
-        return default
+        return default, None
     knobs = requested.model_dump(exclude_none=True)
-    if "target_fidelity" in knobs:
-        raise errors.invalid_field(
-            "attention.target_fidelity",
-            "not supported yet: fidelity-calibrated auto selection is not implemented in this "
-            "version; choose a method and knobs instead",
-        )
+    target = knobs.pop("target_fidelity", None)
+    if target is not None:
+        method = knobs.setdefault("method", "auto")
+        if method != "auto":
+            raise errors.invalid_field(
+                "attention.target_fidelity",
+                f'applies to method "auto" only, got method {method!r}; leave method out or set it to "auto"',
+            )
+        named = [name for name in CALIBRATED_KNOBS if name in knobs]
+        if named:
+            raise errors.invalid_field(
+                f"attention.{named[0]}",
+                "is chosen by target_fidelity from the calibration table; leave it out, "
+                "or drop target_fidelity to choose the knobs yourself",
+            )
     try:
-        return dataclasses.replace(default, **knobs)
+        return dataclasses.replace(default, **knobs), target
     except ValueError as exc:
         field, _, message = str(exc).partition(": ")
         raise errors.invalid_field(f"attention.{field}", message or str(exc)) from None
 
 
-def echo_attention(specs: list[AttentionSpec], requested: AttentionSpec) -> dict[str, Any]:
-    """What the response reports: the one resolved spec, or for "auto" over mixed lengths the
-    threshold and each input's resolved spec."""
-    distinct = {spec for spec in specs}
+@dataclass(frozen=True)
+class Plan:
+    """How one input runs: its concrete spec (never "auto") and what the response echoes."""
+
+    spec: AttentionSpec
+    echo: dict[str, Any]
+
+
+def plan_input(spec: AttentionSpec, target: float | None, tokens: int, calibration: Calibration | None) -> Plan:
+    """Resolve "auto" for an input of `tokens` tokens: by the calibration table when the
+    request names a target fidelity and a table is loaded, else by the length threshold."""
+    if target is None:
+        resolved = spec.resolve(tokens)
+        return Plan(resolved, resolved.used_knobs())
+    if calibration is None:
+        resolved = spec.resolve(tokens)
+        return Plan(resolved, {**resolved.used_knobs(), "target_fidelity": target, "calibrated_fidelity": None})
+    choice = calibration.choose(tokens, target, seed=spec.seed)
+    return Plan(choice.spec, choice.echo(target))
+
+
+def echo_attention(plans: list[Plan], requested: AttentionSpec, target: float | None) -> dict[str, Any]:
+    """What the response reports: the one resolved spec, or for "auto" over mixed lengths what
+    auto went by (threshold or target) and each input's resolved spec."""
+    distinct = {json.dumps(plan.echo, sort_keys=True) for plan in plans}
     if len(distinct) == 1:
-        return specs[0].used_knobs()
-    return {
-        "method": "auto",
-        "auto_threshold": requested.auto_threshold,
-        "inputs": [spec.used_knobs() for spec in specs],
-    }
+        return plans[0].echo
+    rule = {"target_fidelity": target} if target is not None else {"auto_threshold": requested.auto_threshold}
+    return {"method": "auto", **rule, "inputs": [plan.echo for plan in plans]}
 
 
 async def submit_unless_disconnected(request: Request, batcher: Batcher, job: Job) -> JobResult:
@@ -119,16 +154,22 @@ class Embedded:
     tokens: list[int]  # per input, after truncation, special tokens included
     attention: dict[str, Any]
     result: JobResult
+    inference_s: float  # the requested attention's forward passes (without the exact ones)
+    fidelity: list[float] | None = None  # per input, with "fidelity": true
+    exact_s: float | None = None  # the exact forward passes that fidelity took
 
     def headers(self) -> dict[str, str]:
         headers = {
             "x-queue-time-ms": f"{self.result.queue_s * 1e3:.3f}",
-            "x-inference-time-ms": f"{self.result.inference_s * 1e3:.3f}",
+            "x-inference-time-ms": f"{self.inference_s * 1e3:.3f}",
             "x-input-tokens": str(sum(self.tokens)),
             "x-attention": json.dumps(self.attention, separators=(",", ":")),
         }
         if self.result.peak_memory is not None:
             headers["x-peak-memory-bytes"] = str(self.result.peak_memory)
+        if self.fidelity is not None:
+            headers["x-fidelity"] = ",".join(f"{f:.6f}" for f in self.fidelity)
+            headers["x-exact-time-ms"] = f"{(self.exact_s or 0.0) * 1e3:.3f}"
         return headers
 
 
@@ -155,11 +196,12 @@ async def embed(
     truncation_direction: str = "right",
     normalize: bool = True,
     dimensions: int | None = None,
+    fidelity: bool = False,
 ) -> Embedded:
     """Run the whole pipeline for one request; raises ServiceError with the documented status."""
     state: ServiceState = get_state(request)
     settings = state.settings
-    spec = resolve_attention(state.default_spec, attention)
+    spec, target = resolve_attention(state.default_spec, attention)
     request.scope[METHOD_KEY] = spec.method
     encoder, batcher = state.require_ready()
 
@@ -194,21 +236,37 @@ async def embed(
         if len(ids) > limit:
             raise errors.input_too_long(name, len(ids), limit)
 
-    specs = [spec.resolve(len(ids)) for ids in sequences]
+    plans = [plan_input(spec, target, len(ids), state.calibration) for ids in sequences]
+    specs = [plan.spec for plan in plans]
+    # With "fidelity": true the approximate inputs run a second time with exact attention, in
+    # the same job: one admission, one deadline; the scheduler never batches the two together.
+    rerun = [i for i, s in enumerate(specs) if s.method != "full"] if fidelity else []
     timeout = request_timeout_s(request, settings.request_timeout_s)
     job = Job(
         request_id=request.scope.get(REQUEST_ID_KEY, ""),
-        inputs=sequences,
-        specs=specs,
+        inputs=sequences + [sequences[i] for i in rerun],
+        specs=specs + [EXACT] * len(rerun),
         normalize=normalize,
         dimensions=dimensions,
         deadline=request.scope.get(ARRIVAL_KEY, time.monotonic()) + timeout,
         timeout_s=timeout,
     )
     result = await submit_unless_disconnected(request, batcher, job)
-    return Embedded(
-        vectors=result.vectors,
+    n = len(sequences)
+    vectors = result.vectors[:n]
+    embedded = Embedded(
+        vectors=vectors,
         tokens=[len(ids) for ids in sequences],
-        attention=echo_attention(specs, spec),
+        attention=echo_attention(plans, spec, target),
         result=result,
+        inference_s=result.run_seconds(list(range(n))) if rerun else result.inference_s,
     )
+    if not fidelity:
+        return embedded
+    cosines = [1.0] * n  # an input that ran exact attention is its own exact embedding
+    exact = result.vectors[n:]
+    for i, cosine in zip(rerun, torch.nn.functional.cosine_similarity(vectors[rerun], exact, dim=-1).tolist()):
+        cosines[i] = cosine
+        state.metrics.fidelity.labels(method=specs[i].method).observe(cosine)
+    exact_s = result.run_seconds(list(range(n, n + len(rerun)))) if rerun else embedded.inference_s
+    return dataclasses.replace(embedded, fidelity=cosines, exact_s=exact_s)

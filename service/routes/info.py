@@ -1,5 +1,6 @@
 """GET /info: what is served and how it may be asked: the model, its limits, every attention
-method with its knobs' defaults and ranges, the kernel backend and the device."""
+method with its knobs' defaults and ranges, the calibration table's frontier (what auto's
+target_fidelity chooses from), the kernel backend and the device."""
 
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ async def info(request: Request) -> JSONResponse:
                 "default_method": default.method,
                 "auto": {"threshold": default.auto_threshold, "method": default.auto_method},
                 "methods": methods,
+                # auto with target_fidelity chooses from this; null = it falls back to the threshold
+                "calibration": state.calibration.info() if state.calibration is not None else None,
             },
             "backend": state.backend,
             "device": str(encoder.device),

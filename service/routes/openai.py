@@ -4,6 +4,8 @@ Token-id inputs are the model's vocabulary ids, used exactly as sent (no [CLS]/[
 added); texts get the model's special tokens. `model` and `user` are accepted and ignored:
 the response names the served model. `encoding_format="base64"` (what the official client
 asks for by default) is little-endian float32 bytes, base64-encoded, as OpenAI sends them.
+With `"fidelity": true` each data item also carries `fidelity`, the cosine of its embedding
+to the exact-attention one (headers `x-fidelity`, `x-exact-time-ms`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONRes
         attention=body.attention,
         truncate=body.truncate,
         dimensions=body.dimensions,
+        fidelity=body.fidelity,
     )
     if body.encoding_format == "base64":
         rows = embedded.vectors.numpy().astype("<f4")
@@ -41,9 +44,12 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONRes
     else:
         data = embedded.vectors.tolist()
     tokens = sum(embedded.tokens)
+    items = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)]
+    for item, cosine in zip(items, embedded.fidelity or ()):
+        item["fidelity"] = cosine
     content = {
         "object": "list",
-        "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
+        "data": items,
         "model": get_state(request).encoder.name,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         "attention": embedded.attention,

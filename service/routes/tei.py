@@ -1,6 +1,8 @@
 """POST /embed: Text Embeddings Inference's embed API, plus the `attention` extension.
 
-Returns a bare `[[float]]`, one row per input; the resolved attention is in `x-attention`.
+Returns a bare `[[float]]`, one row per input; the resolved attention is in `x-attention`,
+and with `"fidelity": true` each input's cosine to the exact embedding is in `x-fidelity`
+(comma-separated, input order).
 """
 
 from __future__ import annotations
@@ -30,5 +32,6 @@ async def tei_embed(body: EmbedRequest, request: Request) -> JSONResponse:
         truncation_direction=body.truncation_direction,
         normalize=body.normalize,
         dimensions=body.dimensions,
+        fidelity=body.fidelity,
     )
     return JSONResponse(embedded.vectors.tolist(), headers=embedded.headers())

@@ -63,7 +63,7 @@ def test_400_malformed_json(client, path, body):
         ({"input": "a", "attention": {"seed": True}}, "attention.seed", None),
         ({"input": "a", "attention": {"method": "linear"}}, "attention.method", "i-clustered"),
         ({"input": "a", "attention": {"cluster": 8}}, "attention.cluster", None),
-        ({"input": "a", "attention": {"target_fidelity": 0.99}}, "attention.target_fidelity", "not supported yet"),
+        ({"input": "a", "attention": {"method": "smyrf", "target_fidelity": 0.99}}, "attention.target_fidelity", "auto"),
         ({"input": "a", "attention": 5}, "attention", None),
         ({"input": "a", "encoding_format": "hex"}, "encoding_format", None),
         ({"input": "a", "dimensions": 0}, "dimensions", None),

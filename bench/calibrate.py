@@ -1,0 +1,190 @@
+"""Calibrate auto mode: fidelity and time of a grid of attention configurations per length.
+
+    python -m bench.calibrate [--model DIR] [--lengths 1024 ... 32768] [--docs 2] [--out PATH]
+    python -m bench.calibrate --plot [--table PATH]
+
+For each length bucket, embeds `--docs` documents of real text (Debian's license texts, the
+calibration set; the held-back set is left for tests) with exact attention and with every
+configuration of the grid, on this machine's device, one document at a time. Fidelity is
+the cosine of a configuration's embedding to the exact one; time is per document. Writes the
+table (models/calibration.py has the format) next to the model (DIR/calibration.<device>.json),
+or for the embedded default model to models/calibrations/, which ships with clusterserve;
+`--out` writes it elsewhere. Prints each bucket's frontier and the configuration chosen for
+fidelity targets 0.98, 0.99 and 0.995, and draws latency against fidelity per method and
+length with the Pareto frontier (bench/results/calibration-<device>.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kernels import AttentionSpec
+from models import load_encoder
+from models.calibration import FORMAT, SHIPPED_DIR, Calibration, load_calibration, parse_calibration, table_name
+
+from .common import CALIBRATION_TEXTS, RESULTS_DIR, device_name, long_text_ids, print_table
+
+# From the cheapest to the most faithful of each method; the default i-clustered is the first.
+GRID = [
+    AttentionSpec(method="i-clustered", clusters=100, topk=32, iterations=10, refine=3),
+    AttentionSpec(method="i-clustered", clusters=100, topk=32, iterations=10, refine=0),
+    AttentionSpec(method="i-clustered", clusters=50, topk=32, iterations=5, refine=2),
+    AttentionSpec(method="i-clustered", clusters=100, topk=32, iterations=5, refine=3),
+    AttentionSpec(method="i-clustered", clusters=200, topk=32, iterations=10, refine=3),
+    AttentionSpec(method="i-clustered", clusters=200, topk=64, iterations=5, refine=3),
+    AttentionSpec(method="clustered", clusters=200, iterations=5, refine=3),
+    AttentionSpec(method="smyrf", hash_rounds=2, cluster_size=128),
+    AttentionSpec(method="smyrf", hash_rounds=4, cluster_size=64),
+    AttentionSpec(method="smyrf", hash_rounds=8, cluster_size=64),
+]
+TARGETS = (0.98, 0.99, 0.995)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the embedded model)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--docs", type=int, default=2, help="calibration documents per length")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=None, help="where to write the table")
+    parser.add_argument("--plot", action="store_true", help="only draw the plot of an existing table")
+    parser.add_argument("--table", type=Path, default=None, help="the table --plot draws")
+    args = parser.parse_args()
+
+    if args.plot:
+        table = load_calibration(args.table or SHIPPED_DIR / table_name("all-MiniLM-L6-v2", args.device))
+        report(table)
+        print(f"wrote {plot(table)}")
+        return
+
+    torch.set_grad_enabled(False)
+    encoder = load_encoder(args.model, max_input_tokens=max(args.lengths), device=args.device)
+    kind = encoder.device.type
+    out = args.out or (
+        args.model / f"calibration.{kind}.json" if args.model else SHIPPED_DIR / table_name(encoder.name, kind)
+    )
+    raw = measure(encoder, args.lengths, args.docs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(raw, indent=1) + "\n")
+    table = parse_calibration(raw, str(out))
+    report(table)
+    print(f"wrote {out} and {plot(table)}")
+
+
+def measure(encoder, lengths: list[int], docs: int, grid: list[AttentionSpec] = GRID) -> dict:
+    """Run the grid on `docs` calibration documents per length; the table as JSON-ready dicts."""
+    sync = torch.cuda.synchronize if encoder.device.type == "cuda" else (lambda: None)
+
+    def timed(ids: list[int], spec: AttentionSpec, repeats: int) -> tuple[torch.Tensor, float]:
+        times = []
+        for _ in range(repeats):
+            sync()
+            start = time.perf_counter()
+            vector = encoder.embed([ids], spec, max_batch_tokens=len(ids))[0]
+            sync()
+            times.append(time.perf_counter() - start)
+        return vector, statistics.median(times) * 1e3
+
+    warm = long_text_ids(encoder, min(lengths), texts=CALIBRATION_TEXTS)
+    for spec in (AttentionSpec(method="full"), *grid):
+        encoder.embed([warm], spec)  # one-off costs (first calls, Triton compiles) stay out of the times
+    buckets = []
+    for n in lengths:
+        repeats = 3 if n <= 2048 else 1
+        documents = [long_text_ids(encoder, n, offset=5000 * d, texts=CALIBRATION_TEXTS) for d in range(docs)]
+        exact = [timed(ids, AttentionSpec(method="full"), repeats) for ids in documents]
+        configs = []
+        for spec in grid:
+            cosines, times = [], []
+            for ids, (exact_vector, _) in zip(documents, exact):
+                vector, ms = timed(ids, spec, repeats)
+                cosines.append(torch.nn.functional.cosine_similarity(vector, exact_vector, dim=0).item())
+                times.append(ms)
+            configs.append(
+                {
+                    "attention": {k: v for k, v in spec.used_knobs().items() if k != "seed"},
+                    "fidelity_min": min(cosines),
+                    "fidelity_mean": statistics.fmean(cosines),
+                    "ms": statistics.fmean(times),
+                }
+            )
+            print(f"{n:>6} tokens  {spec.to_json():<90} min {min(cosines):.4f}  {statistics.fmean(times):9.1f} ms")
+        exact_ms = statistics.fmean(ms for _, ms in exact)
+        print(f"{n:>6} tokens  exact {exact_ms:.1f} ms")
+        buckets.append({"tokens": n, "exact_ms": exact_ms, "configs": configs})
+    return {
+        "format": FORMAT,
+        "model": encoder.name,
+        "device": encoder.device.type,
+        "device_name": device_name(),
+        "dtype": str(encoder.dtype).removeprefix("torch."),
+        "measured": datetime.date.today().isoformat(),
+        "seed": 0,
+        "docs": docs,
+        "texts": "Debian common-licenses: " + ", ".join(CALIBRATION_TEXTS),
+        "buckets": buckets,
+    }
+
+
+def report(table: Calibration) -> None:
+    """Print each bucket's frontier and the choice for each target."""
+    rows = []
+    for bucket in table.buckets:
+        for target in TARGETS:
+            choice = table.choose(bucket.tokens, target)
+            rows.append(
+                dict(
+                    tokens=bucket.tokens,
+                    target=target,
+                    chosen=choice.spec.to_json(),
+                    fidelity=choice.fidelity,
+                    speedup=choice.speedup,
+                )
+            )
+    print_table(rows, ["tokens", "target", "chosen", "fidelity", "speedup"])
+
+
+def plot(table: Calibration) -> Path:
+    """Latency against fidelity per method, one panel per length, frontier drawn as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"full": "black", "clustered": "tab:blue", "i-clustered": "tab:orange", "smyrf": "tab:green"}
+    columns = min(3, len(table.buckets))
+    rows = -(-len(table.buckets) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.5 * columns, 3.6 * rows), squeeze=False)
+    for ax, bucket in zip(axes.flat, table.buckets):
+        for entry in (bucket.exact(), *bucket.configs):
+            ax.scatter(entry.fidelity_min, entry.ms, color=colors[entry.spec.method], s=18)
+        frontier = bucket.frontier()
+        ax.plot([m.fidelity_min for m in frontier], [m.ms for m in frontier], color="gray", lw=1, ls="--")
+        ax.set_title(f"{bucket.tokens} tokens")
+        ax.set_xlabel("worst cosine to exact")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    for row in axes:
+        row[0].set_ylabel("ms per document")
+    for ax in axes.flat[len(table.buckets) :]:
+        ax.set_visible(False)
+    for method, color in colors.items():
+        axes[0][0].scatter([], [], color=color, label=method)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{table.model} on {table.device_name}: latency against fidelity (dashed: Pareto frontier)", fontsize=9)
+    fig.tight_layout()
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"calibration-{table.device}.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+if __name__ == "__main__":
+    main()

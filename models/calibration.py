@@ -1,0 +1,228 @@
+"""Calibration tables: measured fidelity and time of attention configurations per input length.
+
+`python -m bench.calibrate` embeds real long text with exact attention and with a grid of
+approximate configurations, per length bucket, on one device, and writes a table:
+
+    {"format": "clusterserve-calibration/1", "model": "all-MiniLM-L6-v2", "device": "cpu",
+     "device_name": "...", "dtype": "float32", "seed": 0, "docs": 2, "texts": "...",
+     "buckets": [{"tokens": 4096, "exact_ms": 1130.0,
+                  "configs": [{"attention": {"method": "i-clustered", "clusters": 100, ...},
+                               "fidelity_min": 0.991, "fidelity_mean": 0.993, "ms": 640.0}, ...]},
+                 ...]}
+
+Fidelity is the cosine of a document's embedding to its exact-attention embedding;
+`fidelity_min` is the worst over the calibration documents, and it is what a target is
+checked against. `Calibration.choose(tokens, target)` picks, from the bucket that covers
+the input (the smallest bucket at least as long, else the longest), the fastest
+configuration whose `fidelity_min` meets the target, or exact attention when none does or
+when exact is faster. The table is only as good as the texts and device it was measured on:
+a table measured on a CPU says little about a GPU's times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kernels import APPROXIMATE_METHODS, AttentionSpec
+
+FORMAT = "clusterserve-calibration/1"
+SHIPPED_DIR = Path(__file__).resolve().parent / "calibrations"
+EXACT = AttentionSpec(method="full")
+
+
+class CalibrationError(ValueError):
+    """A calibration table that cannot be used; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One configuration at one length: its spec, worst and mean fidelity, time per document."""
+
+    spec: AttentionSpec
+    fidelity_min: float
+    fidelity_mean: float
+    ms: float
+
+    def summary(self, exact_ms: float) -> dict[str, Any]:
+        return {
+            "attention": self.spec.used_knobs(),
+            "fidelity_min": round(self.fidelity_min, 5),
+            "fidelity_mean": round(self.fidelity_mean, 5),
+            "ms": round(self.ms, 2),
+            "speedup": round(exact_ms / self.ms, 3),
+        }
+
+
+@dataclass(frozen=True)
+class Bucket:
+    tokens: int
+    exact_ms: float
+    configs: tuple[Measured, ...]
+
+    def exact(self) -> Measured:
+        return Measured(EXACT, 1.0, 1.0, self.exact_ms)
+
+    def frontier(self) -> list[Measured]:
+        """The Pareto set, fastest first: no other entry is both faster and at least as faithful."""
+        entries = sorted((self.exact(), *self.configs), key=lambda m: (m.ms, -m.fidelity_min))
+        frontier: list[Measured] = []
+        for entry in entries:
+            if not frontier or entry.fidelity_min > frontier[-1].fidelity_min:
+                frontier.append(entry)
+        return frontier
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What `choose` picked: the spec to run and the measurement that justified it."""
+
+    spec: AttentionSpec
+    bucket: int  # tokens of the bucket the input fell in
+    fidelity: float  # the calibrated worst-case fidelity (1.0 for exact)
+    speedup: float  # calibrated exact time / this configuration's time
+
+    def echo(self, target: float) -> dict[str, Any]:
+        return {
+            **self.spec.used_knobs(),
+            "target_fidelity": target,
+            "calibrated_fidelity": round(self.fidelity, 5),
+            "calibrated_speedup": round(self.speedup, 3),
+            "calibration_bucket": self.bucket,
+        }
+
+
+@dataclass(frozen=True)
+class Calibration:
+    model: str
+    device: str  # "cpu" or "cuda": the kind of device the times were measured on
+    device_name: str
+    source: str  # where the table was read from
+    meta: dict[str, Any]
+    buckets: tuple[Bucket, ...]  # ascending tokens
+
+    def bucket_for(self, tokens: int) -> Bucket:
+        """The smallest bucket at least `tokens` long (fidelity falls with length: the longer
+        bucket is the cautious one), or the longest bucket for longer inputs."""
+        return next((b for b in self.buckets if b.tokens >= tokens), self.buckets[-1])
+
+    def choose(self, tokens: int, target: float, seed: int = 0) -> Choice:
+        """The fastest calibrated configuration for an input of `tokens` tokens whose worst
+        measured fidelity is >= target; exact attention when none is, or when exact is faster."""
+        bucket = self.bucket_for(tokens)
+        best = bucket.exact()
+        for entry in bucket.configs:
+            if entry.fidelity_min >= target and entry.ms < best.ms:
+                best = entry
+        spec = best.spec if best.spec.method == "full" else dataclasses.replace(best.spec, seed=seed)
+        return Choice(spec, bucket.tokens, best.fidelity_min, bucket.exact_ms / best.ms)
+
+    def info(self) -> dict[str, Any]:
+        """For GET /info: where the table came from and each bucket's Pareto frontier."""
+        return {
+            "source": self.source,
+            "model": self.model,
+            "device": self.device,
+            "device_name": self.device_name,
+            **{k: self.meta[k] for k in ("measured", "docs", "texts", "dtype") if k in self.meta},
+            "frontier": [
+                {
+                    "tokens": b.tokens,
+                    "exact_ms": round(b.exact_ms, 2),
+                    "points": [m.summary(b.exact_ms) for m in b.frontier()],
+                }
+                for b in self.buckets
+            ],
+        }
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """Read and validate a table; CalibrationError (naming the file and field) if it is unusable."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CalibrationError(f"calibration table {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CalibrationError(f"calibration table {path} is not readable JSON: {exc}") from None
+    return parse_calibration(raw, str(path))
+
+
+def parse_calibration(raw: Any, source: str) -> Calibration:
+    """A table's JSON (already decoded) -> Calibration; CalibrationError on any defect."""
+
+    def fail(field: str, message: str) -> CalibrationError:
+        return CalibrationError(f"calibration table {source}: {field}: {message}")
+
+    def number(value: Any, field: str, low: float, high: float = math.inf) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise fail(field, f"must be a number in [{low}, {high}], got {value!r}")
+        return float(value)
+
+    if not isinstance(raw, dict):
+        raise fail("(top level)", "must be a JSON object")
+    if raw.get("format") != FORMAT:
+        raise fail("format", f"must be {FORMAT!r}, got {raw.get('format')!r}")
+    for name in ("model", "device"):
+        if not isinstance(raw.get(name), str) or not raw[name]:
+            raise fail(name, "must be a non-empty string")
+    buckets_raw = raw.get("buckets")
+    if not isinstance(buckets_raw, list) or not buckets_raw:
+        raise fail("buckets", "must be a non-empty list")
+    buckets = []
+    for i, b in enumerate(buckets_raw):
+        where = f"buckets[{i}]"
+        if not isinstance(b, dict) or not isinstance(b.get("configs"), list):
+            raise fail(where, "must be an object with tokens, exact_ms and a list of configs")
+        tokens = b.get("tokens")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise fail(f"{where}.tokens", f"must be a positive integer, got {tokens!r}")
+        configs = []
+        for j, c in enumerate(b["configs"]):
+            at = f"{where}.configs[{j}]"
+            if not isinstance(c, dict) or not isinstance(c.get("attention"), dict):
+                raise fail(at, "must be an object with an attention object")
+            try:
+                spec = AttentionSpec(**c["attention"])
+            except (TypeError, ValueError) as exc:
+                raise fail(f"{at}.attention", str(exc)) from None
+            if spec.method not in APPROXIMATE_METHODS:
+                raise fail(f"{at}.attention.method", f"must be one of {', '.join(APPROXIMATE_METHODS)}")
+            configs.append(
+                Measured(
+                    spec,
+                    number(c.get("fidelity_min"), f"{at}.fidelity_min", -1.0, 1.0),
+                    number(c.get("fidelity_mean"), f"{at}.fidelity_mean", -1.0, 1.0),
+                    number(c.get("ms"), f"{at}.ms", 1e-9),
+                )
+            )
+        buckets.append(Bucket(tokens, number(b.get("exact_ms"), f"{where}.exact_ms", 1e-9), tuple(configs)))
+    if len({b.tokens for b in buckets}) != len(buckets):
+        raise fail("buckets", "two buckets have the same tokens")
+    meta = {k: v for k, v in raw.items() if k not in ("buckets", "format")}
+    return Calibration(
+        model=raw["model"],
+        device=raw["device"],
+        device_name=str(raw.get("device_name", "")),
+        source=source,
+        meta=meta,
+        buckets=tuple(sorted(buckets, key=lambda b: b.tokens)),
+    )
+
+
+def table_name(model: str, device: str) -> str:
+    """File name of a model's table for a device kind ("cpu" or "cuda")."""
+    return f"{model}.calibration.{device}.json"
+
+
+def find_calibration(model: str, folder: Path | None, device: str) -> Path | None:
+    """Where a table for this model and device kind is, if anywhere: in the model's folder,
+    else among the tables shipped with clusterserve (models/calibrations/)."""
+    candidates = [SHIPPED_DIR / table_name(model, device)]
+    if folder is not None:
+        candidates.insert(0, folder / f"calibration.{device}.json")
+    return next((p for p in candidates if p.is_file()), None)

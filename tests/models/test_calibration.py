@@ -1,0 +1,141 @@
+"""Calibration tables: parsing, validation errors, the choice for a target, the frontier."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from kernels import AttentionSpec
+from models.calibration import (
+    FORMAT,
+    SHIPPED_DIR,
+    CalibrationError,
+    find_calibration,
+    load_calibration,
+    parse_calibration,
+    table_name,
+)
+
+
+def config(method: str, fidelity: float, ms: float, **knobs) -> dict:
+    return {"attention": {"method": method, **knobs}, "fidelity_min": fidelity, "fidelity_mean": fidelity, "ms": ms}
+
+
+TABLE = {
+    "format": FORMAT,
+    "model": "m",
+    "device": "cpu",
+    "buckets": [
+        # Short: every approximation is slower than exact.
+        {"tokens": 1024, "exact_ms": 100.0, "configs": [config("smyrf", 0.95, 150.0), config("i-clustered", 0.99, 300.0)]},
+        {
+            "tokens": 8192,
+            "exact_ms": 4000.0,
+            "configs": [
+                config("smyrf", 0.95, 1000.0),
+                config("i-clustered", 0.985, 2000.0, clusters=100),
+                config("i-clustered", 0.993, 2500.0, clusters=200),
+                config("clustered", 0.98, 2600.0, clusters=200),  # dominated: slower and worse than 100 clusters
+            ],
+        },
+    ],
+}
+
+
+def test_choose_fastest_meeting_target_per_bucket():
+    table = parse_calibration(TABLE, "test")
+    assert table.choose(8000, 0.9).spec == AttentionSpec(method="smyrf")
+    assert table.choose(8000, 0.98).spec == AttentionSpec(method="i-clustered", clusters=100)
+    chosen = table.choose(8000, 0.99)
+    assert chosen.spec == AttentionSpec(method="i-clustered", clusters=200)
+    assert (chosen.bucket, chosen.fidelity, chosen.speedup) == (8192, 0.993, 4000.0 / 2500.0)
+    # None meets the target: exact. Short input: exact is fastest whatever the target.
+    assert table.choose(8000, 0.995).spec.method == "full"
+    assert table.choose(500, 0.9).spec.method == "full"
+    assert table.choose(500, 0.9).fidelity == 1.0
+
+
+def test_bucket_is_the_next_longer_one_and_the_longest_beyond():
+    table = parse_calibration(TABLE, "test")
+    assert [table.bucket_for(n).tokens for n in (1, 1024, 1025, 8192, 100_000)] == [1024, 1024, 8192, 8192, 8192]
+
+
+def test_choice_keeps_the_request_seed():
+    table = parse_calibration(TABLE, "test")
+    assert table.choose(8000, 0.98, seed=7).spec.seed == 7
+    assert table.choose(500, 0.98, seed=7).spec == AttentionSpec(method="full")
+
+
+def test_frontier_is_the_pareto_set_fastest_first():
+    bucket = parse_calibration(TABLE, "test").buckets[1]
+    frontier = bucket.frontier()
+    assert [(m.spec.method, m.ms) for m in frontier] == [
+        ("smyrf", 1000.0),
+        ("i-clustered", 2000.0),
+        ("i-clustered", 2500.0),
+        ("full", 4000.0),
+    ]
+    everything = (bucket.exact(), *bucket.configs)
+    for point in frontier:  # nothing is both faster and at least as faithful
+        assert not any(o.ms < point.ms and o.fidelity_min >= point.fidelity_min for o in everything)
+
+
+def test_info_lists_each_bucket_frontier_with_speedups():
+    info = parse_calibration(TABLE, "test").info()
+    assert [b["tokens"] for b in info["frontier"]] == [1024, 8192]
+    short = info["frontier"][0]["points"]
+    assert [p["attention"]["method"] for p in short] == ["full"] and short[0]["speedup"] == 1.0
+    assert info["frontier"][1]["points"][0]["speedup"] == 4.0
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda t: t.update(format="other/9"), "format"),
+        (lambda t: t.pop("model"), "model"),
+        (lambda t: t.update(buckets=[]), "buckets"),
+        (lambda t: t["buckets"][0].update(tokens=0), "buckets[0].tokens"),
+        (lambda t: t["buckets"][0].update(exact_ms="fast"), "buckets[0].exact_ms"),
+        (lambda t: t["buckets"][1]["configs"][1].update(fidelity_min=1.5), "buckets[1].configs[1].fidelity_min"),
+        (lambda t: t["buckets"][1]["configs"][1].pop("ms"), "buckets[1].configs[1].ms"),
+        (lambda t: t["buckets"][1]["configs"][1]["attention"].update(clusters=0), "buckets[1].configs[1].attention"),
+        (lambda t: t["buckets"][1]["configs"][1]["attention"].update(cluster=3), "buckets[1].configs[1].attention"),
+        (lambda t: t["buckets"][1]["configs"][0]["attention"].update(method="full"), "configs[0].attention.method"),
+        (lambda t: t["buckets"][1].update(tokens=1024), "buckets: two buckets"),
+    ],
+)
+def test_malformed_table_names_file_and_field(edit, field):
+    raw = copy.deepcopy(TABLE)
+    edit(raw)
+    with pytest.raises(CalibrationError, match=r"calibration table test: .*") as caught:
+        parse_calibration(raw, "test")
+    assert field in str(caught.value)
+
+
+def test_missing_or_unreadable_file_is_a_calibration_error(tmp_path):
+    with pytest.raises(CalibrationError, match="does not exist"):
+        load_calibration(tmp_path / "nope.json")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(CalibrationError, match="not readable JSON"):
+        load_calibration(broken)
+
+
+def test_find_prefers_the_model_folder_then_the_shipped_table(tmp_path):
+    assert find_calibration("no-such-model", tmp_path, "cpu") is None
+    (tmp_path / "calibration.cpu.json").write_text(json.dumps(TABLE))
+    assert find_calibration("no-such-model", tmp_path, "cpu") == tmp_path / "calibration.cpu.json"
+    assert find_calibration("no-such-model", tmp_path, "cuda") is None
+    shipped = SHIPPED_DIR / table_name("all-MiniLM-L6-v2", "cpu")
+    assert find_calibration("all-MiniLM-L6-v2", None, "cpu") == shipped
+
+
+def test_shipped_default_table_picks_exact_short_and_approximate_long():
+    table = load_calibration(SHIPPED_DIR / table_name("all-MiniLM-L6-v2", "cpu"))
+    assert (table.model, table.device) == ("all-MiniLM-L6-v2", "cpu")
+    assert [b.tokens for b in table.buckets] == [1024, 2048, 4096, 8192, 16384, 32768]
+    assert table.choose(512, 0.98).spec.method == "full"
+    long = table.choose(16384, 0.98)
+    assert long.spec.method != "full" and long.speedup > 1 and long.fidelity >= 0.98

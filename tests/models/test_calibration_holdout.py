@@ -1,0 +1,42 @@
+"""The shipped CPU calibration table, checked on texts it was not measured on.
+
+For each length and fidelity target, the table's choice embeds held-back documents (Debian
+license texts outside the calibration set); its cosine to the exact embedding must meet the
+target in at least 90% of the cases where the table chose an approximation. Exact choices
+meet any target by definition and are not counted, so the check cannot pass vacuously: it
+also requires approximate choices to exist.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.common import HELD_BACK_TEXTS, LICENSE_DIR, long_text_ids
+from models.calibration import SHIPPED_DIR, load_calibration, table_name
+
+LENGTHS = (8192, 16384)
+TARGETS = (0.95, 0.98, 0.99, 0.995)
+DOCS = 2
+
+
+@pytest.mark.skipif(not (LICENSE_DIR / HELD_BACK_TEXTS[0]).is_file(), reason="needs Debian's license texts")
+def test_choices_meet_their_target_on_held_back_texts(default_encoder, full_spec):
+    table = load_calibration(SHIPPED_DIR / table_name(default_encoder.name, "cpu"))
+    outcomes: list[tuple[int, float, str, float]] = []
+    for n in LENGTHS:
+        docs = [long_text_ids(default_encoder, n, offset=4000 * d, texts=HELD_BACK_TEXTS) for d in range(DOCS)]
+        exact = default_encoder.embed(docs, full_spec, max_batch_tokens=n)
+        embedded: dict = {}
+        for target in TARGETS:
+            spec = table.choose(n, target).spec
+            if spec.method == "full":
+                continue
+            if spec not in embedded:
+                embedded[spec] = default_encoder.embed(docs, spec, max_batch_tokens=n)
+            cosines = torch.nn.functional.cosine_similarity(embedded[spec], exact, dim=-1)
+            outcomes += [(n, target, spec.to_json(), c) for c in cosines.tolist()]
+    print("\n".join(f"{n} target {t}: {s} cosine {c:.4f}" for n, t, s, c in outcomes))
+    assert len(outcomes) >= 4, "the table chose exact attention almost everywhere: nothing was checked"
+    met = sum(c >= t for _, t, _, c in outcomes)
+    assert met >= 0.9 * len(outcomes), outcomes
