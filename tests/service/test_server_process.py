@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import signal
+import socket
 import threading
 import time
 
@@ -93,6 +94,38 @@ def test_plain_http(server):
         metrics = http.get("/metrics").text
         assert 'clusterserve_requests_total{code="200",endpoint="/embed",method="auto"} 1.0' in metrics
         assert 'clusterserve_build_info{backend="torch",device="cpu",model="all-MiniLM-L6-v2"' in metrics
+
+
+def _sample(metrics: str, prefix: str) -> float:
+    return next((float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(prefix)), 0.0)
+
+
+def test_a_client_that_hangs_up_while_queued_is_dropped_unrun_and_counted(server):
+    """A real socket closed while its request waits behind a busy worker: the server notices,
+    never runs its input (no smyrf batch), counts it, and keeps serving."""
+    base = server["base"]
+    host, port = base.removeprefix("http://").split(":")
+    smyrf_batches = 'clusterserve_inference_duration_seconds_count{method="smyrf"}'
+    disconnected = 'clusterserve_request_failures_total{reason="disconnected"}'
+    with httpx.Client(base_url=base, timeout=300) as http:
+        before = http.get("/metrics").text
+        busy = {"inputs": [DOCUMENT] * 4, "attention": {"method": "full"}}  # ~13k tokens: seconds of work
+        worker = threading.Thread(target=lambda: http.post("/embed", json=busy))
+        worker.start()
+        time.sleep(0.5)
+        body = json.dumps({"input": DOCUMENT, "attention": {"method": "smyrf"}}).encode()
+        with socket.create_connection((host, int(port))) as sock:
+            head = f"POST /v1/embeddings HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            sock.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            time.sleep(0.3)  # queued behind the busy batch
+        worker.join()
+        deadline = time.monotonic() + 30
+        while _sample(http.get("/metrics").text, disconnected) < _sample(before, disconnected) + 1:
+            assert time.monotonic() < deadline, "the hang-up was never counted"
+            time.sleep(0.1)
+        after = http.get("/metrics").text
+        assert _sample(after, smyrf_batches) == _sample(before, smyrf_batches)
+        assert http.get("/health/ready").status_code == 200
 
 
 def test_sigterm_during_traffic_finishes_in_flight_requests_and_exits_0(server):
