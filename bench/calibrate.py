@@ -28,6 +28,7 @@ import torch
 from kernels import AttentionSpec
 from models import load_encoder
 from models.calibration import FORMAT, SHIPPED_DIR, Calibration, load_calibration, parse_calibration, table_name
+from models.loader import DEFAULT_MODEL_NAME
 
 from .common import CALIBRATION_TEXTS, RESULTS_DIR, device_name, long_text_ids, print_table
 
@@ -59,7 +60,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.plot:
-        table = load_calibration(args.table or SHIPPED_DIR / table_name("all-MiniLM-L6-v2", args.device))
+        table = load_calibration(args.table or SHIPPED_DIR / table_name(DEFAULT_MODEL_NAME, args.device))
         report(table)
         print(f"wrote {plot(table)}")
         return

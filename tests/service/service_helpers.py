@@ -17,6 +17,7 @@ import anyio
 import httpx
 import torch
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.app import create_app
 from service.settings import Settings
@@ -51,6 +52,19 @@ def wait_ready(client: TestClient, timeout_s: float = 180.0) -> None:
             return
         time.sleep(0.05)
     raise TimeoutError(f"app not ready after {timeout_s} s: {client.get('/health/ready').json()}")
+
+
+def scrape(text: str) -> dict[str, dict]:
+    """family name -> {"type", "samples": {(sample name, frozenset(labels)): value}}."""
+    families = {}
+    for family in text_string_to_metric_families(text):
+        samples = {(s.name, frozenset(s.labels.items())): s.value for s in family.samples}
+        families[family.name] = {"type": family.type, "samples": samples}
+    return families
+
+
+def value(families, family: str, sample: str, **labels) -> float:
+    return families[family]["samples"][(sample, frozenset(labels.items()))]
 
 
 class FakeEncoder:

@@ -7,7 +7,7 @@ import json
 import anyio
 import numpy as np
 import pytest
-from service_helpers import FakeEncoder, fake_app, license_text, running
+from service_helpers import FakeEncoder, fake_app, license_text, running, scrape, value
 
 from models.calibration import FORMAT
 
@@ -20,10 +20,7 @@ def _cosine(a, b) -> float:
 
 
 def _fidelity_count(client, method: str) -> float:
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith(f'clusterserve_fidelity_count{{method="{method}"}}'):
-            return float(line.split()[-1])
-    raise AssertionError(f"no clusterserve_fidelity_count for {method}")
+    return value(scrape(client.get("/metrics").text), "clusterserve_fidelity", "clusterserve_fidelity_count", method=method)
 
 
 def test_fidelity_equals_the_cosine_of_the_two_embeddings(client):

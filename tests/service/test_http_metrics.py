@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from service_helpers import fake_app, running
+from service_helpers import fake_app, running, scrape, value
 
 # DESIGN.md's metrics table: name -> (type, labels).
 SERIES = {
@@ -22,19 +21,6 @@ SERIES = {
     "clusterserve_request_failures": ("counter", {"reason"}),
     "clusterserve_build_info": ("gauge", {"version", "model", "device", "backend"}),
 }
-
-
-def scrape(text: str) -> dict[str, dict]:
-    """family name -> {"type", "samples": {(sample name, frozenset(labels)): value}}."""
-    families = {}
-    for family in text_string_to_metric_families(text):
-        samples = {(s.name, frozenset(s.labels.items())): s.value for s in family.samples}
-        families[family.name] = {"type": family.type, "samples": samples}
-    return families
-
-
-def value(families, family: str, sample: str, **labels) -> float:
-    return families[family]["samples"][(sample, frozenset(labels.items()))]
 
 
 @pytest.mark.anyio

@@ -15,7 +15,7 @@ import numpy as np
 import openai
 import pytest
 from server_process import running_server
-from service_helpers import license_text
+from service_helpers import license_text, scrape, value
 
 METHODS = ["full", "clustered", "i-clustered", "smyrf"]
 DOCUMENT = license_text(17000)  # real prose, ~3,300 tokens
@@ -96,17 +96,20 @@ def test_plain_http(server):
         assert 'clusterserve_build_info{backend="torch",device="cpu",model="all-MiniLM-L6-v2"' in metrics
 
 
-def _sample(metrics: str, prefix: str) -> float:
-    return next((float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(prefix)), 0.0)
-
-
 def test_a_client_that_hangs_up_while_queued_is_dropped_unrun_and_counted(server):
     """A real socket closed while its request waits behind a busy worker: the server notices,
     never runs its input (no smyrf batch), counts it, and keeps serving."""
     base = server["base"]
     host, port = base.removeprefix("http://").split(":")
-    smyrf_batches = 'clusterserve_inference_duration_seconds_count{method="smyrf"}'
-    disconnected = 'clusterserve_request_failures_total{reason="disconnected"}'
+
+    def smyrf_batches(metrics: str) -> float:
+        family = "clusterserve_inference_duration_seconds"
+        return value(scrape(metrics), family, family + "_count", method="smyrf")
+
+    def disconnected(metrics: str) -> float:
+        family = "clusterserve_request_failures"
+        return value(scrape(metrics), family, family + "_total", reason="disconnected")
+
     with httpx.Client(base_url=base, timeout=300) as http:
         before = http.get("/metrics").text
         busy = {"inputs": [DOCUMENT] * 4, "attention": {"method": "full"}}  # ~13k tokens: seconds of work
@@ -120,11 +123,11 @@ def test_a_client_that_hangs_up_while_queued_is_dropped_unrun_and_counted(server
             time.sleep(0.3)  # queued behind the busy batch
         worker.join()
         deadline = time.monotonic() + 30
-        while _sample(http.get("/metrics").text, disconnected) < _sample(before, disconnected) + 1:
+        while disconnected(http.get("/metrics").text) < disconnected(before) + 1:
             assert time.monotonic() < deadline, "the hang-up was never counted"
             time.sleep(0.1)
         after = http.get("/metrics").text
-        assert _sample(after, smyrf_batches) == _sample(before, smyrf_batches)
+        assert smyrf_batches(after) == smyrf_batches(before)
         assert http.get("/health/ready").status_code == 200
 
 
