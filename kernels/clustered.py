@@ -9,7 +9,9 @@ cluster's top-k keys under the centroid attention A^c; every member query recomp
 attention on those k keys, scaled to the mass m_j that A^c put on them, and keeps A^c on the
 other keys:  out_i = m_j * softmax(q_i K_top^T) V_top + (V^c_j - A^c_j[top] V_top).
 
-This file holds the PyTorch reference; the Triton kernels live in clustered_triton.py.
+This file holds the PyTorch reference; the Triton kernels live in clustered_triton.py. On a
+CPU, float32 inputs run the clustering, the centroid softmax with its top-k and the per-query
+sparse part through the native loops of native.c, when they are built (native.py).
 """
 
 from __future__ import annotations
@@ -17,8 +19,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .hashing import hash_planes, hash_signs
-from .kmeans import cluster_means, hamming_kmeans, initial_offsets, one_query_per_cluster, refine_clusters
+from . import native
+from .hashing import hash_planes, hash_projections, hash_signs
+from .kmeans import (
+    cluster_means,
+    hamming_kmeans,
+    initial_centroid_positions,
+    initial_offsets,
+    one_query_per_cluster,
+    refine_clusters,
+)
 from .masks import token_masks
 from .spec import AttentionSpec
 
@@ -35,11 +45,17 @@ def cluster_queries(q: Tensor, query_mask: Tensor, spec: AttentionSpec) -> Tenso
     """
     _, h, _, d = q.shape
     planes = hash_planes(h, d, spec.bits, spec.seed)
-    signs = hash_signs(q, planes)
     offsets = initial_offsets(h, spec.seed)
-    assign = hamming_kmeans(signs, query_mask, spec.clusters, spec.iterations, offsets)
-    if spec.refine:
-        assign = refine_clusters(q, assign, query_mask, spec.clusters, spec.refine)
+    if native.usable(q):
+        codes = native.pack_signs(hash_projections(q, planes))
+        initial = codes.gather(2, initial_centroid_positions(query_mask, spec.clusters, offsets))
+        assign = native.hamming_kmeans(codes, query_mask, initial, spec.iterations, spec.bits)
+        if spec.refine:
+            assign = native.refine_clusters(q, assign, query_mask, spec.clusters, spec.refine)
+    else:
+        assign = hamming_kmeans(hash_signs(q, planes), query_mask, spec.clusters, spec.iterations, offsets)
+        if spec.refine:
+            assign = refine_clusters(q, assign, query_mask, spec.clusters, spec.refine)
     return one_query_per_cluster(assign, query_mask, spec.clusters)
 
 
@@ -61,6 +77,8 @@ def clustered_attention_torch(
     key_mask, query_mask = token_masks(q, k, key_padding_mask)
     assign = cluster_queries(qf, query_mask, spec)
     centroids = cluster_means(qf, assign, spec.clusters)  # (B, H, C, D)
+    if native.usable(qf):
+        return _native_attention(qf, kf, vf, assign, centroids, key_mask, scale, spec).to(q.dtype)
     centroid_probs = _centroid_attention(centroids, kf, key_mask, scale)  # (B, H, C, M)
     centroid_values = centroid_probs @ vf  # (B, H, C, Dv)
     if spec.method == "clustered":
@@ -68,6 +86,21 @@ def clustered_attention_torch(
     else:
         out = _improved(qf, kf, vf, assign, centroid_probs, centroid_values, key_mask, scale, spec.topk)
     return out.to(q.dtype)
+
+
+def _native_attention(q, k, v, assign, centroids, key_mask, scale, spec: AttentionSpec) -> Tensor:
+    """The same as the reference from the centroids on, with the (C, M) softmax and top-k and
+    the per-query sparse part in native loops (no tiles, no (T, tile, k) logits)."""
+    logits = (centroids @ k.transpose(-1, -2)).mul_(scale)
+    topk = min(spec.topk, k.shape[2]) if spec.method == "i-clustered" else 0
+    centroid_probs, top_index, top_probs, top_real = native.softmax_topk(logits, key_mask, topk)
+    centroid_values = centroid_probs @ v  # (B, H, C, Dv)
+    if spec.method == "clustered":
+        return _broadcast(centroid_values, assign)
+    top_values = _gather_rows(v, top_index)  # (B, H, C, k, Dv)
+    bottom_values = centroid_values - (top_probs[..., None] * top_values).sum(-2)  # eq. (17)
+    top_keys = _gather_rows(k, top_index)
+    return native.improved_sparse(q, assign, top_keys, top_values, top_real, top_probs.sum(-1), bottom_values, scale)
 
 
 def _centroid_attention(centroids: Tensor, k: Tensor, key_mask: Tensor, scale: float) -> Tensor:

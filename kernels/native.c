@@ -1,0 +1,376 @@
+/* Native CPU loops of clustered and improved clustered attention (Vyas et al. 2020).
+ *
+ * The PyTorch reference in clustered.py and kmeans.py defines what every function here
+ * computes; these loops do the same work without materialising the (N, C) score matrices
+ * that make the reference slow on a CPU. native.py compiles this file on first use and calls
+ * it through ctypes (which releases the GIL), one range of (batch, head) slices per thread.
+ *
+ * Layouts: every tensor is contiguous; "bh" indexes the flattened (batch, head) dimension,
+ * and masks are per batch row (bh / heads). Assignments are int64 in [0, C], C = padded.
+ */
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- Hashing ------------------------------------------------------------------------ */
+
+/* codes[r] has bit b set where proj[r, b] > 0 (hashing.pack_codes of hashing.hash_signs). */
+void pack_signs(const float *proj, int64_t rows, int64_t bits, uint64_t *codes) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *p = proj + r * bits;
+        uint64_t code = 0;
+        for (int64_t b = 0; b < bits; b++) code |= (uint64_t)(p[b] > 0.0f) << b;
+        codes[r] = code;
+    }
+}
+
+/* ---- Hamming K-means ---------------------------------------------------------------- */
+
+/* Nearest centroid of every real query, ties to the lowest index; padded queries -> c.
+ * dist[i] is the Hamming distance to that centroid. keys: c scratch slots. */
+static void hamming_nearest(const uint64_t *codes, const uint8_t *real, int64_t n, const uint64_t *cent, int64_t c,
+                            int64_t *assign, int32_t *dist, uint16_t *keys) {
+    for (int64_t i = 0; i < n; i++) {
+        if (!real[i]) {
+            assign[i] = c;
+            dist[i] = -1;
+            continue;
+        }
+        const uint64_t x = codes[i];
+        int32_t best_d = 1 << 30;
+        int64_t best = 0;
+        /* (distance << 8 | offset) in blocks of 256 centroids: one min gives both, and the
+         * lower offset wins a tie. */
+        for (int64_t base = 0; base < c; base += 256) {
+            const int64_t len = c - base < 256 ? c - base : 256;
+            for (int64_t j = 0; j < len; j++)
+                keys[j] = (uint16_t)((__builtin_popcountll(x ^ cent[base + j]) << 8) | j);
+            uint16_t low = 0xFFFF;
+            for (int64_t j = 0; j < len; j++) low = keys[j] < low ? keys[j] : low;
+            if ((low >> 8) < best_d) {
+                best_d = low >> 8;
+                best = base + (low & 0xFF);
+            }
+        }
+        assign[i] = best;
+        dist[i] = best_d;
+    }
+}
+
+/* Positions in the order kmeans._reseed_empty ranks donors: real queries by distance,
+ * farthest first, lower position first among equals; then padded queries by position.
+ * Fills order[0..want) (want <= n). dist: integer distances in [0, max_d], -1 = padded. */
+static void donor_order_int(const int32_t *dist, int64_t n, int32_t max_d, int64_t want, int64_t *order) {
+    int64_t got = 0;
+    for (int32_t d = max_d; d >= -1 && got < want; d--)
+        for (int64_t i = 0; i < n && got < want; i++)
+            if (dist[i] == d) order[got++] = i;
+}
+
+/* One (batch, head) slice of kmeans.hamming_kmeans, from the initial centroid codes. */
+static void hamming_kmeans_one(const uint64_t *codes, const uint8_t *real, int64_t n, int64_t bits, uint64_t *cent,
+                               int64_t c, int64_t iterations, int64_t *assign) {
+    int32_t *dist = malloc(n * sizeof *dist);
+    uint16_t *keys = malloc(256 * sizeof *keys);
+    int64_t *members = malloc(c * sizeof *members);
+    int32_t *ones = malloc(c * 64 * sizeof *ones);
+    uint64_t *updated = malloc(c * sizeof *updated);
+    int64_t *order = malloc(n * sizeof *order);
+    for (int64_t it = 0; it < iterations; it++) {
+        hamming_nearest(codes, real, n, cent, c, assign, dist, keys);
+        memset(members, 0, c * sizeof *members);
+        memset(ones, 0, c * 64 * sizeof *ones);
+        for (int64_t i = 0; i < n; i++) {
+            if (assign[i] == c) continue;
+            members[assign[i]]++;
+            int32_t *row = ones + assign[i] * 64;
+            const uint64_t x = codes[i];
+            for (int b = 0; b < 64; b++) row[b] += (int32_t)((x >> b) & 1);
+        }
+        int64_t empty = 0;
+        for (int64_t j = 0; j < c; j++) {
+            uint64_t code = 0;
+            for (int64_t b = 0; b < bits; b++) code |= (uint64_t)(2 * (int64_t)ones[j * 64 + b] > members[j]) << b;
+            updated[j] = code;
+            empty += members[j] == 0;
+        }
+        if (empty) {
+            const int64_t want = empty < n ? empty : n;
+            donor_order_int(dist, n, (int32_t)bits, want, order);
+            int64_t e = 0;
+            for (int64_t j = 0; j < c; j++)
+                if (members[j] == 0) {
+                    updated[j] = codes[order[e < want ? e : want - 1]];
+                    e++;
+                }
+        }
+        const int same = memcmp(updated, cent, c * sizeof *cent) == 0;
+        memcpy(cent, updated, c * sizeof *cent);
+        if (same) break;
+    }
+    hamming_nearest(codes, real, n, cent, c, assign, dist, keys);
+    free(dist), free(keys), free(members), free(ones), free(updated), free(order);
+}
+
+/* kmeans.hamming_kmeans for slices [bh0, bh1): codes (BH, N), real (B, N), centroids
+ * (BH, C) initial codes, overwritten with the final ones; assign (BH, N) out. */
+void hamming_kmeans(const uint64_t *codes, const uint8_t *real, int64_t heads, int64_t n, int64_t bits, uint64_t *centroids,
+                    int64_t c, int64_t iterations, int64_t *assign, int64_t bh0, int64_t bh1) {
+    for (int64_t bh = bh0; bh < bh1; bh++)
+        hamming_kmeans_one(codes + bh * n, real + (bh / heads) * n, n, bits, centroids + bh * c, c, iterations,
+                           assign + bh * n);
+}
+
+/* ---- Euclidean refinement ----------------------------------------------------------- */
+
+typedef struct {
+    float dist;
+    int64_t pos;
+} ranked;
+
+/* Farthest first, lower position first among equals (a stable descending sort). */
+static int farthest_first(const void *a_, const void *b_) {
+    const ranked *a = a_, *b = b_;
+    if (a->dist != b->dist) return a->dist > b->dist ? -1 : 1;
+    return (a->pos > b->pos) - (a->pos < b->pos);
+}
+
+/* Means of the member rows per cluster into cent (C, D); members (C). */
+static void cluster_means_one(const float *q, const int64_t *assign, int64_t n, int64_t d, int64_t c, float *cent,
+                              int64_t *members) {
+    memset(cent, 0, c * d * sizeof *cent);
+    memset(members, 0, c * sizeof *members);
+    for (int64_t i = 0; i < n; i++) {
+        if (assign[i] == c) continue;
+        members[assign[i]]++;
+        float *row = cent + assign[i] * d;
+        for (int64_t t = 0; t < d; t++) row[t] += q[i * d + t];
+    }
+    for (int64_t j = 0; j < c; j++) {
+        const float count = (float)(members[j] > 0 ? members[j] : 1);
+        for (int64_t t = 0; t < d; t++) cent[j * d + t] /= count;
+    }
+}
+
+/* GCC vector extensions: LANES floats per vector, lowered to whatever the CPU has. */
+#define LANES 16
+typedef float floats __attribute__((vector_size(4 * LANES)));
+typedef int32_t ints __attribute__((vector_size(4 * LANES)));
+
+/* Queries scored together by euclid_nearest: independent FMA chains hide their latency. */
+#define GROUP 8
+
+/* For the GROUP queries x[g] (D floats each): argmax_j (2 x . c_j - |c_j|^2), the lowest j
+ * among equals, into arg[g]. cent_t (D, CP) and neg_norm (CP) are 64-byte aligned, CP a
+ * multiple of LANES (padding slots hold -FLT_MAX). Each lane keeps its own best over the
+ * blocks of LANES clusters; the lanes are reduced once at the end. */
+static void euclid_nearest(const float *const *x, const float *cent_t, const float *neg_norm, int64_t d, int64_t cp,
+                           int64_t *arg) {
+    floats best[GROUP], acc[GROUP];
+    ints best_j[GROUP];
+    for (int64_t jb = 0; jb < cp; jb += LANES) {
+        for (int g = 0; g < GROUP; g++) acc[g] = *(const floats *)(neg_norm + jb);
+        for (int64_t t = 0; t < d; t++) {
+            const floats col = *(const floats *)(cent_t + t * cp + jb);
+            for (int g = 0; g < GROUP; g++) acc[g] += (2.0f * x[g][t]) * col;
+        }
+        ints j;
+        for (int l = 0; l < LANES; l++) j[l] = (int32_t)(jb + l);
+        for (int g = 0; g < GROUP; g++) {
+            const ints wins = jb == 0 ? (ints){0} - 1 : acc[g] > best[g]; /* every lane on the first block */
+            best[g] = (floats)(((ints)acc[g] & wins) | ((ints)best[g] & ~wins));
+            best_j[g] = (j & wins) | (best_j[g] & ~wins);
+        }
+    }
+    for (int g = 0; g < GROUP; g++) {
+        float top = best[g][0];
+        int32_t win = best_j[g][0];
+        for (int l = 1; l < LANES; l++)
+            if (best[g][l] > top || (best[g][l] == top && best_j[g][l] < win)) top = best[g][l], win = best_j[g][l];
+        arg[g] = win;
+    }
+}
+
+/* One (batch, head) slice of kmeans.refine_clusters; assign is updated in place. */
+static void refine_one(const float *q, const uint8_t *real, int64_t n, int64_t d, int64_t c, int64_t iterations,
+                       int64_t *assign) {
+    const int64_t cp = (c + LANES - 1) / LANES * LANES;
+    float *cent = malloc(c * d * sizeof *cent);
+    float *cent_t = aligned_alloc(64, d * cp * sizeof *cent_t); /* (D, C) padded to whole vectors */
+    float *neg_norm = aligned_alloc(64, cp * sizeof *neg_norm);
+    int64_t *members = malloc(c * sizeof *members);
+    int64_t *updated = malloc(n * sizeof *updated);
+    for (int64_t it = 0; it < iterations; it++) {
+        cluster_means_one(q, assign, n, d, c, cent, members);
+        int64_t empty = 0;
+        for (int64_t j = 0; j < c; j++) empty += members[j] == 0;
+        if (empty) {
+            /* Donors as in kmeans._reseed_empty: real queries farthest from their mean
+             * first, then padded queries by position. */
+            ranked *order = malloc(n * sizeof *order);
+            int64_t n_real = 0, pos = 0;
+            for (int64_t i = 0; i < n; i++) {
+                if (!real[i]) continue;
+                const float *row = cent + assign[i] * d;
+                float s = 0.0f;
+                for (int64_t t = 0; t < d; t++) s += (q[i * d + t] - row[t]) * (q[i * d + t] - row[t]);
+                order[n_real++] = (ranked){s, i};
+            }
+            qsort(order, n_real, sizeof *order, farthest_first);
+            for (int64_t i = 0; i < n; i++)
+                if (!real[i]) order[n_real + pos++] = (ranked){0.0f, i};
+            int64_t e = 0;
+            for (int64_t j = 0; j < c; j++)
+                if (members[j] == 0) {
+                    const int64_t donor = order[e < n ? e : n - 1].pos;
+                    memcpy(cent + j * d, q + donor * d, d * sizeof *cent);
+                    e++;
+                }
+            free(order);
+        }
+        for (int64_t j = 0; j < cp; j++) {
+            float s = 0.0f;
+            for (int64_t t = 0; t < d; t++) {
+                const float x = j < c ? cent[j * d + t] : 0.0f;
+                s += x * x;
+                cent_t[t * cp + j] = x;
+            }
+            neg_norm[j] = j < c ? -s : -FLT_MAX; /* padding slots never win */
+        }
+        int changed = 0;
+        for (int64_t i0 = 0; i0 < n; i0 += GROUP) {
+            const float *x[GROUP];
+            int64_t arg[GROUP];
+            for (int g = 0; g < GROUP; g++) x[g] = q + (i0 + g < n ? i0 + g : n - 1) * d; /* a short tail repeats */
+            euclid_nearest(x, cent_t, neg_norm, d, cp, arg);
+            for (int64_t i = i0; i < n && i < i0 + GROUP; i++) {
+                updated[i] = real[i] ? arg[i - i0] : c;
+                changed |= updated[i] != assign[i];
+            }
+        }
+        memcpy(assign, updated, n * sizeof *assign);
+        if (!changed) break;
+    }
+    free(cent), free(cent_t), free(neg_norm), free(members), free(updated);
+}
+
+/* kmeans.refine_clusters for slices [bh0, bh1): q (BH, N, D), real (B, N), assign (BH, N). */
+void refine_clusters(const float *q, const uint8_t *real, int64_t heads, int64_t n, int64_t d, int64_t c,
+                     int64_t iterations, int64_t *assign, int64_t bh0, int64_t bh1) {
+    for (int64_t bh = bh0; bh < bh1; bh++)
+        refine_one(q + bh * n * d, real + (bh / heads) * n, n, d, c, iterations, assign + bh * n);
+}
+
+/* ---- Centroid attention: softmax and top-k of each row ------------------------------ */
+
+/* Insert (value, index) into the k best so far, kept sorted descending; a later index loses
+ * a tie. */
+static void topk_insert(float *vals, int64_t *idx, int64_t *count, int64_t k, float value, int64_t index) {
+    int64_t pos = *count < k ? (*count)++ : k - 1;
+    while (pos > 0 && vals[pos - 1] < value) {
+        vals[pos] = vals[pos - 1];
+        idx[pos] = idx[pos - 1];
+        pos--;
+    }
+    vals[pos] = value;
+    idx[pos] = index;
+}
+
+/* Rows of logits (R, M) become softmax probabilities over the real keys (rows of 0 when no
+ * key is real), in place; top_index / top_prob (R, K) get each row's K most probable real
+ * keys, highest first, and top_valid (R, K) marks them (index 0, probability 0 and not
+ * valid where fewer than K keys are real).
+ * keymask (B, M); a row's batch is row / rows_per_batch. Rows [r0, r1). */
+void softmax_topk(float *logits, const uint8_t *keymask, int64_t rows_per_batch, int64_t m, int64_t k,
+                  int64_t *top_index, float *top_prob, uint8_t *top_valid, int64_t r0, int64_t r1) {
+    float *vals = malloc(k * sizeof *vals);
+    for (int64_t r = r0; r < r1; r++) {
+        float *row = logits + r * m;
+        const uint8_t *real = keymask + (r / rows_per_batch) * m;
+        /* No infinities anywhere: the file is built with -ffast-math. */
+        int64_t n_real = 0;
+        float top = 0.0f;
+        for (int64_t j = 0; j < m; j++)
+            if (real[j]) top = n_real++ == 0 || row[j] > top ? row[j] : top;
+        int64_t *idx = top_index + r * k;
+        float *prob = top_prob + r * k;
+        int64_t count = 0;
+        if (n_real == 0) {
+            memset(row, 0, m * sizeof *row);
+        } else {
+            float total = 0.0f;
+            for (int64_t j = 0; j < m; j++) {
+                row[j] = real[j] ? expf(row[j] - top) : 0.0f;
+                total += row[j];
+            }
+            const float inv = 1.0f / total;
+            for (int64_t j = 0; j < m; j++) row[j] *= inv;
+            /* Blocks of 16: only a block whose maximum beats the current k-th best is scanned. */
+            for (int64_t base = 0; k > 0 && base < m; base += 16) {
+                const int64_t len = m - base < 16 ? m - base : 16;
+                float block = -1.0f;
+                for (int64_t j = 0; j < len; j++) block = row[base + j] > block ? row[base + j] : block;
+                if (count == k && block <= vals[k - 1]) continue;
+                for (int64_t j = 0; j < len; j++)
+                    if (real[base + j] && (count < k || row[base + j] > vals[k - 1]))
+                        topk_insert(vals, idx, &count, k, row[base + j], base + j);
+            }
+        }
+        for (int64_t t = 0; t < k; t++) {
+            prob[t] = t < count ? vals[t] : 0.0f;
+            idx[t] = t < count ? idx[t] : 0;
+            top_valid[r * k + t] = t < count;
+        }
+    }
+    free(vals);
+}
+
+/* ---- Improved clustered attention: the per-query sparse part (eq. 15) --------------- */
+
+/* For every real query i of cluster j = assign[i]:
+ *   out_i = mass_j * softmax(scale * q_i . keys_j[t], valid t) @ values_j + bottom_j
+ * keys_t (BH, C, D, K): each cluster's top-k keys, transposed; values (BH, C, K, Dv);
+ * valid (BH, C, K) uint8; mass (BH, C); bottom (BH, C, Dv). Padded queries get 0 rows.
+ * Slices [bh0, bh1). */
+void improved_sparse(const float *q, const int64_t *assign, const float *keys_t, const float *values, const uint8_t *valid,
+                     const float *mass, const float *bottom, int64_t n, int64_t d, int64_t dv, int64_t c, int64_t k,
+                     float scale, float *out, int64_t bh0, int64_t bh1) {
+    float *logit = malloc(k * sizeof *logit);
+    for (int64_t bh = bh0; bh < bh1; bh++) {
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t j = assign[bh * n + i];
+            float *o = out + (bh * n + i) * dv;
+            if (j == c) {
+                memset(o, 0, dv * sizeof *o);
+                continue;
+            }
+            const int64_t cj = bh * c + j;
+            const float *kt = keys_t + cj * d * k;
+            const float *qi = q + (bh * n + i) * d;
+            const uint8_t *ok = valid + cj * k;
+            for (int64_t t = 0; t < k; t++) logit[t] = 0.0f;
+            for (int64_t s = 0; s < d; s++)
+                for (int64_t t = 0; t < k; t++) logit[t] += qi[s] * kt[s * k + t];
+            float top = 0.0f;
+            int any = 0;
+            for (int64_t t = 0; t < k; t++)
+                if (ok[t]) top = !any++ || logit[t] * scale > top ? logit[t] * scale : top;
+            float total = 0.0f;
+            for (int64_t t = 0; t < k; t++) {
+                logit[t] = ok[t] ? expf(logit[t] * scale - top) : 0.0f;
+                total += logit[t];
+            }
+            const float weight = total > 0.0f ? mass[cj] / total : 0.0f;
+            const float *vj = values + cj * k * dv;
+            for (int64_t e = 0; e < dv; e++) o[e] = bottom[cj * dv + e];
+            for (int64_t t = 0; t < k; t++) {
+                const float p = logit[t] * weight;
+                for (int64_t e = 0; e < dv; e++) o[e] += p * vj[t * dv + e];
+            }
+        }
+    }
+    free(logit);
+}
