@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import native
-from .hashing import hash_planes, hash_projections, hash_signs
+from .hashing import hash_planes, hash_signs
 from .kmeans import (
     cluster_means,
     hamming_kmeans,
@@ -47,7 +47,7 @@ def cluster_queries(q: Tensor, query_mask: Tensor, spec: AttentionSpec) -> Tenso
     planes = hash_planes(h, d, spec.bits, spec.seed)
     offsets = initial_offsets(h, spec.seed)
     if native.usable(q):
-        codes = native.pack_signs(hash_projections(q, planes))
+        codes = native.hash_codes(q, planes)
         initial = codes.gather(2, initial_centroid_positions(query_mask, spec.clusters, offsets))
         assign = native.hamming_kmeans(codes, query_mask, initial, spec.iterations, spec.bits)
         if spec.refine:

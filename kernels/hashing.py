@@ -32,12 +32,6 @@ def hash_planes(heads: int, dim: int, bits: int, seed: int) -> Tensor:
     return torch.randn(heads, dim + 1, bits, generator=seeded_generator(seed, 0))
 
 
-def hash_projections(x: Tensor, planes: Tensor) -> Tensor:
-    """Projections of x on the planes, bias included: (B, H, N, D) -> (B, H, N, bits) float32."""
-    planes = planes.to(device=x.device, dtype=torch.float32)
-    return x.float() @ planes[:, :-1] + planes[:, -1:, :]
-
-
 def hash_signs(x: Tensor, planes: Tensor) -> Tensor:
     """Signs of the projections of x on the planes, as +-1.
 
@@ -45,7 +39,9 @@ def hash_signs(x: Tensor, planes: Tensor) -> Tensor:
     projection (with its bias) is positive. The K-means works on these directly: the dot
     product of two sign vectors is bits - 2 * (their Hamming distance).
     """
-    return torch.where(hash_projections(x, planes) > 0, 1.0, -1.0)
+    planes = planes.to(device=x.device, dtype=torch.float32)
+    projections = x.float() @ planes[:, :-1] + planes[:, -1:, :]
+    return torch.where(projections > 0, 1.0, -1.0)
 
 
 def pack_codes(signs: Tensor) -> Tensor:

@@ -15,15 +15,43 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* GCC vector extensions: LANES floats per vector, lowered to whatever the CPU has. */
+#define LANES 16
+typedef float floats __attribute__((vector_size(4 * LANES)));
+typedef int32_t ints __attribute__((vector_size(4 * LANES)));
+
 /* ---- Hashing ------------------------------------------------------------------------ */
 
-/* codes[r] has bit b set where proj[r, b] > 0 (hashing.pack_codes of hashing.hash_signs). */
-void pack_signs(const float *proj, int64_t rows, int64_t bits, uint64_t *codes) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *p = proj + r * bits;
-        uint64_t code = 0;
-        for (int64_t b = 0; b < bits; b++) code |= (uint64_t)(p[b] > 0.0f) << b;
-        codes[r] = code;
+/* Queries hashed together: independent FMA chains hide their latency. */
+#define HASH_GROUP 4
+
+/* hashing.hash_codes for slices [bh0, bh1): x (BH, N, D); planes (H, D + 1, 64), 64-byte
+ * aligned, row D the bias, columns past `bits` zero; codes (BH, N) out, bit b set where the
+ * projection on plane b is positive. */
+void hash_codes(const float *x, const float *planes, int64_t heads, int64_t n, int64_t d, int64_t bits, uint64_t *codes,
+                int64_t bh0, int64_t bh1) {
+    const uint64_t keep = bits == 64 ? ~0ULL : (1ULL << bits) - 1;
+    for (int64_t bh = bh0; bh < bh1; bh++) {
+        const float *p = planes + (bh % heads) * (d + 1) * 64;
+        for (int64_t i0 = 0; i0 < n; i0 += HASH_GROUP) {
+            floats acc[HASH_GROUP][64 / LANES];
+            const float *row[HASH_GROUP];
+            for (int g = 0; g < HASH_GROUP; g++) {
+                row[g] = x + (bh * n + (i0 + g < n ? i0 + g : n - 1)) * d; /* a short tail repeats */
+                for (int v = 0; v < 64 / LANES; v++) acc[g][v] = *(const floats *)(p + d * 64 + v * LANES);
+            }
+            for (int64_t t = 0; t < d; t++)
+                for (int v = 0; v < 64 / LANES; v++) {
+                    const floats plane = *(const floats *)(p + t * 64 + v * LANES);
+                    for (int g = 0; g < HASH_GROUP; g++) acc[g][v] += row[g][t] * plane;
+                }
+            for (int g = 0; g < HASH_GROUP && i0 + g < n; g++) {
+                uint64_t code = 0;
+                for (int v = 0; v < 64 / LANES; v++)
+                    for (int l = 0; l < LANES; l++) code |= (uint64_t)(acc[g][v][l] > 0.0f) << (v * LANES + l);
+                codes[bh * n + i0 + g] = code & keep;
+            }
+        }
     }
 }
 
@@ -154,11 +182,6 @@ static void cluster_means_one(const float *q, const int64_t *assign, int64_t n, 
         for (int64_t t = 0; t < d; t++) cent[j * d + t] /= count;
     }
 }
-
-/* GCC vector extensions: LANES floats per vector, lowered to whatever the CPU has. */
-#define LANES 16
-typedef float floats __attribute__((vector_size(4 * LANES)));
-typedef int32_t ints __attribute__((vector_size(4 * LANES)));
 
 /* Queries scored together by euclid_nearest: independent FMA chains hide their latency. */
 #define GROUP 8
@@ -354,13 +377,14 @@ void improved_sparse(const float *q, const int64_t *assign, const float *keys_t,
             for (int64_t t = 0; t < k; t++) logit[t] = 0.0f;
             for (int64_t s = 0; s < d; s++)
                 for (int64_t t = 0; t < k; t++) logit[t] += qi[s] * kt[s * k + t];
-            float top = 0.0f;
-            int any = 0;
-            for (int64_t t = 0; t < k; t++)
-                if (ok[t]) top = !any++ || logit[t] * scale > top ? logit[t] * scale : top;
+            float top = -FLT_MAX;
+            for (int64_t t = 0; t < k; t++) {
+                logit[t] = ok[t] ? logit[t] * scale : -FLT_MAX;
+                top = logit[t] > top ? logit[t] : top;
+            }
             float total = 0.0f;
             for (int64_t t = 0; t < k; t++) {
-                logit[t] = ok[t] ? expf(logit[t] * scale - top) : 0.0f;
+                logit[t] = ok[t] ? expf(logit[t] - top) : 0.0f;
                 total += logit[t];
             }
             const float weight = total > 0.0f ? mass[cj] / total : 0.0f;

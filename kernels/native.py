@@ -18,6 +18,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -35,7 +36,7 @@ FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # Argument types of the exported functions, in order (pointers are tensors' data_ptr()).
 _SIGNATURES = {
-    "pack_signs": (_PTR, _I64, _I64, _PTR),
+    "hash_codes": (_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64),
     "hamming_kmeans": (_PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64),
     "refine_clusters": (_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64),
     "softmax_topk": (_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64),
@@ -140,17 +141,28 @@ def _split(fn, total: int, *args) -> None:
     list(_pool().map(lambda i: fn(*args, bounds[i], bounds[i + 1]), range(parts)))
 
 
+def _aligned_zeros(*shape: int) -> Tensor:
+    """A contiguous float32 tensor of zeros whose data starts on a 64-byte boundary."""
+    count = math.prod(shape)
+    flat = torch.zeros(count + 16, dtype=torch.float32)
+    start = (-flat.data_ptr() % 64) // 4
+    return flat[start : start + count].view(shape)
+
+
 def _ptr(t: Tensor) -> int:
     assert t.is_contiguous() and t.device.type == "cpu"
     return t.data_ptr()
 
 
-def pack_signs(projections: Tensor) -> Tensor:
-    """(..., bits) float32 -> (...) int64 codes, bit b set where projection b > 0."""
-    projections = projections.contiguous()
-    bits = projections.shape[-1]
-    codes = torch.empty(projections.shape[:-1], dtype=torch.int64)
-    library().pack_signs(_ptr(projections), codes.numel(), bits, _ptr(codes))
+def hash_codes(x: Tensor, planes: Tensor) -> Tensor:
+    """hashing.hash_codes: x (B, H, N, D) float32, planes (H, D + 1, bits) -> (B, H, N) int64."""
+    b, h, n, d = x.shape
+    bits = planes.shape[-1]
+    aligned = _aligned_zeros(h, d + 1, 64)  # the loop reads whole 64-byte vectors of it
+    aligned[:, :, :bits] = planes
+    x = x.contiguous()
+    codes = torch.empty(b, h, n, dtype=torch.int64)
+    _split(library().hash_codes, b * h, _ptr(x), _ptr(aligned), h, n, d, bits, _ptr(codes))
     return codes
 
 

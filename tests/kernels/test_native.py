@@ -8,7 +8,7 @@ from kernel_inputs import padding_mask, qkv
 
 from kernels import AttentionSpec, attention, native
 from kernels.clustered import _centroid_attention, cluster_queries
-from kernels.hashing import hash_codes, hash_planes, hash_projections, hash_signs
+from kernels.hashing import hash_codes, hash_planes, hash_signs
 from kernels.kmeans import hamming_kmeans, initial_centroid_positions, initial_offsets, refine_clusters
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the native loops are not built")
@@ -27,11 +27,12 @@ def with_duplicates(q, copies):
     return q
 
 
-@pytest.mark.parametrize("bits", [1, 8, 63])
-def test_packed_codes_equal_the_reference(bits):
-    q, _, _ = qkv(n=40)
-    planes = hash_planes(2, 16, bits, seed=3)
-    assert torch.equal(native.pack_signs(hash_projections(q, planes)), hash_codes(q, planes))
+@pytest.mark.parametrize("n, d, bits", [(40, 16, 1), (41, 16, 8), (43, 32, 63), (3, 8, 63)])
+def test_hash_codes_equal_the_reference(n, d, bits):
+    # Odd lengths: the loop hashes queries in groups, with a short last group.
+    q, _, _ = qkv(n=n, d=d)
+    planes = hash_planes(2, d, bits, seed=3)
+    assert torch.equal(native.hash_codes(q, planes), hash_codes(q, planes))
 
 
 @pytest.mark.parametrize(
