@@ -101,6 +101,7 @@ static void donor_order_int(const int32_t *dist, int64_t n, int32_t max_d, int64
 /* One (batch, head) slice of kmeans.hamming_kmeans, from the initial centroid codes. */
 static void hamming_kmeans_one(const uint64_t *codes, const uint8_t *real, int64_t n, int64_t bits, uint64_t *cent,
                                int64_t c, int64_t iterations, int64_t *assign) {
+    if (n == 0) return;
     int32_t *dist = malloc(n * sizeof *dist);
     uint16_t *keys = malloc(256 * sizeof *keys);
     int64_t *members = malloc(c * sizeof *members);
@@ -220,6 +221,7 @@ static void euclid_nearest(const float *const *x, const float *cent_t, const flo
 /* One (batch, head) slice of kmeans.refine_clusters; assign is updated in place. */
 static void refine_one(const float *q, const uint8_t *real, int64_t n, int64_t d, int64_t c, int64_t iterations,
                        int64_t *assign) {
+    if (n == 0) return;
     const int64_t cp = (c + LANES - 1) / LANES * LANES;
     float *cent = malloc(c * d * sizeof *cent);
     float *cent_t = aligned_alloc(64, d * cp * sizeof *cent_t); /* (D, C) padded to whole vectors */

@@ -49,10 +49,14 @@ def enabled() -> bool:
     return os.environ.get("CLUSTERSERVE_NATIVE", "1") != "0"
 
 
+def available() -> bool:
+    """Whether the native loops are switched on and built (building them on the first call)."""
+    return enabled() and library() is not None
+
+
 def usable(x: Tensor) -> bool:
-    """Whether the native loops run for this compute tensor: float32 on the CPU, switched
-    on, and the library built."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and enabled() and library() is not None
+    """Whether the native loops run for this compute tensor: float32 on the CPU, and available."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and available()
 
 
 @functools.lru_cache(maxsize=1)

@@ -21,7 +21,7 @@ import torch
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from kernels import APPROXIMATE_METHODS
+from kernels import APPROXIMATE_METHODS, native
 from models.calibration import Calibration, CalibrationError, find_calibration, load_calibration
 
 from . import __version__
@@ -118,6 +118,12 @@ def create_app(settings: Settings | None = None, load: Callable[[Settings], Any]
     return app
 
 
+def cpu_backend() -> str:
+    """"torch+native" where the native CPU loops are built (this builds them, so that the
+    first request does not wait for the compiler), else "torch" (the PyTorch reference)."""
+    return "torch+native" if native.available() else "torch"
+
+
 def _load_and_start(state: ServiceState, load: Callable[[Settings], Any]) -> None:
     settings = state.settings
     try:
@@ -130,7 +136,7 @@ def _load_and_start(state: ServiceState, load: Callable[[Settings], Any]) -> Non
         log.exception("loading the model failed")
         state.load_error = f"{type(exc).__name__}: {exc}"
         return
-    backend = "triton" if encoder.device.type == "cuda" else "torch"
+    backend = {"cuda": "triton", "cpu": cpu_backend()}.get(encoder.device.type, "torch")
     with state.lock:
         if state.draining:
             return

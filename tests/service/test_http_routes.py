@@ -11,7 +11,8 @@ import pytest
 import torch
 from service_helpers import license_text
 
-from kernels import KNOB_RANGES, METHOD_KNOBS, AttentionSpec
+from kernels import KNOB_RANGES, METHOD_KNOBS, AttentionSpec, native
+from service.app import cpu_backend
 
 TIMING_HEADERS = ("x-request-id", "x-queue-time-ms", "x-inference-time-ms", "x-total-time-ms")
 SUCCESS_HEADERS = TIMING_HEADERS + ("x-input-tokens", "x-attention", "x-peak-memory-bytes")
@@ -162,6 +163,12 @@ def test_tokenize(client):
     assert plain[0] == tokens[1:-1] and len(plain) == 2
 
 
+def test_cpu_backend_says_whether_the_native_loops_run(monkeypatch):
+    assert cpu_backend() == ("torch+native" if native.library() is not None else "torch")
+    monkeypatch.setenv("CLUSTERSERVE_NATIVE", "0")
+    assert cpu_backend() == "torch"
+
+
 def test_info(client):
     info = client.get("/info").json()
     assert info["model"] == "all-MiniLM-L6-v2"
@@ -171,7 +178,7 @@ def test_info(client):
     assert info["position_extension"] == "copied"
     assert info["limits"]["max_client_batch_size"] == 8
     assert info["limits"]["max_body_bytes"] == 64 * 1024
-    assert info["backend"] == "torch" and info["device"] == "cpu"
+    assert info["backend"] == cpu_backend() and info["device"] == "cpu"
     methods = info["attention"]["methods"]
     assert set(methods) == {"full", "clustered", "i-clustered", "smyrf", "auto"}
     default = AttentionSpec()

@@ -17,6 +17,8 @@ import pytest
 from server_process import running_server
 from service_helpers import license_text, scrape, value
 
+from service.app import cpu_backend
+
 METHODS = ["full", "clustered", "i-clustered", "smyrf"]
 DOCUMENT = license_text(17000)  # real prose, ~3,300 tokens
 
@@ -93,7 +95,7 @@ def test_plain_http(server):
 
         metrics = http.get("/metrics").text
         assert 'clusterserve_requests_total{code="200",endpoint="/embed",method="auto"} 1.0' in metrics
-        assert 'clusterserve_build_info{backend="torch",device="cpu",model="all-MiniLM-L6-v2"' in metrics
+        assert f'clusterserve_build_info{{backend="{cpu_backend()}",device="cpu",model="all-MiniLM-L6-v2"' in metrics
 
 
 def test_a_client_that_hangs_up_while_queued_is_dropped_unrun_and_counted(server):
