@@ -136,7 +136,8 @@ def _load_and_start(state: ServiceState, load: Callable[[Settings], Any]) -> Non
         log.exception("loading the model failed")
         state.load_error = f"{type(exc).__name__}: {exc}"
         return
-    backend = {"cuda": "triton", "cpu": cpu_backend()}.get(encoder.device.type, "torch")
+    kind = encoder.device.type
+    backend = "triton" if kind == "cuda" else cpu_backend() if kind == "cpu" else "torch"
     with state.lock:
         if state.draining:
             return
