@@ -32,7 +32,9 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
+# Compiled with -ffast-math (vectorised expf, reassociated sums) but linked without it: linking
+# with it would add crtfastmath.o, which sets flush-to-zero for the whole process on load.
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # Argument types of the exported functions, in order (pointers are tensors' data_ptr()).
 _SIGNATURES = {
@@ -91,13 +93,16 @@ def _build(compiler: str) -> Path:
     # Built under a private name and renamed: processes that build at once never load half a file.
     fd, partial = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
+    objects = partial[: -len(".so")] + ".o"
     try:
-        command = [compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"]  # libm brings glibc's vector expf
-        subprocess.run(command, capture_output=True, text=True, check=True)
+        subprocess.run([compiler, *FLAGS, "-c", "-o", objects, str(SOURCE)], capture_output=True, text=True, check=True)
+        # libm brings glibc's vector expf.
+        subprocess.run([compiler, "-shared", "-o", partial, objects, "-lm"], capture_output=True, text=True, check=True)
         os.replace(partial, path)
     finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+        for leftover in (partial, objects):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     log.info("built %s", path)
     return path
 

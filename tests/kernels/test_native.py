@@ -151,6 +151,19 @@ def test_no_compiler_falls_back_to_the_reference(monkeypatch, caplog):
         native.library.cache_clear()
 
 
+def test_loading_the_library_leaves_subnormal_floats_alone(monkeypatch, tmp_path):
+    # A library linked with -ffast-math would switch on flush-to-zero for the whole process.
+    monkeypatch.setenv("CLUSTERSERVE_CACHE_DIR", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        assert native.library() is not None
+        tiny = 5e-324  # the smallest subnormal double
+        assert tiny * 1.0 > 0.0
+        assert torch.tensor(1e-40, dtype=torch.float32) * 1.0 > 0
+    finally:
+        native.library.cache_clear()
+
+
 def test_the_library_is_built_once_into_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("CLUSTERSERVE_CACHE_DIR", str(tmp_path))
     native.library.cache_clear()
