@@ -136,45 +136,46 @@ def test_float32_only(monkeypatch):
     assert not native.usable(x)
 
 
-def test_no_compiler_falls_back_to_the_reference(monkeypatch, caplog):
+@pytest.fixture
+def rebuilt():
+    """native.library() forgets the loaded library now and after the test."""
+    native.library.cache_clear()
+    yield
+    native.library.cache_clear()
+
+
+@pytest.fixture
+def fresh_cache(monkeypatch, tmp_path, rebuilt):
+    """An empty build cache: the next native.library() compiles native.c into it."""
+    monkeypatch.setenv("CLUSTERSERVE_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_no_compiler_falls_back_to_the_reference(monkeypatch, caplog, rebuilt):
     q, k, v = qkv(n=48)
     spec = AttentionSpec(method="i-clustered", clusters=5, topk=8)
     expected = attention(q, k, v, spec)
     monkeypatch.setenv("CC", "no-such-compiler")
     native.library.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger="kernels.native"):
-            assert native.library() is None and not native.usable(q)
-            torch.testing.assert_close(attention(q, k, v, spec), expected, rtol=1e-5, atol=1e-6)
-        assert "no C compiler" in caplog.text
-    finally:
-        native.library.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+        assert native.library() is None and not native.usable(q)
+        torch.testing.assert_close(attention(q, k, v, spec), expected, rtol=1e-5, atol=1e-6)
+    assert "no C compiler" in caplog.text
 
 
-def test_loading_the_library_leaves_subnormal_floats_alone(monkeypatch, tmp_path):
+def test_loading_the_library_leaves_subnormal_floats_alone(fresh_cache):
     # A library linked with -ffast-math would switch on flush-to-zero for the whole process.
-    monkeypatch.setenv("CLUSTERSERVE_CACHE_DIR", str(tmp_path))
+    assert native.library() is not None
+    tiny = 5e-324  # the smallest subnormal double
+    assert tiny * 1.0 > 0.0
+    assert torch.tensor(1e-40, dtype=torch.float32) * 1.0 > 0
+
+
+def test_the_library_is_built_once_into_the_cache(fresh_cache):
+    assert native.library() is not None
+    built = list(fresh_cache.glob("*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
     native.library.cache_clear()
-    try:
-        assert native.library() is not None
-        tiny = 5e-324  # the smallest subnormal double
-        assert tiny * 1.0 > 0.0
-        assert torch.tensor(1e-40, dtype=torch.float32) * 1.0 > 0
-    finally:
-        native.library.cache_clear()
-
-
-def test_the_library_is_built_once_into_the_cache(monkeypatch, tmp_path):
-    monkeypatch.setenv("CLUSTERSERVE_CACHE_DIR", str(tmp_path))
-    native.library.cache_clear()
-    try:
-        assert native.library() is not None
-        built = list(tmp_path.glob("*.so"))
-        assert len(built) == 1
-        stamp = built[0].stat().st_mtime_ns
-        native.library.cache_clear()
-        assert native.library() is not None and built[0].stat().st_mtime_ns == stamp
-        assert list(tmp_path.glob("*.so")) == built  # no half-built leftovers
-    finally:
-        native.library.cache_clear()
-
+    assert native.library() is not None and built[0].stat().st_mtime_ns == stamp
+    assert sorted(fresh_cache.iterdir()) == built  # no half-built or object-file leftovers
