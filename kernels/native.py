@@ -72,7 +72,8 @@ def library() -> ctypes.CDLL | None:
         path = _build(compiler)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as exc:
-        log.warning("could not build %s (%s): the clustered methods run the PyTorch reference on CPU", SOURCE.name, exc)
+        detail = (getattr(exc, "stderr", None) or str(exc)).strip()[-500:]
+        log.warning("could not build %s (%s): the clustered methods run the PyTorch reference on CPU", SOURCE.name, detail)
         return None
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
