@@ -55,16 +55,51 @@ void hash_codes(const float *x, const float *planes, int64_t heads, int64_t n, i
     }
 }
 
+/* ---- Re-seeding empty clusters ------------------------------------------------------ */
+
+typedef struct {
+    float dist;
+    int64_t pos;
+} ranked;
+
+/* Farthest first, lower position first among equals (a stable descending sort). */
+static int farthest_first(const void *a_, const void *b_) {
+    const ranked *a = a_, *b = b_;
+    if (a->dist != b->dist) return a->dist > b->dist ? -1 : 1;
+    return (a->pos > b->pos) - (a->pos < b->pos);
+}
+
+/* kmeans._reseed_empty's rule: the e-th empty cluster (members 0) takes the e-th query in
+ * the order real queries farthest from their centroid first (dist), then padded queries by
+ * position; past the end, the last one. Sets donor[j] for the empty clusters j only. */
+static void pick_donors(const float *dist, const uint8_t *real, int64_t n, const int64_t *members, int64_t c,
+                        int64_t *donor) {
+    ranked *order = malloc(n * sizeof *order);
+    int64_t n_real = 0, pos = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (real[i]) order[n_real++] = (ranked){dist[i], i};
+    qsort(order, n_real, sizeof *order, farthest_first);
+    for (int64_t i = 0; i < n; i++)
+        if (!real[i]) order[n_real + pos++] = (ranked){0.0f, i};
+    int64_t e = 0;
+    for (int64_t j = 0; j < c; j++)
+        if (members[j] == 0) {
+            donor[j] = order[e < n ? e : n - 1].pos;
+            e++;
+        }
+    free(order);
+}
+
 /* ---- Hamming K-means ---------------------------------------------------------------- */
 
 /* Nearest centroid of every real query, ties to the lowest index; padded queries -> c.
- * dist[i] is the Hamming distance to that centroid. keys: c scratch slots. */
+ * dist[i] is the Hamming distance to that centroid. keys: 256 scratch slots. */
 static void hamming_nearest(const uint64_t *codes, const uint8_t *real, int64_t n, const uint64_t *cent, int64_t c,
-                            int64_t *assign, int32_t *dist, uint16_t *keys) {
+                            int64_t *assign, float *dist, uint16_t *keys) {
     for (int64_t i = 0; i < n; i++) {
         if (!real[i]) {
             assign[i] = c;
-            dist[i] = -1;
+            dist[i] = 0.0f;
             continue;
         }
         const uint64_t x = codes[i];
@@ -84,30 +119,21 @@ static void hamming_nearest(const uint64_t *codes, const uint8_t *real, int64_t 
             }
         }
         assign[i] = best;
-        dist[i] = best_d;
+        dist[i] = (float)best_d;
     }
 }
 
-/* Positions in the order kmeans._reseed_empty ranks donors: real queries by distance,
- * farthest first, lower position first among equals; then padded queries by position.
- * Fills order[0..want) (want <= n). dist: integer distances in [0, max_d], -1 = padded. */
-static void donor_order_int(const int32_t *dist, int64_t n, int32_t max_d, int64_t want, int64_t *order) {
-    int64_t got = 0;
-    for (int32_t d = max_d; d >= -1 && got < want; d--)
-        for (int64_t i = 0; i < n && got < want; i++)
-            if (dist[i] == d) order[got++] = i;
-}
 
 /* One (batch, head) slice of kmeans.hamming_kmeans, from the initial centroid codes. */
 static void hamming_kmeans_one(const uint64_t *codes, const uint8_t *real, int64_t n, int64_t bits, uint64_t *cent,
                                int64_t c, int64_t iterations, int64_t *assign) {
     if (n == 0) return;
-    int32_t *dist = malloc(n * sizeof *dist);
+    float *dist = malloc(n * sizeof *dist);
     uint16_t *keys = malloc(256 * sizeof *keys);
     int64_t *members = malloc(c * sizeof *members);
     int32_t *ones = malloc(c * 64 * sizeof *ones);
     uint64_t *updated = malloc(c * sizeof *updated);
-    int64_t *order = malloc(n * sizeof *order);
+    int64_t *donor = malloc(c * sizeof *donor);
     for (int64_t it = 0; it < iterations; it++) {
         hamming_nearest(codes, real, n, cent, c, assign, dist, keys);
         memset(members, 0, c * sizeof *members);
@@ -127,21 +153,16 @@ static void hamming_kmeans_one(const uint64_t *codes, const uint8_t *real, int64
             empty += members[j] == 0;
         }
         if (empty) {
-            const int64_t want = empty < n ? empty : n;
-            donor_order_int(dist, n, (int32_t)bits, want, order);
-            int64_t e = 0;
+            pick_donors(dist, real, n, members, c, donor);
             for (int64_t j = 0; j < c; j++)
-                if (members[j] == 0) {
-                    updated[j] = codes[order[e < want ? e : want - 1]];
-                    e++;
-                }
+                if (members[j] == 0) updated[j] = codes[donor[j]];
         }
         const int same = memcmp(updated, cent, c * sizeof *cent) == 0;
         memcpy(cent, updated, c * sizeof *cent);
         if (same) break;
     }
     hamming_nearest(codes, real, n, cent, c, assign, dist, keys);
-    free(dist), free(keys), free(members), free(ones), free(updated), free(order);
+    free(dist), free(keys), free(members), free(ones), free(updated), free(donor);
 }
 
 /* kmeans.hamming_kmeans for slices [bh0, bh1): codes (BH, N), real (B, N), centroids
@@ -154,18 +175,6 @@ void hamming_kmeans(const uint64_t *codes, const uint8_t *real, int64_t heads, i
 }
 
 /* ---- Euclidean refinement ----------------------------------------------------------- */
-
-typedef struct {
-    float dist;
-    int64_t pos;
-} ranked;
-
-/* Farthest first, lower position first among equals (a stable descending sort). */
-static int farthest_first(const void *a_, const void *b_) {
-    const ranked *a = a_, *b = b_;
-    if (a->dist != b->dist) return a->dist > b->dist ? -1 : 1;
-    return (a->pos > b->pos) - (a->pos < b->pos);
-}
 
 /* Means of the member rows per cluster into cent (C, D); members (C). */
 static void cluster_means_one(const float *q, const int64_t *assign, int64_t n, int64_t d, int64_t c, float *cent,
@@ -228,33 +237,22 @@ static void refine_one(const float *q, const uint8_t *real, int64_t n, int64_t d
     float *neg_norm = aligned_alloc(64, cp * sizeof *neg_norm);
     int64_t *members = malloc(c * sizeof *members);
     int64_t *updated = malloc(n * sizeof *updated);
+    float *dist = malloc(n * sizeof *dist);
+    int64_t *donor = malloc(c * sizeof *donor);
     for (int64_t it = 0; it < iterations; it++) {
         cluster_means_one(q, assign, n, d, c, cent, members);
         int64_t empty = 0;
         for (int64_t j = 0; j < c; j++) empty += members[j] == 0;
         if (empty) {
-            /* Donors as in kmeans._reseed_empty: real queries farthest from their mean
-             * first, then padded queries by position. */
-            ranked *order = malloc(n * sizeof *order);
-            int64_t n_real = 0, pos = 0;
-            for (int64_t i = 0; i < n; i++) {
-                if (!real[i]) continue;
-                const float *row = cent + assign[i] * d;
+            for (int64_t i = 0; i < n; i++) { /* each real query's distance to its mean */
+                const float *row = cent + (real[i] ? assign[i] : 0) * d;
                 float s = 0.0f;
-                for (int64_t t = 0; t < d; t++) s += (q[i * d + t] - row[t]) * (q[i * d + t] - row[t]);
-                order[n_real++] = (ranked){s, i};
+                for (int64_t t = 0; real[i] && t < d; t++) s += (q[i * d + t] - row[t]) * (q[i * d + t] - row[t]);
+                dist[i] = s;
             }
-            qsort(order, n_real, sizeof *order, farthest_first);
-            for (int64_t i = 0; i < n; i++)
-                if (!real[i]) order[n_real + pos++] = (ranked){0.0f, i};
-            int64_t e = 0;
+            pick_donors(dist, real, n, members, c, donor);
             for (int64_t j = 0; j < c; j++)
-                if (members[j] == 0) {
-                    const int64_t donor = order[e < n ? e : n - 1].pos;
-                    memcpy(cent + j * d, q + donor * d, d * sizeof *cent);
-                    e++;
-                }
-            free(order);
+                if (members[j] == 0) memcpy(cent + j * d, q + donor[j] * d, d * sizeof *cent);
         }
         for (int64_t j = 0; j < cp; j++) {
             float s = 0.0f;
@@ -279,7 +277,7 @@ static void refine_one(const float *q, const uint8_t *real, int64_t n, int64_t d
         memcpy(assign, updated, n * sizeof *assign);
         if (!changed) break;
     }
-    free(cent), free(cent_t), free(neg_norm), free(members), free(updated);
+    free(cent), free(cent_t), free(neg_norm), free(members), free(updated), free(dist), free(donor);
 }
 
 /* kmeans.refine_clusters for slices [bh0, bh1): q (BH, N, D), real (B, N), assign (BH, N). */
