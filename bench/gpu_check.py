@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from kernels import AttentionSpec, attention
-from kernels.clustered import cluster_queries
+from kernels.clustered import REFERENCE
+from kernels.stages import cluster_queries
 from kernels.masks import token_masks
 from kernels.smyrf import asymmetric_hashes, smyrf_projections
 
@@ -117,7 +118,7 @@ def _case(log: Log, name: str, q: Tensor, k: Tensor, v: Tensor, spec: AttentionS
     start = time.perf_counter()
     scale = 1.0 / math.sqrt(q.shape[-1])
     tri = attention(q, k, v, spec, key_padding_mask=mask, scale=scale, backend="triton")
-    ref = attention(q, k, v, spec, key_padding_mask=mask, scale=scale, backend="torch")
+    ref = attention(q, k, v, spec, key_padding_mask=mask, scale=scale, backend="reference")
     diff = (tri.float() - ref.float()).abs()
     largest = ref.float().abs().max().item()
     tol = 1e-4 if q.dtype == torch.float32 else 4 * UNIT_ROUNDOFF[q.dtype] * largest
@@ -139,9 +140,9 @@ def _same_clusters(q: Tensor, k: Tensor, spec: AttentionSpec, mask: Tensor | Non
     bucket, queries and keys, averaged over rounds)."""
     key_mask, query_mask = token_masks(q, k, mask)
     if spec.method != "smyrf":
-        from kernels.clustered_triton import cluster_queries_triton
+        from kernels.clustered_triton import TRITON
 
-        same = cluster_queries_triton(q, query_mask, spec) == cluster_queries(q.float(), query_mask, spec)
+        same = cluster_queries(TRITON, q, query_mask, spec) == cluster_queries(REFERENCE, q.float(), query_mask, spec)
         return same.transpose(0, 1)[:, query_mask].float().mean().item()
     from kernels.smyrf_triton import smyrf_hashes_triton
 

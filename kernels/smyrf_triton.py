@@ -1,6 +1,7 @@
 """SMYRF attention as Triton kernels (Daras et al. 2020, arXiv:2010.05315).
 
-Matches the PyTorch reference in smyrf.py (same seed, same clusters, same output):
+The triton backend's SMYRF stages (kernels/stages.py runs them); they match the reference in
+smyrf.py (same seed, same clusters, same output):
 
 1. `_smyrf_hash_kernel`, one program per (batch, head): max squared norms of the real
    queries and keys, then for every round the hash of F(q) and G(k) (eq. 4 and 14) in
@@ -35,8 +36,7 @@ from torch import Tensor
 from .hashing import on_device
 from .smyrf import smyrf_projections
 from .spec import AttentionSpec
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from .stages import SmyrfStages, sort_by_hash
 
 
 @triton.jit
@@ -347,29 +347,25 @@ def smyrf_cluster_attention_triton(
     return out, lse * math.log(2.0)
 
 
-def smyrf_attention_triton(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    spec: AttentionSpec,
-    key_padding_mask: Tensor | None,
-    scale: float,
-) -> Tensor:
-    """SMYRF attention on the GPU. q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv) -> (B, H, N, Dv).
-
-    key_padding_mask (B, M) bool marks real keys, and real queries too when N == M; padded
-    queries get 0. float16, bfloat16 and float32 inputs, float32 accumulation; output in
-    q.dtype. Same clusters and output as `smyrf.smyrf_attention_torch`.
-    """
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"q: the triton backend takes float16, bfloat16 or float32, got {q.dtype}; use backend='torch'"
-        )
+def hash_tokens_triton(q: Tensor, k: Tensor, key_padding_mask: Tensor | None, spec: AttentionSpec) -> tuple[Tensor, Tensor]:
+    """The hash stage on the device (see `smyrf_hashes_triton`)."""
     projections = on_device(smyrf_projections, (spec.hash_rounds, q.shape[1], q.shape[-1], spec.seed), q.device)
-    q_hashes, k_hashes = smyrf_hashes_triton(q, k, key_padding_mask, projections)
-    q_orders = q_hashes.argsort(dim=-1, stable=True)  # (R, B, H, N)
-    k_orders = k_hashes.argsort(dim=-1, stable=True)  # (R, B, H, M)
-    out, _ = smyrf_cluster_attention_triton(
-        q, k, v, q_orders, k_orders, key_padding_mask, spec.cluster_size, scale
-    )
-    return out
+    return smyrf_hashes_triton(q, k, key_padding_mask, projections)
+
+
+def cluster_attention_triton(
+    q: Tensor, k: Tensor, v: Tensor, q_orders: Tensor, k_orders: Tensor, key_padding_mask: Tensor | None,
+    spec: AttentionSpec, scale: float, dtype: torch.dtype,
+) -> Tensor:
+    """The cluster-attention stage on the device: output (B, H, N, Dv) in q's dtype."""
+    out, _ = smyrf_cluster_attention_triton(q, k, v, q_orders, k_orders, key_padding_mask, spec.cluster_size, scale)
+    return out.to(dtype)
+
+
+TRITON = SmyrfStages(
+    name="triton",
+    compute=lambda dtype: dtype,  # the kernels read float32, float16, bfloat16 and accumulate in float32
+    hash=hash_tokens_triton,
+    sort=sort_by_hash,
+    cluster_attention=cluster_attention_triton,
+)

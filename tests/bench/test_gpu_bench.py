@@ -9,16 +9,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kernels.stages import CLUSTERED_STAGES, SMYRF_STAGES
+
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = {"method", "seq_len", "batch", "heads", "head_dim", "dtype", "ms", "speedup_vs_full", "peak_bytes",
           "rel_err", "device"}
 METHODS = {"full", "clustered", "i-clustered (paper)", "i-clustered", "smyrf"}
+# The backend's own stage lists (kernels/stages.py), less what a method's knobs skip.
 STAGES = {
     "full": {"sdpa"},
-    "clustered": {"hash", "k-means", "refine", "centroids", "centroid attention", "broadcast"},
-    "i-clustered (paper)": {"hash", "k-means", "centroids", "centroid attention", "top-k", "tiles", "sparse part"},
-    "i-clustered": {"hash", "k-means", "refine", "centroids", "centroid attention", "top-k", "tiles", "sparse part"},
-    "smyrf": {"hash", "sort", "cluster attention"},
+    "clustered": set(CLUSTERED_STAGES) - {"sparse"},
+    "i-clustered (paper)": set(CLUSTERED_STAGES) - {"refine", "broadcast"},
+    "i-clustered": set(CLUSTERED_STAGES) - {"broadcast"},
+    "smyrf": set(SMYRF_STAGES),
 }
 
 
