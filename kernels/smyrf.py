@@ -24,6 +24,15 @@ from .masks import token_masks
 from .spec import AttentionSpec
 
 
+def smyrf_cluster_count(n_real, m_real, cluster_size: int):
+    """L = min(ceil(max(N, M) / cluster_size), N, M), at least 1: the clusters of N real
+    queries and M real keys. n_real, m_real: ints, or integer tensors of the same shape."""
+    if isinstance(n_real, Tensor):
+        most = (torch.maximum(n_real, m_real) + cluster_size - 1) // cluster_size
+        return torch.minimum(most, torch.minimum(n_real, m_real)).clamp(min=1)
+    return max(1, min(-(-max(n_real, m_real) // cluster_size), n_real, m_real))
+
+
 def smyrf_projections(rounds: int, heads: int, dim: int, seed: int) -> Tensor:
     """Random hash directions for the (D + 2)-dim transformed vectors: (R, H, D + 2) on CPU."""
     return torch.randn(rounds, heads, dim + 2, generator=seeded_generator(seed, 2))
@@ -92,10 +101,7 @@ def smyrf_attention_torch(
     dv = v.shape[-1]
     key_mask, query_mask = token_masks(q, k, key_padding_mask)
     n_real, m_real = query_mask.sum(1), key_mask.sum(1)
-    n_clusters = torch.minimum(
-        (torch.maximum(n_real, m_real) + spec.cluster_size - 1) // spec.cluster_size,
-        torch.minimum(n_real, m_real),
-    ).clamp(min=1)
+    n_clusters = smyrf_cluster_count(n_real, m_real, spec.cluster_size)
     projections = smyrf_projections(spec.hash_rounds, h, d, spec.seed)
     q_hashes, k_hashes = asymmetric_hashes(qf, kf, query_mask, key_mask, projections)
     out = torch.zeros(b, h, n, dv, dtype=compute, device=q.device)
