@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .blocks import pow2_block
 from .clustered import TILE, cluster_tiles
 from .hashing import hash_planes, on_device
 from .hashing_triton import hash_codes_triton
@@ -228,7 +229,7 @@ def centroid_attention_triton(
         centroids, k, v, key_mask.contiguous(), probs, values,
         *k.stride(), *v.stride(),
         h, m, c, d, dv, scale,
-        BLOCK_C=block_c, BLOCK_M=64, HEAD_DIM=_block_dim(d), VALUE_DIM=_block_dim(dv),
+        BLOCK_C=block_c, BLOCK_M=64, HEAD_DIM=pow2_block(d), VALUE_DIM=pow2_block(dv),
         NO_MAX=_NO_MAX, WRITE_PROBS=bool(topk),
     )
     if not topk:
@@ -248,7 +249,7 @@ def broadcast_triton(centroid_values: Tensor, assign: Tensor, dtype: torch.dtype
         centroid_values, assign, out,
         *out.stride(),
         h, n, c, dv,
-        BLOCK_N=block_n, VALUE_DIM=_block_dim(dv),
+        BLOCK_N=block_n, VALUE_DIM=pow2_block(dv),
     )
     return out
 
@@ -273,7 +274,7 @@ def improved_sparse_triton(
         centroid.top_index.contiguous(), centroid.top_probs.contiguous(), centroid.values, out,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         h, m, clusters, n_tiles, top, d, dv, scale,
-        BLOCK_M=TILE, BLOCK_K=min(64, _block_dim(top)), HEAD_DIM=_block_dim(d), VALUE_DIM=_block_dim(dv),
+        BLOCK_M=TILE, BLOCK_K=min(64, pow2_block(top)), HEAD_DIM=pow2_block(d), VALUE_DIM=pow2_block(dv),
         NO_MAX=_NO_MAX,
     )
     return out
@@ -291,7 +292,3 @@ TRITON = ClusteredStages(
     broadcast=broadcast_triton,
 )
 
-
-def _block_dim(size: int) -> int:
-    """A power-of-two block >= 16 (tl.dot's minimum) covering `size`; the rest is masked."""
-    return max(16, triton.next_power_of_2(size))

@@ -26,6 +26,15 @@ from .spec import AttentionSpec
 from .stages import SmyrfStages, float32_or_64, sort_by_hash
 
 
+def smyrf_cluster_count(n_real, m_real, cluster_size: int):
+    """L = min(ceil(max(N, M) / cluster_size), N, M), at least 1: the clusters of N real
+    queries and M real keys. n_real, m_real: ints, or integer tensors of the same shape."""
+    if isinstance(n_real, Tensor):
+        most = (torch.maximum(n_real, m_real) + cluster_size - 1) // cluster_size
+        return torch.minimum(most, torch.minimum(n_real, m_real)).clamp(min=1)
+    return max(1, min(-(-max(n_real, m_real) // cluster_size), n_real, m_real))
+
+
 def smyrf_projections(rounds: int, heads: int, dim: int, seed: int) -> Tensor:
     """Random hash directions for the (D + 2)-dim transformed vectors: (R, H, D + 2) on CPU."""
     return torch.randn(rounds, heads, dim + 2, generator=seeded_generator(seed, 2))
@@ -86,8 +95,7 @@ def hash_tokens(q: Tensor, k: Tensor, key_padding_mask: Tensor | None, spec: Att
 def cluster_counts(query_mask: Tensor, key_mask: Tensor, cluster_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """Real queries (B,), real keys (B,) and the number of clusters L (B,) of each sequence."""
     n_real, m_real = query_mask.sum(1), key_mask.sum(1)
-    n_clusters = torch.minimum((torch.maximum(n_real, m_real) + cluster_size - 1) // cluster_size, torch.minimum(n_real, m_real))
-    return n_real, m_real, n_clusters.clamp(min=1)
+    return n_real, m_real, smyrf_cluster_count(n_real, m_real, cluster_size)
 
 
 def cluster_attention(

@@ -33,8 +33,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .blocks import pow2_block
 from .hashing import on_device
-from .smyrf import smyrf_projections
+from .smyrf import smyrf_cluster_count, smyrf_projections
 from .spec import AttentionSpec
 from .stages import SmyrfStages, sort_by_hash
 
@@ -250,10 +251,6 @@ def _smyrf_attention_kernel(
         tl.store(acc_ptrs, out, mask=row_mask)
 
 
-def _pow2_block(size: int, low: int, high: int) -> int:
-    return max(low, min(high, triton.next_power_of_2(max(size, 1))))
-
-
 def _real_counts(key_padding_mask: Tensor | None, b: int, n: int, m: int, device) -> tuple[Tensor, Tensor]:
     """Real queries and keys per batch element, (B,) int32 on the device (no host sync)."""
     if key_padding_mask is None:
@@ -290,7 +287,7 @@ def smyrf_hashes_triton(
         *q_hash.stride()[:3], *k_hash.stride()[:3],
         h, n, m, rounds,
         HAS_MASK=has_mask, MASK_QUERIES=has_mask and n == m,
-        HEAD_DIM=d, BLOCK_D=_pow2_block(d, 16, 1024), BLOCK_T=32,
+        HEAD_DIM=d, BLOCK_D=pow2_block(d, 16, 1024), BLOCK_T=32,
     )
     return q_hash, k_hash
 
@@ -322,9 +319,9 @@ def smyrf_cluster_attention_triton(
     in_place = q.dtype == torch.float32 or rounds == 1
     acc = out if in_place else torch.empty(b, h, n, dv, dtype=torch.float32, device=q.device)
     # Typical cluster sizes set the tiles (any size is correct): a tile spanning clusters wastes work.
-    n_clusters = max(1, min(math.ceil(max(n, m) / cluster_size), n, m))
-    block_m = _pow2_block(math.ceil(n / n_clusters), 16, 64)
-    block_n = _pow2_block(math.ceil(m / n_clusters), 16, 64)
+    n_clusters = smyrf_cluster_count(n, m, cluster_size)
+    block_m = pow2_block(math.ceil(n / n_clusters), 16, 64)
+    block_n = pow2_block(math.ceil(m / n_clusters), 16, 64)
     grid = (triton.cdiv(n, block_m), b * h)
     for r in range(rounds):
         q_order, k_order = q_orders[r], k_orders[r]
@@ -336,7 +333,7 @@ def smyrf_cluster_attention_triton(
             h, cluster_size, scale * math.log2(math.e),
             HEAD_DIM=d, HEAD_DIM_V=dv,
             BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_D=_pow2_block(d, 16, 1024), BLOCK_DV=_pow2_block(dv, 16, 1024),
+            BLOCK_D=pow2_block(d, 16, 1024), BLOCK_DV=pow2_block(dv, 16, 1024),
             IS_FIRST=r == 0, IS_LAST=r == rounds - 1,
             # TF32 would cost float32 inputs ~1e-3 of accuracy; half inputs ignore this.
             DOT_PRECISION="ieee",
