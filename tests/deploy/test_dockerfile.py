@@ -170,7 +170,7 @@ def test_healthcheck_command_passes_on_a_live_server_and_fails_without_one(comma
     assert run_on(free_port()).returncode != 0
 
 
-def test_readme_documents_the_docker_commands():
-    readme = (ROOT / "README.md").read_text()
-    assert "docker build -t clusterserve" in readme and "docker run --gpus all" in readme
+def test_deployment_docs_give_the_docker_commands():
+    page = (ROOT / "docs" / "deployment.md").read_text()
+    assert "docker build -t clusterserve" in page and "docker run --gpus all" in page
 
