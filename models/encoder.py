@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from kernels import AttentionSpec
 
 from .pooling import PoolingConfig, pool
+from .prompts import Prompts
 from .tokenization import TRUNCATION_DIRECTIONS, TextTokenizer, Tokens
 
 
@@ -59,6 +60,7 @@ class Encoder:
         vocab_size: int,
         folder: Path | None = None,
         adapters: tuple[str, ...] = (),
+        prompts: Prompts | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -72,6 +74,7 @@ class Encoder:
         self.vocab_size = vocab_size
         self.folder = folder
         self.adapters = adapters
+        self.prompts = prompts or Prompts()
         first = next(model.parameters())
         self.device = first.device
         self.dtype = first.dtype
@@ -90,6 +93,8 @@ class Encoder:
             "normalize": self.pooling.normalize,
             "special_tokens": self.tokenizer.num_special_tokens,
             "adapters": list(self.adapters),
+            "prompts": dict(self.prompts.prompts),
+            "default_prompt_name": self.prompts.default_name,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
         }
@@ -112,6 +117,7 @@ class Encoder:
         truncation_direction: str = "right",
         max_batch_tokens: int = 16384,
         adapter: str | None = None,
+        prompt_name: str | None = None,
     ) -> Tensor:
         """Embed texts or token-id lists -> (n, dimensions or dim) float32 on the CPU, in input order.
 
@@ -128,6 +134,10 @@ class Encoder:
             a longer input runs alone.
         adapter: a task adapter of the checkpoint (`adapters`, e.g. Jina v3's
             "retrieval.query"); None runs the base weights.
+        prompt_name: a prompt of the checkpoint (`prompts`), prepended to every text; None
+            prepends the default prompt where the checkpoint names one. Its tokens count toward
+            `max_input_tokens`. Token-id inputs are used as given: naming a prompt for them is
+            an error. An unknown name raises UnknownPrompt (a ValueError) naming it.
         """
         if not isinstance(spec, AttentionSpec):
             raise ValueError(f"spec: must be a kernels.AttentionSpec, got {type(spec).__name__}")
@@ -145,6 +155,22 @@ class Encoder:
             known = ", ".join(self.adapters) if self.adapters else "none: this checkpoint has no adapters"
             raise ValueError(f"adapter: unknown adapter {adapter!r}; known: {known}")
         adapter_index = None if adapter is None else self.adapters.index(adapter)
+
+        prompt = self.prompts.text(prompt_name)
+        if prompt and not self.pooling.include_prompt:
+            raise ValueError(
+                "prompt_name: this checkpoint pools without its prompt's tokens (include_prompt: false), "
+                "which is not implemented; embed without a prompt"
+            )
+        is_text = (
+            isinstance(inputs, Sequence)
+            and not isinstance(inputs, (str, bytes))
+            and all(isinstance(x, str) for x in inputs)
+        )
+        if prompt and is_text:
+            inputs = [prompt + text for text in inputs]
+        elif prompt_name is not None and not is_text:
+            raise ValueError("prompt_name: prompts apply to texts; token-id inputs are used exactly as given")
 
         sequences = self._input_ids(inputs, truncate, truncation_direction)
         pooled = torch.empty(len(sequences), self.dim, dtype=torch.float32)

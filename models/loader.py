@@ -22,6 +22,7 @@ from . import bert, eurobert, modernbert, rotary_bert
 from .config import BERT_FAMILY, ROTARY_BERT_FAMILY, EncoderConfig
 from .encoder import Encoder
 from .pooling import read_pooling
+from .prompts import read_prompts
 from .tokenization import TextTokenizer
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
@@ -44,7 +45,7 @@ def load_encoder(
     """Load an encoder.
 
     path: a folder with config.json, *.safetensors and tokenizer.json (optionally
-        modules.json and 1_Pooling/config.json); None = the embedded all-MiniLM-L6-v2.
+        modules.json, 1_Pooling/config.json and config_sentence_transformers.json); None = the embedded all-MiniLM-L6-v2.
     max_input_tokens: longest input accepted, special tokens included. Default: 32768 for
         the embedded model, the checkpoint's own positions otherwise. Beyond the checkpoint's
         positions a learned table is extended by copying, and RoPE runs past its training length.
@@ -105,6 +106,7 @@ def load_encoder(
         vocab_size=config.vocab_size,
         folder=folder,
         adapters=config.adapters,
+        prompts=read_prompts(folder),
     )
 
 

@@ -352,3 +352,16 @@ def test_every_method_runs_and_the_exact_cases_are_exact(case, tmp_path, tokeniz
         # Long input: an approximation, not a copy of exact attention; still close to it.
         cosine = torch.nn.functional.cosine_similarity(vectors[0], exact[0], dim=0)
         assert 0.5 < cosine < 1 - 1e-7, (spec.method, float(cosine))
+
+
+def test_unknown_architectures_and_variants_are_refused_with_the_supported_list():
+    from models import EncoderConfig, UnsupportedArchitecture
+
+    with pytest.raises(UnsupportedArchitecture, match="'gpt2'.*modernbert, nomic-bert, gte, jina-embeddings-v3, eurobert"):
+        EncoderConfig.from_dict({"model_type": "gpt2"})
+    gte = dict(SIZES, model_type="new", position_embedding_type="rope", rope_theta=10_000.0)
+    assert EncoderConfig.from_dict(gte | {"rope_scaling": {"type": "ntk", "factor": 2.0}}).rope_type == "ntk"
+    for variant in ({"rope_scaling": {"type": "ntk", "factor": 2.0, "mixed_b": 1.5}},
+                    {"rope_scaling": {"type": "yarn", "factor": 2.0}}, {"logn_attention_scale": True}):  # fmt: skip
+        with pytest.raises(UnsupportedArchitecture):
+            EncoderConfig.from_dict(gte | variant)
