@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from kernels import AttentionSpec
 
 from .pooling import PoolingConfig, pool
+from .prompts import Prompts
 from .tokenization import TRUNCATION_DIRECTIONS, TextTokenizer, Tokens
 
 
@@ -58,6 +59,8 @@ class Encoder:
         pad_token_id: int,
         vocab_size: int,
         folder: Path | None = None,
+        adapters: tuple[str, ...] = (),
+        prompts: Prompts | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -70,6 +73,8 @@ class Encoder:
         self.pad_token_id = pad_token_id
         self.vocab_size = vocab_size
         self.folder = folder
+        self.adapters = adapters
+        self.prompts = prompts or Prompts()
         first = next(model.parameters())
         self.device = first.device
         self.dtype = first.dtype
@@ -87,6 +92,9 @@ class Encoder:
             "pooling": self.pooling.mode,
             "normalize": self.pooling.normalize,
             "special_tokens": self.tokenizer.num_special_tokens,
+            "adapters": list(self.adapters),
+            "prompts": dict(self.prompts.prompts),
+            "default_prompt_name": self.prompts.default_name,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
         }
@@ -108,6 +116,8 @@ class Encoder:
         dimensions: int | None = None,
         truncation_direction: str = "right",
         max_batch_tokens: int = 16384,
+        adapter: str | None = None,
+        prompt_name: str | None = None,
     ) -> Tensor:
         """Embed texts or token-id lists -> (n, dimensions or dim) float32 on the CPU, in input order.
 
@@ -122,6 +132,12 @@ class Encoder:
         truncation_direction: "right" keeps the start of an input, "left" its end.
         max_batch_tokens: at most this many tokens, padding included, per forward pass;
             a longer input runs alone.
+        adapter: a task adapter of the checkpoint (`adapters`, e.g. Jina v3's
+            "retrieval.query"); None runs the base weights.
+        prompt_name: a prompt of the checkpoint (`prompts`), prepended to every text; None
+            prepends the default prompt where the checkpoint names one. Its tokens count toward
+            `max_input_tokens`. Token-id inputs are used as given: naming a prompt for them is
+            an error. An unknown name raises UnknownPrompt (a ValueError) naming it.
         """
         if not isinstance(spec, AttentionSpec):
             raise ValueError(f"spec: must be a kernels.AttentionSpec, got {type(spec).__name__}")
@@ -135,11 +151,32 @@ class Encoder:
         if not (_is_int(max_batch_tokens) and max_batch_tokens >= 1):
             raise ValueError(f"max_batch_tokens: must be a positive integer, got {max_batch_tokens!r}")
 
+        if adapter is not None and adapter not in self.adapters:
+            known = ", ".join(self.adapters) if self.adapters else "none: this checkpoint has no adapters"
+            raise ValueError(f"adapter: unknown adapter {adapter!r}; known: {known}")
+        adapter_index = None if adapter is None else self.adapters.index(adapter)
+
+        prompt = self.prompts.text(prompt_name)
+        if prompt and not self.pooling.include_prompt:
+            raise ValueError(
+                "prompt_name: this checkpoint pools without its prompt's tokens (include_prompt: false), "
+                "which is not implemented; embed without a prompt"
+            )
+        is_text = (
+            isinstance(inputs, Sequence)
+            and not isinstance(inputs, (str, bytes))
+            and all(isinstance(x, str) for x in inputs)
+        )
+        if prompt and is_text:
+            inputs = [prompt + text for text in inputs]
+        elif prompt_name is not None and not is_text:
+            raise ValueError("prompt_name: prompts apply to texts; token-id inputs are used exactly as given")
+
         sequences = self._input_ids(inputs, truncate, truncation_direction)
         pooled = torch.empty(len(sequences), self.dim, dtype=torch.float32)
         with torch.inference_mode():
             for batch in _length_batches(sequences, max_batch_tokens):
-                pooled[batch] = self._forward([sequences[i] for i in batch], spec).cpu()
+                pooled[batch] = self._forward([sequences[i] for i in batch], spec, adapter_index).cpu()
         vectors = pooled[:, :dimensions] if dimensions is not None else pooled
         return F.normalize(vectors, dim=-1) if normalize else vectors
 
@@ -164,7 +201,7 @@ class Encoder:
                 raise InputTooLong(index=i, tokens=len(ids), limit=limit)
         return sequences
 
-    def _forward(self, sequences: list[list[int]], spec: AttentionSpec) -> Tensor:
+    def _forward(self, sequences: list[list[int]], spec: AttentionSpec, adapter: int | None = None) -> Tensor:
         """Right-pad a batch, run the model and pool -> (B, dim) float32."""
         lengths = [len(s) for s in sequences]
         n = max(lengths)
@@ -174,7 +211,9 @@ class Encoder:
         mask = torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]  # (B, N) True = real
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         # Without padding the mask says nothing; leaving it out lets SDPA take its fused path.
-        hidden = self.model(input_ids, None if min(lengths) == n else mask, spec)  # (B, N, C)
+        # Only models with task adapters take the argument.
+        extra = {} if adapter is None else {"adapter": adapter}
+        hidden = self.model(input_ids, None if min(lengths) == n else mask, spec, **extra)  # (B, N, C)
         return pool(hidden, mask, self.pooling.mode)
 
 
