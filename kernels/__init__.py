@@ -6,7 +6,7 @@
 """
 
 from .dispatch import BACKENDS, attention
-from .spec import APPROXIMATE_METHODS, KNOB_RANGES, METHOD_KNOBS, METHODS, AttentionSpec
+from .spec import APPROXIMATE_METHODS, KNOB_RANGES, METHOD_KNOBS, METHODS, AttentionSpec, Resolved, resolve_auto
 
 __all__ = [
     "APPROXIMATE_METHODS",
@@ -15,5 +15,7 @@ __all__ = [
     "KNOB_RANGES",
     "METHODS",
     "METHOD_KNOBS",
+    "Resolved",
     "attention",
+    "resolve_auto",
 ]

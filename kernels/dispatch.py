@@ -11,7 +11,7 @@ from torch import Tensor
 from .clustered import clustered_attention_torch
 from .full import full_attention
 from .smyrf import smyrf_attention_torch
-from .spec import AttentionSpec
+from .spec import AttentionSpec, resolve_auto
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -43,7 +43,7 @@ def attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
-    spec = spec.resolve(k.shape[2])
+    spec = resolve_auto(spec, k.shape[2]).spec
     if spec.method == "full":
         return full_attention(q, k, v, key_padding_mask, scale)
     if _use_triton(q, backend):
