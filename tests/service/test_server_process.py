@@ -14,10 +14,11 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 from server_process import running_server
 from service_helpers import license_text, scrape, value
 
-from service.app import cpu_backend
+from kernels import backend_for
 
 METHODS = ["full", "clustered", "i-clustered", "smyrf"]
 DOCUMENT = license_text(17000)  # real prose, ~3,300 tokens
@@ -95,7 +96,8 @@ def test_plain_http(server):
 
         metrics = http.get("/metrics").text
         assert 'clusterserve_requests_total{code="200",endpoint="/embed",method="auto"} 1.0' in metrics
-        assert f'clusterserve_build_info{{backend="{cpu_backend()}",device="cpu",model="all-MiniLM-L6-v2"' in metrics
+        backend = backend_for(torch.device("cpu"), torch.float32)
+        assert f'clusterserve_build_info{{backend="{backend}",device="cpu",model="all-MiniLM-L6-v2"' in metrics
 
 
 def test_a_client_that_hangs_up_while_queued_is_dropped_unrun_and_counted(server):
