@@ -43,6 +43,26 @@ def assert_error(response, status: int, param: str | None = None, says: str | No
 def test_400_empty_input(client, path, body, param):
     error = assert_error(client.post(path, json=body), 400, param, "empty")
     assert error["type"] == "invalid_request_error"
+    # The OpenAPI document declares it invalid too (minLength / minItems): it tells the truth.
+    schema = request_schema(client, path)
+    field = next(iter(body))
+    assert not schema.is_valid(body) and schema.is_valid({field: ["a"]})
+
+
+def request_schema(client, path: str):
+    """A JSON Schema validator of the route's request body, as /openapi.json declares it."""
+    import jsonschema
+
+    document = client.get("/openapi.json").json()
+    ref = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    return jsonschema.Draft202012Validator({"$ref": ref, "components": document["components"]})
+
+
+def test_tokenize_answers_an_empty_text_with_its_special_tokens_and_the_schema_allows_it(client):
+    for body in ({"inputs": ""}, {"inputs": ["a", ""]}):
+        assert request_schema(client, "/tokenize").is_valid(body)
+        response = client.post("/tokenize", json=body)
+        assert response.status_code == 200 and [t["special"] for t in response.json()[-1]] == [True, True]
 
 
 @pytest.mark.parametrize(
