@@ -33,12 +33,10 @@ from . import errors
 from .batching import Batcher, Job, JobResult
 from .metrics import Metrics
 from .middleware import ARRIVAL_KEY, METHOD_KEY, REQUEST_ID_KEY
-from .schemas import AttentionRequest
+from .schemas import CALIBRATED_KNOBS, AttentionRequest
 from .state import get_state
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
-# Knobs a calibrated choice sets; a request that names target_fidelity leaves them out.
-CALIBRATED_KNOBS = ("clusters", "topk", "bits", "iterations", "refine", "hash_rounds", "cluster_size")
 
 
 @dataclass(frozen=True)

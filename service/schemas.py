@@ -19,10 +19,22 @@ def _knob(name: str, description: str) -> Any:
     return Field(None, ge=low, le=high, description=f"{description} [{low}, {high}]")
 
 
+# Knobs a calibrated choice sets: a request that names target_fidelity leaves them out (422).
+CALIBRATED_KNOBS = ("clusters", "topk", "bits", "iterations", "refine", "hash_rounds", "cluster_size")
+# The same rule in the OpenAPI document: no target_fidelity, or method auto (or unset) and
+# none of the calibrated knobs.
+_TARGET_RULE = {
+    "anyOf": [
+        {"properties": {"target_fidelity": {"type": "null"}}},
+        {"properties": {"method": {"enum": ["auto", None]}, **{name: {"type": "null"} for name in CALIBRATED_KNOBS}}},
+    ]
+}
+
+
 class AttentionRequest(BaseModel):
     """The per-request `attention` object; every field is optional (defaults: GET /info)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_TARGET_RULE)
 
     method: Literal[METHODS] | None = Field(  # type: ignore[valid-type]
         None, description="full | clustered | i-clustered | smyrf | auto"

@@ -121,7 +121,7 @@ class FakeEncoder:
 
     def embed_batch(self, sequences, spec, normalize=True, dimensions=None):
         self.calls.append({"inputs": [list(x) for x in sequences], "spec": spec, "normalize": normalize})
-        if self.gate is not None and not self.gate.wait(timeout=30):
+        if self.gate is not None and not self.gate.wait(timeout=300):
             raise TimeoutError("test gate never opened")
         padded = len(sequences) * max(len(ids) for ids in sequences)
         if self.fail is not None and (self.fail_above_tokens is None or padded > self.fail_above_tokens):
@@ -138,7 +138,7 @@ async def running(app, ready: bool = True):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as http:
             if ready:
-                with anyio.fail_after(30):
+                with anyio.fail_after(120):
                     while (await http.get("/health/ready")).status_code != 200:
                         await anyio.sleep(0.01)
             yield http
