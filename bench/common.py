@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: real long text, real Q/K/V, timing, peak memory, output.
+"""Shared pieces of the benchmarks: real long text, real Q/K/V, exact attention and the error
+to it, peak memory, output.
 
 Benchmarks compare variants as ratios measured in the same run; absolute times depend on
 the machine and say little on their own.
@@ -10,12 +11,14 @@ import json
 import os
 import platform
 import resource
-import statistics
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+from torch import Tensor
+
+from kernels import AttentionSpec
+from kernels.full import full_attention
 
 LICENSE_DIR = Path("/usr/share/common-licenses")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -65,7 +68,7 @@ def capture_qkv(encoder, ids: list[int], layer: int = 0) -> tuple[torch.Tensor, 
     handles = [getattr(attn, name).register_forward_hook(keep(name)) for name in ("q", "k", "v")]
     try:
         with torch.inference_mode():
-            encoder.model(torch.tensor([ids], device=encoder.device), None, _full_spec())
+            encoder.model(torch.tensor([ids], device=encoder.device), None, AttentionSpec(method="full"))
     except Stop:
         pass
     finally:
@@ -74,22 +77,35 @@ def capture_qkv(encoder, ids: list[int], layer: int = 0) -> tuple[torch.Tensor, 
     return captured["q"], captured["k"], captured["v"]
 
 
-def _full_spec():
-    from kernels import AttentionSpec
+def real_qkv(encoder, ids: list[int], head_dim: int, heads: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v (1, heads, N, head_dim) in dtype from the model on real text. head_dim must be a
+    multiple of the model's (32): head h concatenates head h of layers 0, 1, ... so that every
+    coordinate is a real projection of the same tokens."""
+    model_dim = encoder.model.config.head_dim
+    layers = head_dim // model_dim
+    if head_dim % model_dim or not 1 <= layers <= encoder.model.config.num_layers:
+        raise ValueError(f"head_dim: must be a multiple of the model's {model_dim} up to its layers, got {head_dim}")
+    parts = [capture_qkv(encoder, ids, layer) for layer in range(layers)]
+    return tuple(torch.cat([p[i] for p in parts], dim=-1)[:, :heads].to(dtype).contiguous() for i in range(3))
 
-    return AttentionSpec(method="full")
+
+def exact_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, scale: float,
+                    chunk: int = 2048) -> Tensor:
+    """Exact attention in float32, `chunk` queries at a time so that no SDPA backend needs
+    N x M memory (float32 may not take the flash path). Same masking as `full_attention`."""
+    qf, kf, vf = q.float(), k.float(), v.float()
+    n, m = q.shape[2], k.shape[2]
+    out = torch.cat(
+        [full_attention(qf[:, :, s : s + chunk], kf, vf, key_padding_mask, scale) for s in range(0, n, chunk)], dim=2
+    )
+    if key_padding_mask is not None and n == m:
+        out = out * key_padding_mask[:, None, :, None]
+    return out
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Median wall time of fn() over `repeats` runs after `warmup` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def rel_err(out: Tensor, exact: Tensor) -> float:
+    """|out - exact| / |exact|, Frobenius norms in float32."""
+    return ((out.float() - exact).norm() / exact.norm().clamp(min=1e-30)).item()
 
 
 def peak_rss_bytes() -> int:

@@ -22,12 +22,13 @@ from .common import (
     capture_qkv,
     device_name,
     long_text_ids,
-    median_seconds,
     peak_memory_during,
     print_table,
     write_results,
 )
+from .timing import median_ms
 
+CPU = torch.device("cpu")
 SPECS = {
     "full": AttentionSpec(method="full"),
     "clustered": AttentionSpec(method="clustered", clusters=100, bits=63, iterations=10),
@@ -61,7 +62,7 @@ def main() -> None:
                 kind="attention",
                 method=label,
                 seq_len=n,
-                ms=1000 * median_seconds(call, repeats, warmup=0),
+                ms=median_ms(call, CPU, repeats, warmup=0),
                 peak_bytes_per_token=peak_memory_during(call) / n,
                 rel_err=((out - exact_out).norm() / exact_out.norm()).item(),
             )
@@ -75,7 +76,7 @@ def main() -> None:
                         kind="embed",
                         method=label,
                         seq_len=n,
-                        ms=1000 * median_seconds(call, 1, warmup=0),
+                        ms=median_ms(call, CPU, 1, warmup=0),
                         peak_bytes_per_token=peak_memory_during(call) / n,
                     )
                 )

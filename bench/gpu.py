@@ -1,9 +1,8 @@
-"""GPU benchmark (issue #5): exact attention (SDPA) against clustered, improved clustered and
+"""GPU benchmark: exact attention (SDPA) against clustered, improved clustered and
 SMYRF attention through the Triton backend, from 1k to 64k tokens, with a per-stage breakdown
 and end-to-end embedding times, as ratios measured in one run.
 
     python -m bench.gpu [--lengths 1024 ... 65536] [--head-dims 64 32] [--repeats 10]
-    python -m bench.gpu --check        # Triton backend vs the torch reference (issue #4's GPU run)
     python -m bench.gpu --dry-run      # the same script on CPU under TRITON_INTERPRET=1, tiny sizes
 
 Attention alone: B = 1, 12 heads, bfloat16, for each head dim. Q, K, V are the default
@@ -45,16 +44,14 @@ import torch
 from torch import Tensor
 
 from kernels import AttentionSpec, attention
-from kernels.full import full_attention
 
-from .common import RESULTS_DIR, capture_qkv, device_name, long_text_ids, peak_memory_during, print_table
+from .common import RESULTS_DIR, device_name, exact_attention, long_text_ids, peak_memory_during, print_table, real_qkv, rel_err
 from .cpu import SPECS
 
-# Issue #5's sizes; --dry-run swaps in DRY_RUN's.
+# The sizes measured; --dry-run swaps in DRY_RUN's.
 LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
 E2E_LENGTHS = [4096, 16384, 32768]
-CHECK_LENGTHS = [4096, 16384, 65536]
-DRY_RUN = dict(lengths=[64], e2e_lengths=[64], check_lengths=[64], heads=2, repeats=1, warmup=0, e2e_repeats=1)
+DRY_RUN = dict(lengths=[64], e2e_lengths=[64], heads=2, repeats=1, warmup=0, e2e_repeats=1)
 
 
 def dry_run_spec(spec: AttentionSpec) -> AttentionSpec:
@@ -76,8 +73,6 @@ class Settings:
     lengths: tuple[int, ...]
     e2e_lengths: tuple[int, ...]
     e2e_dtype: torch.dtype
-    check_lengths: tuple[int, ...]
-    check_dtypes: tuple[torch.dtype, ...]
     repeats: int
     warmup: int
     e2e_repeats: int
@@ -93,40 +88,6 @@ class Settings:
     @property
     def device_label(self) -> str:
         return device_name()
-
-
-# ---- inputs ----------------------------------------------------------------------------------
-
-
-def real_qkv(encoder, ids: list[int], head_dim: int, heads: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v (1, heads, N, head_dim) in dtype from the model on real text. head_dim must be a
-    multiple of the model's (32): head h concatenates head h of layers 0, 1, ... so that every
-    coordinate is a real projection of the same tokens."""
-    model_dim = encoder.model.config.head_dim
-    layers = head_dim // model_dim
-    if head_dim % model_dim or not 1 <= layers <= encoder.model.config.num_layers:
-        raise ValueError(f"head_dim: must be a multiple of the model's {model_dim} up to its layers, got {head_dim}")
-    parts = [capture_qkv(encoder, ids, layer) for layer in range(layers)]
-    return tuple(torch.cat([p[i] for p in parts], dim=-1)[:, :heads].to(dtype).contiguous() for i in range(3))
-
-
-def exact_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, scale: float,
-                    chunk: int = 2048) -> Tensor:
-    """Exact attention in float32, `chunk` queries at a time so that no SDPA backend needs
-    N x M memory (float32 may not take the flash path). Same masking as `full_attention`."""
-    qf, kf, vf = q.float(), k.float(), v.float()
-    n, m = q.shape[2], k.shape[2]
-    out = torch.cat(
-        [full_attention(qf[:, :, s : s + chunk], kf, vf, key_padding_mask, scale) for s in range(0, n, chunk)], dim=2
-    )
-    if key_padding_mask is not None and n == m:
-        out = out * key_padding_mask[:, None, :, None]
-    return out
-
-
-def rel_err(out: Tensor, exact: Tensor) -> float:
-    """|out - exact| / |exact|, Frobenius norms in float32."""
-    return ((out.float() - exact).norm() / exact.norm().clamp(min=1e-30)).item()
 
 
 # ---- attention alone -------------------------------------------------------------------------
@@ -275,7 +236,7 @@ def load_model(settings: Settings, dtype: torch.dtype):
     length asked (a learned table is extended by copying)."""
     from models import load_encoder
 
-    longest = max((*settings.lengths, *settings.e2e_lengths, *settings.check_lengths, 32768))
+    longest = max((*settings.lengths, *settings.e2e_lengths, 32768))
     return load_encoder(settings.model, max_input_tokens=longest, device=settings.device, dtype=dtype)
 
 
@@ -363,8 +324,8 @@ def _name(dtype: torch.dtype) -> str:
 # ---- command line ----------------------------------------------------------------------------
 
 
-def parse_settings(argv: list[str] | None = None) -> tuple[Settings, bool]:
-    """Settings and whether to run --check instead of the benchmark."""
+def parse_settings(argv: list[str] | None = None) -> Settings:
+    """The run's settings from the command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="*", help=f"attention lengths (default {LENGTHS})")
     parser.add_argument("--methods", nargs="+", choices=list(SPECS), default=list(SPECS),
@@ -383,10 +344,6 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, bool]:
     parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replay times")
     parser.add_argument("--profile-length", type=int, default=16384,
                         help="torch.profiler table per method at this length (0: none)")
-    parser.add_argument("--check", action="store_true",
-                        help="Triton backend vs torch reference at realistic sizes, log under --out")
-    parser.add_argument("--check-lengths", type=int, nargs="+", help=f"lengths for --check (default {CHECK_LENGTHS})")
-    parser.add_argument("--check-dtypes", nargs="+", default=["float32", "float16", "bfloat16"])
     parser.add_argument("--dry-run", "--interpret", action="store_true", dest="dry_run",
                         help="CPU, Triton's interpreter, tiny sizes and knobs: tests the script, measures nothing")
     parser.add_argument("--model", help="checkpoint folder (default: the embedded all-MiniLM-L6-v2)")
@@ -394,7 +351,7 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, bool]:
     parser.add_argument("--name", help="file stem (default <date>-<gpu>)")
     args = parser.parse_args(argv)
 
-    defaults = dict(lengths=LENGTHS, e2e_lengths=E2E_LENGTHS, check_lengths=CHECK_LENGTHS, heads=12, repeats=10,
+    defaults = dict(lengths=LENGTHS, e2e_lengths=E2E_LENGTHS, heads=12, repeats=10,
                     warmup=3, e2e_repeats=3)
     if args.dry_run:
         defaults.update(DRY_RUN)
@@ -420,13 +377,12 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, bool]:
         device=device, dtype=getattr(torch, args.dtype), heads=pick["heads"], head_dims=tuple(args.head_dims),
         lengths=tuple(pick["lengths"]), e2e_lengths=tuple(pick["e2e_lengths"]),
         e2e_dtype=getattr(torch, args.e2e_dtype),
-        check_lengths=tuple(pick["check_lengths"]), check_dtypes=tuple(getattr(torch, d) for d in args.check_dtypes),
         repeats=pick["repeats"], warmup=pick["warmup"], e2e_repeats=pick["e2e_repeats"],
         stages=not args.no_stages, graphs=not args.no_graphs,
         profile_length=profile_length,
         specs=specs, model=args.model, out=args.out, stem=stem, dry_run=args.dry_run,
     )
-    return settings, args.check
+    return settings
 
 
 def _slug(text: str) -> str:
@@ -434,12 +390,8 @@ def _slug(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings, check = parse_settings(argv)
+    settings = parse_settings(argv)
     torch.set_grad_enabled(False)
-    if check:
-        from .gpu_check import run_check
-
-        raise SystemExit(run_check(settings, load_model(settings, torch.float32)))
     dry = "; DRY RUN: nothing here is a measurement" if settings.dry_run else ""
     print(f"{settings.device_label}; torch {torch.__version__}{dry}", flush=True)
     encoder = load_model(settings, torch.float32)  # float32 projections, cast per benchmark dtype

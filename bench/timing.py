@@ -57,20 +57,22 @@ def capture_graph(fn: Callable[[], object], device: torch.device) -> tuple[torch
 
 
 @contextmanager
-def counting_launches() -> Iterator[dict[str, int]]:
+def counting_launches(launch: Callable[..., object] | None = None) -> Iterator[dict[str, int]]:
     """Count, inside the block, the torch ops that launch a kernel (views and allocations left
     out: roughly one device kernel each) and the Triton kernel launches of the kernels/
     package. Yields {"torch_ops": n, "triton_launches": n}, filled in as the block runs.
 
     Only for a counting pass, never a timed one: it wraps each Triton kernel's `run` for
     the duration of the block (and the interpreter's own tensor copies are not counted).
+    With `launch`, a launch calls launch(kernel, grid, args, kwargs) instead of the kernel:
+    the offline report records the launches of a call on fake tensors that way.
     """
     counts = {"torch_ops": 0, "triton_launches": 0}
     mode = _OpCounter(counts)
-    kernels = _triton_kernels()
+    kernels = triton_kernels()
     own = [vars(kernel).get("run") for kernel in kernels]  # None: the class's method
     for kernel in kernels:
-        kernel.run = _counted_run(kernel.run, counts, mode)
+        kernel.run = _counted_run(kernel, counts, mode, launch)
     try:
         with mode:
             yield counts
@@ -98,19 +100,24 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _counted_run(run, counts: dict[str, int], mode: _OpCounter):
-    def counted(*args, **kwargs):
+def _counted_run(kernel, counts: dict[str, int], mode: _OpCounter, launch):
+    run = kernel.run
+
+    def counted(*args, grid, warmup, **kwargs):
         counts["triton_launches"] += 1
+        if launch is not None:
+            return launch(kernel, grid, args, kwargs)
         mode.paused = True  # the interpreter copies tensors with torch ops: not ours
         try:
-            return run(*args, **kwargs)
+            return run(*args, grid=grid, warmup=warmup, **kwargs)
         finally:
             mode.paused = False
 
     return counted
 
 
-def _triton_kernels() -> list:
+def triton_kernels() -> list:
+    """Every Triton kernel of kernels/*_triton.py (the module-level `*_kernel` functions)."""
     import triton
 
     from kernels import clustered_triton, hashing_triton, kmeans_triton, smyrf_triton

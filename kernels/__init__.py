@@ -1,11 +1,12 @@
 """Attention algorithms: exact, clustered, improved clustered (Vyas et al. 2020) and SMYRF
-(Daras et al. 2020), as a PyTorch reference and as Triton kernels.
+(Daras et al. 2020), with three backends: the PyTorch reference, native C loops for
+the CPU and Triton kernels for the GPU (dispatch.py says which runs where).
 
     from kernels import AttentionSpec, attention
     out = attention(q, k, v, AttentionSpec(method="i-clustered"))   # (B, H, N, D) in and out
 """
 
-from .dispatch import BACKENDS, attention
+from .dispatch import BACKENDS, attention, backend_for
 from .spec import APPROXIMATE_METHODS, KNOB_RANGES, METHOD_KNOBS, METHODS, AttentionSpec, Resolved, resolve_auto
 
 __all__ = [
@@ -17,5 +18,6 @@ __all__ = [
     "METHOD_KNOBS",
     "Resolved",
     "attention",
+    "backend_for",
     "resolve_auto",
 ]

@@ -9,9 +9,9 @@ cluster's top-k keys under the centroid attention A^c; every member query recomp
 attention on those k keys, scaled to the mass m_j that A^c put on them, and keeps A^c on the
 other keys:  out_i = m_j * softmax(q_i K_top^T) V_top + (V^c_j - A^c_j[top] V_top).
 
-This file holds the PyTorch reference; the Triton kernels live in clustered_triton.py. On a
-CPU, float32 inputs run the clustering, the centroid softmax with its top-k and the per-query
-sparse part through the native loops of native.c, when they are built (native.py).
+This file holds the reference backend's stages (kernels/stages.py runs them): plain PyTorch,
+the definition the native loops (clustered_native.py) and the Triton kernels
+(clustered_triton.py) are tested against.
 """
 
 from __future__ import annotations
@@ -19,88 +19,49 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import native
-from .hashing import hash_planes, hash_signs
-from .kmeans import (
-    cluster_means,
-    hamming_kmeans,
-    initial_centroid_positions,
-    initial_offsets,
-    one_query_per_cluster,
-    refine_clusters,
-)
-from .masks import token_masks
+from .hashing import hash_codes, hash_planes, unpack_bits
+from .kmeans import cluster_means, hamming_kmeans, initial_offsets, refine_clusters
 from .spec import AttentionSpec
+from .stages import CentroidAttention, ClusteredStages, float32_or_64
 
 # Members of one cluster are processed in tiles of this many queries (the Triton kernel's
 # BLOCK_M); a tile shares its cluster's top-k keys.
 TILE = 32
 
 
-def cluster_queries(q: Tensor, query_mask: Tensor, spec: AttentionSpec) -> Tensor:
-    """Assign each query to a cluster: LSH codes, Hamming K-means, Euclidean refinement.
-
-    q: (B, H, N, D); query_mask: (B, N) bool. Returns (B, H, N) int64 in [0, C], padded
-    queries at index C = spec.clusters.
-    """
+def hash_queries(q: Tensor, spec: AttentionSpec) -> Tensor:
+    """The hash stage: `spec.bits`-bit LSH codes of the queries (B, H, N, D) -> (B, H, N) int64."""
     _, h, _, d = q.shape
-    planes = hash_planes(h, d, spec.bits, spec.seed)
-    offsets = initial_offsets(h, spec.seed)
-    if native.usable(q):
-        codes = native.hash_codes(q, planes)
-        initial = codes.gather(2, initial_centroid_positions(query_mask, spec.clusters, offsets))
-        assign = native.hamming_kmeans(codes, query_mask, initial, spec.iterations, spec.bits)
-        if spec.refine:
-            assign = native.refine_clusters(q, assign, query_mask, spec.clusters, spec.refine)
-    else:
-        assign = hamming_kmeans(hash_signs(q, planes), query_mask, spec.clusters, spec.iterations, offsets)
-        if spec.refine:
-            assign = refine_clusters(q, assign, query_mask, spec.clusters, spec.refine)
-    return one_query_per_cluster(assign, query_mask, spec.clusters)
+    return hash_codes(q, hash_planes(h, d, spec.bits, spec.seed))
 
 
-def clustered_attention_torch(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    spec: AttentionSpec,
-    key_padding_mask: Tensor | None,
-    scale: float,
-) -> Tensor:
-    """Reference clustered / improved clustered attention, by spec.method.
-
-    q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv) -> (B, H, N, Dv) in q's dtype.
-    Computes in float32 (float64 for float64 inputs).
-    """
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qf, kf, vf = q.to(compute), k.to(compute), v.to(compute)
-    key_mask, query_mask = token_masks(q, k, key_padding_mask)
-    assign = cluster_queries(qf, query_mask, spec)
-    centroids = cluster_means(qf, assign, spec.clusters)  # (B, H, C, D)
-    if native.usable(qf):
-        return _native_attention(qf, kf, vf, assign, centroids, key_mask, scale, spec).to(q.dtype)
-    centroid_probs = _centroid_attention(centroids, kf, key_mask, scale)  # (B, H, C, M)
-    centroid_values = centroid_probs @ vf  # (B, H, C, Dv)
-    if spec.method == "clustered":
-        out = _broadcast(centroid_values, assign)
-    else:
-        out = _improved(qf, kf, vf, assign, centroid_probs, centroid_values, key_mask, scale, spec.topk)
-    return out.to(q.dtype)
+def cluster_codes(codes: Tensor, query_mask: Tensor, spec: AttentionSpec) -> Tensor:
+    """The cluster stage: Hamming K-means of the codes (B, H, N) -> assignments (B, H, N) in [0, C]."""
+    signs = unpack_bits(codes, spec.bits) * 2 - 1
+    offsets = initial_offsets(codes.shape[1], spec.seed)
+    return hamming_kmeans(signs, query_mask, spec.clusters, spec.iterations, offsets)
 
 
-def _native_attention(q, k, v, assign, centroids, key_mask, scale, spec: AttentionSpec) -> Tensor:
-    """The same as the reference from the centroids on, with the (C, M) softmax and top-k and
-    the per-query sparse part in native loops (no tiles, no (T, tile, k) logits)."""
-    logits = (centroids @ k.transpose(-1, -2)).mul_(scale)
-    topk = min(spec.topk, k.shape[2]) if spec.method == "i-clustered" else 0
-    centroid_probs, top_index, top_probs, top_real = native.softmax_topk(logits, key_mask, topk)
-    centroid_values = centroid_probs @ v  # (B, H, C, Dv)
-    if spec.method == "clustered":
-        return _broadcast(centroid_values, assign)
-    top_values = _gather_rows(v, top_index)  # (B, H, C, k, Dv)
-    bottom_values = centroid_values - (top_probs[..., None] * top_values).sum(-2)  # eq. (17)
-    top_keys = _gather_rows(k, top_index)
-    return native.improved_sparse(q, assign, top_keys, top_values, top_real, top_probs.sum(-1), bottom_values, scale)
+def refine_assignments(q: Tensor, assign: Tensor, query_mask: Tensor, spec: AttentionSpec) -> Tensor:
+    """The refine stage: `spec.refine` Euclidean Lloyd steps on the queries from `assign`."""
+    return refine_clusters(q, assign, query_mask, spec.clusters, spec.refine)
+
+
+def centroid_attention(centroids: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, scale: float, topk: int) -> CentroidAttention:
+    """The centroid pass: A^c = softmax(Q^c K^T * scale) over the real keys, V^c = A^c V, and
+    with topk > 0 each cluster's `topk` most probable keys (their probabilities 0 on padding)."""
+    probs = _centroid_attention(centroids, k, key_mask, scale)  # (B, H, C, M)
+    values = probs @ v  # (B, H, C, Dv)
+    if not topk:
+        return CentroidAttention(values)
+    top_probs, top_index = probs.topk(topk, dim=-1)  # (B, H, C, k)
+    top_real = key_mask[:, None, None, :].expand_as(probs).gather(-1, top_index)
+    return CentroidAttention(values, top_index, top_probs * top_real, top_real)
+
+
+def broadcast(centroid_values: Tensor, assign: Tensor, dtype: torch.dtype) -> Tensor:
+    """The broadcast stage: every query gets its cluster's row of V^c; padded queries 0."""
+    return _broadcast(centroid_values, assign).to(dtype)
 
 
 def _centroid_attention(centroids: Tensor, k: Tensor, key_mask: Tensor, scale: float) -> Tensor:
@@ -148,24 +109,28 @@ def cluster_tiles(assign: Tensor, clusters: int, tile: int, n_tiles: int | None 
     return positions, valid, tile_cluster
 
 
-def _improved(q, k, v, assign, centroid_probs, centroid_values, key_mask, scale, topk) -> Tensor:
-    """Improved clustered attention, eq. (15): exact on each cluster's top-k, A^c elsewhere."""
-    b, h, n, d = q.shape
-    m, dv = k.shape[2], v.shape[-1]
-    clusters = centroid_probs.shape[2]
-    top_probs, top_index = centroid_probs.topk(min(topk, m), dim=-1)  # (B, H, C, k)
-    top_real = key_mask[:, None, None, :].expand_as(centroid_probs).gather(-1, top_index)
-    top_probs = top_probs * top_real
-    top_mass = top_probs.sum(-1)  # m_j, eq. (9)
-    top_values = _gather_rows(v, top_index)  # (B, H, C, k, Dv)
+def improved_sparse(
+    q: Tensor, k: Tensor, v: Tensor, assign: Tensor, centroid: CentroidAttention, key_mask: Tensor, scale: float,
+    dtype: torch.dtype,
+) -> Tensor:
+    """The sparse stage, eq. (15): exact attention of every query on its cluster's top-k keys,
+    scaled to their centroid mass m_j, plus the centroid attention on the other keys.
+
+    Computed in tiles of TILE queries of one cluster, which share that cluster's top-k keys.
+    """
+    b, h, n, _ = q.shape
+    dv = v.shape[-1]
+    clusters = centroid.values.shape[2]
+    top_mass = centroid.top_probs.sum(-1)  # m_j, eq. (9)
+    top_values = gather_rows(v, centroid.top_index)  # (B, H, C, k, Dv)
     # V^b_j: the centroid attention on every key outside the top-k (eq. 17).
-    bottom_values = centroid_values - (top_probs[..., None] * top_values).sum(-2)
+    bottom_values = centroid.values - (centroid.top_probs[..., None] * top_values).sum(-2)
     positions, valid, tile_cluster = cluster_tiles(assign, clusters, TILE)
     c = tile_cluster.clamp(max=clusters - 1)
-    queries = _gather_rows(q, positions)  # (B, H, T, tile, D)
-    keys = _gather_rows(k, _select(top_index, c))  # (B, H, T, k, D)
+    queries = gather_rows(q, positions)  # (B, H, T, tile, D)
+    keys = gather_rows(k, _select(centroid.top_index, c))  # (B, H, T, k, D)
     logits = (queries @ keys.transpose(-1, -2)) * scale  # (B, H, T, tile, k)
-    logits = logits.masked_fill(~_select(top_real, c)[..., None, :], float("-inf"))
+    logits = logits.masked_fill(~_select(centroid.top_real, c)[..., None, :], float("-inf"))
     probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
     tile_out = _select(top_mass, c)[..., None, None] * (probs @ _select(top_values, c))
     tile_out = tile_out + _select(bottom_values, c)[..., None, :]  # (B, H, T, tile, Dv)
@@ -173,10 +138,10 @@ def _improved(q, k, v, assign, centroid_probs, centroid_values, key_mask, scale,
     target = torch.where(valid, positions, n).reshape(b, h, -1)
     out = torch.zeros(b, h, n + 1, dv, dtype=q.dtype, device=q.device)
     out.scatter_(2, target[..., None].expand(-1, -1, -1, dv), tile_out.reshape(b, h, -1, dv))
-    return out[:, :, :n]
+    return out[:, :, :n].to(dtype)
 
 
-def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
+def gather_rows(x: Tensor, index: Tensor) -> Tensor:
     """x (B, H, M, F), index (B, H, C, k) -> (B, H, C, k, F)."""
     b, h, c, kk = index.shape
     flat = x.gather(2, index.reshape(b, h, c * kk, 1).expand(-1, -1, -1, x.shape[-1]))
@@ -188,3 +153,16 @@ def _select(per_cluster: Tensor, cluster: Tensor) -> Tensor:
     tail = per_cluster.shape[3:]
     index = cluster.reshape(*cluster.shape, *([1] * len(tail))).expand(*cluster.shape, *tail)
     return per_cluster.gather(2, index)
+
+
+REFERENCE = ClusteredStages(
+    name="reference",
+    compute=float32_or_64,
+    hash=hash_queries,
+    cluster=cluster_codes,
+    refine=refine_assignments,
+    centroids=cluster_means,
+    centroid_attention=centroid_attention,
+    sparse=improved_sparse,
+    broadcast=broadcast,
+)

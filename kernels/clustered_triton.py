@@ -1,8 +1,9 @@
 """Triton backend of clustered and improved clustered attention (Vyas et al. 2020,
-arXiv:2007.04825); the PyTorch reference it matches is clustered.py.
+arXiv:2007.04825): the triton backend's stages (kernels/stages.py runs them); the reference
+they match is clustered.py.
 
-    cluster_queries_triton   LSH codes (hashing_triton), Hamming K-means and Euclidean
-                             refinement (kmeans_triton)
+    hash, cluster, refine, centroids   LSH codes (hashing_triton), Hamming K-means,
+                             Euclidean refinement and cluster means (kmeans_triton)
     _centroid_attention_kernel   A^c = softmax(Q^c K^T * scale) over the real keys, V^c = A^c V
     _broadcast_kernel            clustered: every query gets its centroid's row of V^c
     _improved_tile_kernel        improved clustered, one program per tile of one cluster's
@@ -23,15 +24,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .blocks import pow2_block
 from .clustered import TILE, cluster_tiles
 from .hashing import hash_planes, on_device
 from .hashing_triton import hash_codes_triton
-from .kmeans import initial_offsets, one_query_per_cluster
+from .kmeans import initial_offsets
 from .kmeans_triton import cluster_means_triton, hamming_kmeans_triton, refine_clusters_triton
-from .masks import token_masks
 from .spec import AttentionSpec
+from .stages import CentroidAttention, ClusteredStages
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Running max of a softmax row before any real key: finite, so exp(m_old - m_new) is never NaN.
 _NO_MAX = -1.0e30
 
@@ -189,41 +190,57 @@ def _improved_tile_kernel(
         tl.store(out_ptrs, _rounded(out, out_ptr.dtype.element_ty), mask=valid[:, None] & (vdims[None, :] < DV))
 
 
-def cluster_queries_triton(q: Tensor, query_mask: Tensor, spec: AttentionSpec) -> Tensor:
-    """`clustered.cluster_queries` on the device: (B, H, N, D) -> (B, H, N) int64 in [0, C]."""
+def hash_queries_triton(q: Tensor, spec: AttentionSpec) -> Tensor:
+    """The hash stage on the device: (B, H, N, D) -> codes (B, H, N) int64."""
     _, h, _, d = q.shape
-    codes = hash_codes_triton(q, on_device(hash_planes, (h, d, spec.bits, spec.seed), q.device))
-    offsets = on_device(initial_offsets, (h, spec.seed), q.device)
-    assign = hamming_kmeans_triton(codes, query_mask, spec.clusters, spec.iterations, offsets, spec.bits)
-    if spec.refine:
-        assign = refine_clusters_triton(q, assign, query_mask, spec.clusters, spec.refine)
-    return one_query_per_cluster(assign, query_mask, spec.clusters)
+    return hash_codes_triton(q, on_device(hash_planes, (h, d, spec.bits, spec.seed), q.device))
+
+
+def cluster_codes_triton(codes: Tensor, query_mask: Tensor, spec: AttentionSpec) -> Tensor:
+    """The cluster stage on the device: Hamming K-means of codes (B, H, N) -> (B, H, N) in [0, C]."""
+    offsets = on_device(initial_offsets, (codes.shape[1], spec.seed), codes.device)
+    return hamming_kmeans_triton(codes, query_mask, spec.clusters, spec.iterations, offsets, spec.bits)
+
+
+def refine_assignments_triton(q: Tensor, assign: Tensor, query_mask: Tensor, spec: AttentionSpec) -> Tensor:
+    """The refine stage on the device."""
+    return refine_clusters_triton(q, assign, query_mask, spec.clusters, spec.refine)
+
+
+def centroids_triton(q: Tensor, assign: Tensor, clusters: int) -> Tensor:
+    """The centroids stage on the device: member means (B, H, C, D) float32."""
+    return cluster_means_triton(q, assign, clusters)[0]
 
 
 def centroid_attention_triton(
-    centroids: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, scale: float, write_probs: bool
-) -> tuple[Tensor | None, Tensor]:
-    """A^c (B, H, C, M) float32 (None unless write_probs) and V^c = A^c V (B, H, C, Dv) float32.
+    centroids: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, scale: float, topk: int
+) -> CentroidAttention:
+    """The centroid pass on the device: V^c = A^c V (B, H, C, Dv) float32 and, with topk > 0,
+    each cluster's top-k keys of A^c (B, H, C, M), which is written only then.
 
     centroids: (B, H, C, D) float32 contiguous; k: (B, H, M, D); v: (B, H, M, Dv); key_mask (B, M).
     """
     b, h, c, d = centroids.shape
     m, dv = k.shape[2], v.shape[-1]
     values = torch.empty(b, h, c, dv, dtype=torch.float32, device=k.device)
-    probs = torch.empty(b, h, c, m, dtype=torch.float32, device=k.device) if write_probs else values
+    probs = torch.empty(b, h, c, m, dtype=torch.float32, device=k.device) if topk else values
     block_c = 16
     _centroid_attention_kernel[(triton.cdiv(c, block_c), b * h)](
         centroids, k, v, key_mask.contiguous(), probs, values,
         *k.stride(), *v.stride(),
         h, m, c, d, dv, scale,
-        BLOCK_C=block_c, BLOCK_M=64, HEAD_DIM=_block_dim(d), VALUE_DIM=_block_dim(dv),
-        NO_MAX=_NO_MAX, WRITE_PROBS=write_probs,
+        BLOCK_C=block_c, BLOCK_M=64, HEAD_DIM=pow2_block(d), VALUE_DIM=pow2_block(dv),
+        NO_MAX=_NO_MAX, WRITE_PROBS=bool(topk),
     )
-    return (probs if write_probs else None), values
+    if not topk:
+        return CentroidAttention(values)
+    # A^c is 0 on padded keys, so the top-k probabilities need no masking.
+    top_probs, top_index = probs.topk(topk, dim=-1)  # (B, H, C, k)
+    return CentroidAttention(values, top_index, top_probs)
 
 
 def broadcast_triton(centroid_values: Tensor, assign: Tensor, dtype: torch.dtype) -> Tensor:
-    """Each query's row of V^c (B, H, C, Dv) under assign (B, H, N) -> (B, H, N, Dv) in dtype."""
+    """The broadcast stage: each query's row of V^c (B, H, C, Dv) under assign (B, H, N) -> (B, H, N, Dv)."""
     b, h, c, dv = centroid_values.shape
     n = assign.shape[-1]
     out = torch.empty(b, h, n, dv, dtype=dtype, device=assign.device)
@@ -232,67 +249,46 @@ def broadcast_triton(centroid_values: Tensor, assign: Tensor, dtype: torch.dtype
         centroid_values, assign, out,
         *out.stride(),
         h, n, c, dv,
-        BLOCK_N=block_n, VALUE_DIM=_block_dim(dv),
+        BLOCK_N=block_n, VALUE_DIM=pow2_block(dv),
     )
     return out
 
 
-def improved_triton(
-    q: Tensor, k: Tensor, v: Tensor, assign: Tensor, centroid_probs: Tensor, centroid_values: Tensor,
-    key_mask: Tensor, scale: float, topk: int,
+def improved_sparse_triton(
+    q: Tensor, k: Tensor, v: Tensor, assign: Tensor, centroid: CentroidAttention, key_mask: Tensor, scale: float,
+    dtype: torch.dtype,
 ) -> Tensor:
-    """`clustered._improved` with one fused kernel over cluster-sorted query tiles.
+    """The sparse stage (eq. 15) as one fused kernel over cluster-sorted query tiles.
 
-    q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv), assign: (B, H, N) in [0, C],
-    centroid_probs: A^c (B, H, C, M), centroid_values: V^c (B, H, C, Dv) -> (B, H, N, Dv) in q's dtype.
+    q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv), assign: (B, H, N) in [0, C] -> (B, H, N, Dv) in dtype.
     """
     b, h, n, d = q.shape
     m, dv = k.shape[2], v.shape[-1]
-    clusters = centroid_probs.shape[2]
-    top_probs, top_index = centroid_probs.topk(min(topk, m), dim=-1)  # (B, H, C, k)
+    clusters = centroid.values.shape[2]
     n_tiles = triton.cdiv(n, TILE) + clusters  # static bound on sum_j ceil(|cluster j| / TILE)
     positions, valid, tile_cluster = cluster_tiles(assign, clusters, TILE, n_tiles)
-    out = torch.zeros(b, h, n, dv, dtype=q.dtype, device=q.device)  # padded queries stay 0
-    top = top_index.shape[-1]
+    out = torch.zeros(b, h, n, dv, dtype=dtype, device=q.device)  # padded queries stay 0
+    top = centroid.top_index.shape[-1]
     _improved_tile_kernel[(n_tiles, b * h)](
         q, k, v, key_mask.contiguous(), positions.contiguous(), valid.contiguous(), tile_cluster.contiguous(),
-        top_index.contiguous(), top_probs.contiguous(), centroid_values, out,
+        centroid.top_index.contiguous(), centroid.top_probs.contiguous(), centroid.values, out,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         h, m, clusters, n_tiles, top, d, dv, scale,
-        BLOCK_M=TILE, BLOCK_K=min(64, _block_dim(top)), HEAD_DIM=_block_dim(d), VALUE_DIM=_block_dim(dv),
+        BLOCK_M=TILE, BLOCK_K=min(64, pow2_block(top)), HEAD_DIM=pow2_block(d), VALUE_DIM=pow2_block(dv),
         NO_MAX=_NO_MAX,
     )
     return out
 
 
-def clustered_attention_triton(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    spec: AttentionSpec,
-    key_padding_mask: Tensor | None,
-    scale: float,
-) -> Tensor:
-    """Clustered / improved clustered attention (spec.method) with Triton kernels.
+TRITON = ClusteredStages(
+    name="triton",
+    compute=lambda dtype: dtype,  # the kernels read float32, float16, bfloat16 and compute in float32
+    hash=hash_queries_triton,
+    cluster=cluster_codes_triton,
+    refine=refine_assignments_triton,
+    centroids=centroids_triton,
+    centroid_attention=centroid_attention_triton,
+    sparse=improved_sparse_triton,
+    broadcast=broadcast_triton,
+)
 
-    q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv) -> (B, H, N, Dv) in q's dtype.
-    key_padding_mask: (B, M) bool, True = real key (also marks the queries when N == M).
-    Matches `clustered.clustered_attention_torch` (float32 computation).
-    """
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"q: the triton backend takes float32, float16 or bfloat16, got {q.dtype}; use backend='torch'"
-        )
-    key_mask, query_mask = token_masks(q, k, key_padding_mask)
-    assign = cluster_queries_triton(q, query_mask, spec)
-    centroids, _, _ = cluster_means_triton(q, assign, spec.clusters)
-    improved = spec.method == "i-clustered"
-    centroid_probs, centroid_values = centroid_attention_triton(centroids, k, v, key_mask, scale, improved)
-    if not improved:
-        return broadcast_triton(centroid_values, assign, q.dtype)
-    return improved_triton(q, k, v, assign, centroid_probs, centroid_values, key_mask, scale, spec.topk)
-
-
-def _block_dim(size: int) -> int:
-    """A power-of-two block >= 16 (tl.dot's minimum) covering `size`; the rest is masked."""
-    return max(16, triton.next_power_of_2(size))

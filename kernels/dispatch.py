@@ -1,4 +1,15 @@
-"""The public entry point: `attention(q, k, v, spec)` checks inputs and picks an implementation."""
+"""The public entry point: `attention(q, k, v, spec)` checks its inputs, picks the backend with
+`backend_for` (the one place that choice is made) and runs the method's stages on it.
+
+    backend     runs                                         where
+    reference   kernels/clustered.py, smyrf.py (PyTorch)      any device, any float dtype
+    native      kernels/clustered_native.py (C loops)         CPU, computed in float32
+    triton      kernels/clustered_triton.py, smyrf_triton.py  CUDA (CPU only under TRITON_INTERPRET=1)
+    auto        triton on CUDA, native on a CPU where it is built, the reference otherwise;
+                float64 always runs the reference (the kernels and loops accumulate in float32)
+
+The native backend has no SMYRF loops: its SMYRF is the reference's stages.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +19,74 @@ import os
 import torch
 from torch import Tensor
 
-from .clustered import clustered_attention_torch
+from . import native
 from .full import full_attention
-from .smyrf import smyrf_attention_torch
 from .spec import AttentionSpec, resolve_auto
+from .stages import ClusteredStages, SmyrfStages, run_clustered, run_smyrf
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "reference", "native", "triton")
+# What the triton backend reads; other dtypes (float64) need the reference.
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def backend_for(device: torch.device | str, dtype: torch.dtype, requested: str = "auto") -> str:
+    """The backend that runs for tensors of this device and dtype: "reference", "native" or
+    "triton". `requested` "auto" chooses (see the module docstring); a named backend is
+    returned if it can run, else ValueError says why and what to use instead."""
+    if requested not in BACKENDS:
+        raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    kind = torch.device(device).type
+    if requested == "auto":
+        if dtype not in TRITON_DTYPES:
+            return "reference"
+        if kind == "cuda":
+            return "triton"
+        return "native" if kind == "cpu" and native.available() else "reference"
+    if requested == "native":
+        if kind != "cpu":
+            raise ValueError(f"backend='native' runs on CPU tensors, got {kind}; use 'triton' or 'auto'")
+        if dtype not in TRITON_DTYPES:
+            raise ValueError(f"backend='native' computes in float32, got {dtype}; use backend='reference'")
+        if not native.available():
+            raise ValueError(
+                "backend='native': the native CPU loops were not built (no C compiler when the package "
+                "was installed); reinstall with a compiler, or use backend='reference'"
+            )
+    if requested == "triton":
+        if dtype not in TRITON_DTYPES:
+            raise ValueError(f"backend='triton' takes float32, float16 or bfloat16, got {dtype}; use backend='reference'")
+        if kind != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 in the environment "
+                "to run the kernels on CPU tensors through Triton's interpreter"
+            )
+    return requested
+
+
+def clustered_stages(backend: str) -> ClusteredStages:
+    """The clustered pipeline of a concrete backend (imported on demand: triton is optional)."""
+    if backend == "triton":
+        from .clustered_triton import TRITON
+
+        return TRITON
+    if backend == "native":
+        from .clustered_native import NATIVE
+
+        return NATIVE
+    from .clustered import REFERENCE
+
+    return REFERENCE
+
+
+def smyrf_stages(backend: str) -> SmyrfStages:
+    """The SMYRF pipeline of a concrete backend; native runs the reference's."""
+    if backend == "triton":
+        from .smyrf_triton import TRITON
+
+        return TRITON
+    from .smyrf import REFERENCE
+
+    return REFERENCE
 
 
 def attention(
@@ -32,13 +105,10 @@ def attention(
         self-attention (N == M) it also marks the queries: padded queries join no cluster
         and their output rows are 0.
     scale: logit scale, default 1 / sqrt(D).
-    backend: "torch" (the reference), "triton" (GPU kernels; CPU tensors only under
-        TRITON_INTERPRET=1), or "auto" (triton on CUDA tensors other than float64, torch
-        otherwise).
+    backend: "auto" | "reference" | "native" | "triton" (see `backend_for`).
     """
     _check_inputs(q, k, v, key_padding_mask)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    chosen = backend_for(q.device, q.dtype, backend)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if key_padding_mask is not None:
@@ -46,32 +116,9 @@ def attention(
     spec = resolve_auto(spec, k.shape[2]).spec
     if spec.method == "full":
         return full_attention(q, k, v, key_padding_mask, scale)
-    if _use_triton(q, backend):
-        # Imported here so that the torch backend never needs triton at import time.
-        if spec.method == "smyrf":
-            from .smyrf_triton import smyrf_attention_triton
-
-            return smyrf_attention_triton(q, k, v, spec, key_padding_mask, scale)
-        from .clustered_triton import clustered_attention_triton
-
-        return clustered_attention_triton(q, k, v, spec, key_padding_mask, scale)
     if spec.method == "smyrf":
-        return smyrf_attention_torch(q, k, v, spec, key_padding_mask, scale)
-    return clustered_attention_torch(q, k, v, spec, key_padding_mask, scale)
-
-
-def _use_triton(q: Tensor, backend: str) -> bool:
-    if backend == "torch":
-        return False
-    if backend == "auto":
-        # The kernels accumulate in float32; float64 asks for the reference's precision.
-        return q.is_cuda and q.dtype != torch.float64
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 in the environment "
-            "to run the kernels on CPU tensors through Triton's interpreter"
-        )
-    return True
+        return run_smyrf(smyrf_stages(chosen), q, k, v, spec, key_padding_mask, scale)
+    return run_clustered(clustered_stages(chosen), q, k, v, spec, key_padding_mask, scale)
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> None:

@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .blocks import pow2_block
+
 # Codes are packed into one int64, so at most 63 bits (spec.bits <= 63): the tile is 64 wide.
 BLOCK_BITS = 64
 
@@ -65,6 +67,6 @@ def hash_codes_triton(x: Tensor, planes: Tensor) -> Tensor:
         *x.stride(),
         *planes.stride(),
         h, n, d, bits,
-        BLOCK_N=block_n, HEAD_DIM=max(16, triton.next_power_of_2(d)), BLOCK_BITS=BLOCK_BITS,
+        BLOCK_N=block_n, HEAD_DIM=pow2_block(d), BLOCK_BITS=BLOCK_BITS,
     )
     return codes

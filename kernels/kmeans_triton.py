@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .blocks import pow2_block
 from .kmeans import initial_centroid_positions
 
 # Hamming distance of a masked-out centroid column: above any real one (<= 63).
@@ -212,7 +213,7 @@ def refine_clusters_triton(q: Tensor, assign: Tensor, query_mask: Tensor, cluste
             q, centroids, bias, mask, assign,
             *q.stride(),
             h, n, clusters, d,
-            BLOCK_N=block_n, BLOCK_C=32, HEAD_DIM=max(16, triton.next_power_of_2(d)),
+            BLOCK_N=block_n, BLOCK_C=32, HEAD_DIM=pow2_block(d),
         )
     return assign
 
@@ -237,7 +238,7 @@ def cluster_means_triton(
         x, order, starts, sizes, means, distance,
         *x.stride(),
         h, n, clusters, d,
-        BLOCK_N=32, HEAD_DIM=max(16, triton.next_power_of_2(d)), WITH_DISTANCE=with_distance,
+        BLOCK_N=32, HEAD_DIM=pow2_block(d), WITH_DISTANCE=with_distance,
     )
     return means, sizes, (distance if with_distance else None)
 

@@ -1,28 +1,27 @@
-"""Native CPU loops for the clustered methods: native.c, compiled on first use, called by ctypes.
+"""Native CPU loops for the clustered methods: native.c, built with the package, called by ctypes.
 
 On a CPU the PyTorch reference spends its time in (N, C) score matrices and their argmax,
-(C, M) softmax and top-k, and tiles of gathered rows. The torch backend hands those steps to
-the loops in native.c when they can run: a float32 input on the CPU, a C compiler on the
-machine, and CLUSTERSERVE_NATIVE not set to 0. Otherwise it runs the reference, which is what
-the tests compare these loops against (same clusters; outputs equal to float32 rounding).
+(C, M) softmax and top-k, and tiles of gathered rows. The native backend runs those steps as
+the loops of native.c, on float32 CPU tensors; the tests compare them with the reference
+(same clusters up to ties within float rounding; outputs equal to float32 rounding).
 
-The library is built once per source, compiler and CPU into the cache folder
-(CLUSTERSERVE_CACHE_DIR, else $XDG_CACHE_HOME/clusterserve, else ~/.cache/clusterserve, else
-the temp folder). ctypes releases the GIL during a call; work is split by (batch, head) over
-torch.get_num_threads() threads.
+`pip install` compiles native.c once per x86-64 level (setup.py: baseline, v3 = AVX2 + FMA,
+v4 = AVX-512) into kernels/_native_<level>*.so; `library()` loads the highest level this CPU
+runs. CLUSTERSERVE_NATIVE_ISA (x86_64, x86_64_v3 or x86_64_v4) caps the level, so that the
+tests can run the loops under another instruction set than the machine's best. Where no
+library was built (no C compiler at install time), `library()` is None and `backend_for`
+picks the reference. ctypes releases the GIL during a call; work is split by (batch, head)
+over torch.get_num_threads() threads.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import math
 import os
-import shutil
-import subprocess
-import tempfile
+import platform
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,10 +30,14 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native.c")
-# Compiled with -ffast-math (vectorised expf, reassociated sums) but linked without it: linking
-# with it would add crtfastmath.o, which sets flush-to-zero for the whole process on load.
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
+FOLDER = Path(__file__).parent
+# x86-64 levels from the lowest; each names the CPU flags it needs beyond the one before.
+X86_LEVELS = {
+    "x86_64": frozenset(),
+    "x86_64_v3": frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}),
+    "x86_64_v4": frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+}
+ISA_VARIABLE = "CLUSTERSERVE_NATIVE_ISA"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # Argument types of the exported functions, in order (pointers are tensors' data_ptr()).
 _SIGNATURES = {
@@ -46,94 +49,65 @@ _SIGNATURES = {
 }
 
 
-def enabled() -> bool:
-    """Whether the native loops are switched on (CLUSTERSERVE_NATIVE, default 1)."""
-    return os.environ.get("CLUSTERSERVE_NATIVE", "1") != "0"
-
-
 def available() -> bool:
-    """Whether the native loops are switched on and built (building them on the first call)."""
-    return enabled() and library() is not None
+    """Whether the native loops were built and load on this CPU."""
+    return library() is not None
 
 
-def usable(x: Tensor) -> bool:
-    """Whether the native loops run for this compute tensor: float32 on the CPU, and available."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and available()
+def level() -> str | None:
+    """The level of the loaded library ("x86_64_v3", ...), None where none loads."""
+    lib = library()
+    return None if lib is None else lib.level
 
 
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
-    """The compiled native.c, built on the first call; None (logged once) if it cannot be."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        log.warning("no C compiler found: the clustered methods run the slower PyTorch reference on CPU")
-        return None
-    try:
-        path = _build(compiler)
+    """The built native.c for the best level this CPU runs (capped by CLUSTERSERVE_NATIVE_ISA);
+    None, logged once, where none was built."""
+    for name in runnable_levels(os.environ.get(ISA_VARIABLE)):
+        path = next(iter(sorted(FOLDER.glob(f"_native_{name}.*so"))), None)
+        if path is None:
+            continue
         lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = (getattr(exc, "stderr", None) or str(exc)).strip()[-500:]
-        log.warning("could not build %s (%s): the clustered methods run the PyTorch reference on CPU", SOURCE.name, detail)
-        return None
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
-    return lib
+        for function, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, function)
+            fn.argtypes, fn.restype = argtypes, None
+        lib.level = name
+        return lib
+    log.warning(
+        "the native CPU loops were not built (no C compiler when the package was installed): "
+        "the clustered methods run the slower PyTorch reference on CPU"
+    )
+    return None
 
 
-def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_signature().encode()):
-        key.update(part)
-    folder = _cache_dir()
-    path = folder / f"clusterserve-native-{key.hexdigest()[:16]}.so"
-    if path.exists():
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    # Built under a private name and renamed: processes that build at once never load half a file.
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=folder)
-    os.close(fd)
-    objects = partial[: -len(".so")] + ".o"
-    try:
-        subprocess.run([compiler, *FLAGS, "-c", "-o", objects, str(SOURCE)], capture_output=True, text=True, check=True)
-        # libm brings glibc's vector expf.
-        subprocess.run([compiler, "-shared", "-o", partial, objects, "-lm"], capture_output=True, text=True, check=True)
-        os.replace(partial, path)
-    finally:
-        for leftover in (partial, objects):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
-    log.info("built %s", path)
-    return path
+def runnable_levels(cap: str | None = None) -> list[str]:
+    """Library levels this CPU runs, best first, up to `cap` ("generic" off x86-64)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ["generic"]
+    names = list(X86_LEVELS)
+    if cap is not None:
+        if cap not in X86_LEVELS:
+            raise ValueError(f"{ISA_VARIABLE}: must be one of {', '.join(X86_LEVELS)}, got {cap!r}")
+        names = names[: names.index(cap) + 1]
+    flags = _cpu_flags()
+    runnable, needed = [], set()
+    for name in names:
+        needed |= X86_LEVELS[name]
+        if needed <= flags:
+            runnable.append(name)
+    return runnable[::-1]
 
 
-def _cache_dir() -> Path:
-    for candidate in (
-        os.environ.get("CLUSTERSERVE_CACHE_DIR"),
-        os.environ.get("XDG_CACHE_HOME") and os.path.join(os.environ["XDG_CACHE_HOME"], "clusterserve"),
-        os.path.expanduser("~/.cache/clusterserve"),
-    ):
-        if candidate and _writable(Path(candidate)):
-            return Path(candidate)
-    return Path(tempfile.gettempdir()) / "clusterserve"
-
-
-def _writable(folder: Path) -> bool:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return False
-    return os.access(folder, os.W_OK)
-
-
-def _cpu_signature() -> str:
-    """-march=native builds for this CPU: its model and flags are part of the cache key."""
+def _cpu_flags() -> frozenset[str]:
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return os.uname().machine
-    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+        return frozenset()
+    for line in lines:
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
 
 
 @functools.lru_cache(maxsize=1)

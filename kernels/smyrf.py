@@ -11,7 +11,8 @@ log-sum-exp. Rounds are merged weighted by their softmax mass (eq. 15).
 With N real queries and M real keys, L = min(ceil(max(N, M) / cluster_size), N, M), and the
 rank-r query of N falls in cluster floor(r L / N) (keys likewise): clusters differ in size by
 at most one, for any length. One cluster (cluster_size >= max(N, M)) is exact attention.
-This file holds the PyTorch reference; the Triton kernels live in smyrf_triton.py.
+This file holds the reference backend's stages (kernels/stages.py runs them); the Triton
+kernels live in smyrf_triton.py.
 """
 
 from __future__ import annotations
@@ -22,6 +23,16 @@ from torch import Tensor
 from .hashing import seeded_generator
 from .masks import token_masks
 from .spec import AttentionSpec
+from .stages import SmyrfStages, float32_or_64, sort_by_hash
+
+
+def smyrf_cluster_count(n_real, m_real, cluster_size: int):
+    """L = min(ceil(max(N, M) / cluster_size), N, M), at least 1: the clusters of N real
+    queries and M real keys. n_real, m_real: ints, or integer tensors of the same shape."""
+    if isinstance(n_real, Tensor):
+        most = (torch.maximum(n_real, m_real) + cluster_size - 1) // cluster_size
+        return torch.minimum(most, torch.minimum(n_real, m_real)).clamp(min=1)
+    return max(1, min(-(-max(n_real, m_real) // cluster_size), n_real, m_real))
 
 
 def smyrf_projections(rounds: int, heads: int, dim: int, seed: int) -> Tensor:
@@ -73,39 +84,48 @@ def cluster_slots(order: Tensor, counts: Tensor, n_clusters: Tensor) -> tuple[Te
     return positions, valid[:, None]
 
 
-def smyrf_attention_torch(
+def hash_tokens(q: Tensor, k: Tensor, key_padding_mask: Tensor | None, spec: AttentionSpec) -> tuple[Tensor, Tensor]:
+    """The hash stage: F(q) and G(k) projected on each round's direction, (R, B, H, N) and
+    (R, B, H, M); padded tokens hash to +inf."""
+    key_mask, query_mask = token_masks(q, k, key_padding_mask)
+    projections = smyrf_projections(spec.hash_rounds, q.shape[1], q.shape[-1], spec.seed)
+    return asymmetric_hashes(q, k, query_mask, key_mask, projections)
+
+
+def cluster_counts(query_mask: Tensor, key_mask: Tensor, cluster_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Real queries (B,), real keys (B,) and the number of clusters L (B,) of each sequence."""
+    n_real, m_real = query_mask.sum(1), key_mask.sum(1)
+    return n_real, m_real, smyrf_cluster_count(n_real, m_real, cluster_size)
+
+
+def cluster_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    spec: AttentionSpec,
+    q_orders: Tensor,
+    k_orders: Tensor,
     key_padding_mask: Tensor | None,
+    spec: AttentionSpec,
     scale: float,
+    dtype: torch.dtype,
 ) -> Tensor:
-    """Reference SMYRF attention. q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv) -> (B, H, N, Dv).
+    """The cluster-attention stage: per round, cut the sorted queries and keys into the same
+    number of balanced clusters, attend inside each, and merge the rounds by softmax mass.
 
-    key_padding_mask (B, M) marks real keys, and real queries too when N == M. Computes in
-    float32 (float64 for float64 inputs).
+    q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv); q_orders (R, B, H, N), k_orders
+    (R, B, H, M) -> (B, H, N, Dv) in dtype, padded queries 0.
     """
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qf, kf, vf = q.to(compute), k.to(compute), v.to(compute)
-    b, h, n, d = q.shape
-    dv = v.shape[-1]
+    b, h, n, _ = q.shape
     key_mask, query_mask = token_masks(q, k, key_padding_mask)
-    n_real, m_real = query_mask.sum(1), key_mask.sum(1)
-    n_clusters = torch.minimum(
-        (torch.maximum(n_real, m_real) + spec.cluster_size - 1) // spec.cluster_size,
-        torch.minimum(n_real, m_real),
-    ).clamp(min=1)
-    projections = smyrf_projections(spec.hash_rounds, h, d, spec.seed)
-    q_hashes, k_hashes = asymmetric_hashes(qf, kf, query_mask, key_mask, projections)
-    out = torch.zeros(b, h, n, dv, dtype=compute, device=q.device)
-    lse = torch.full((b, h, n), float("-inf"), dtype=compute, device=q.device)
-    for q_hash, k_hash in zip(q_hashes, k_hashes):
-        q_pos, q_valid = cluster_slots(q_hash.argsort(dim=-1, stable=True), n_real, n_clusters)
-        k_pos, k_valid = cluster_slots(k_hash.argsort(dim=-1, stable=True), m_real, n_clusters)
-        round_out, round_lse = _cluster_attention(qf, kf, vf, q_pos, q_valid, k_pos, k_valid, scale)
+    n_real, m_real, n_clusters = cluster_counts(query_mask, key_mask, spec.cluster_size)
+    out = torch.zeros(b, h, n, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.full((b, h, n), float("-inf"), dtype=q.dtype, device=q.device)
+    for q_order, k_order in zip(q_orders, k_orders):
+        q_pos, q_valid = cluster_slots(q_order, n_real, n_clusters)
+        k_pos, k_valid = cluster_slots(k_order, m_real, n_clusters)
+        round_out, round_lse = _cluster_attention(q, k, v, q_pos, q_valid, k_pos, k_valid, scale)
         out, lse = merge_by_mass(out, lse, round_out, round_lse)
-    return (out * query_mask[:, None, :, None]).to(q.dtype)
+    return (out * query_mask[:, None, :, None]).to(dtype)
 
 
 def _cluster_attention(q, k, v, q_pos, q_valid, k_pos, k_valid, scale) -> tuple[Tensor, Tensor]:
@@ -146,3 +166,8 @@ def merge_by_mass(out: Tensor, lse: Tensor, round_out: Tensor, round_lse: Tensor
     w_old = torch.where(finite, torch.exp(lse - safe), torch.zeros_like(lse))
     w_new = torch.where(finite, torch.exp(round_lse - safe), torch.zeros_like(lse))
     return out * w_old[..., None] + round_out * w_new[..., None], new_lse
+
+
+REFERENCE = SmyrfStages(
+    name="reference", compute=float32_or_64, hash=hash_tokens, sort=sort_by_hash, cluster_attention=cluster_attention
+)

@@ -1,6 +1,7 @@
 """SMYRF attention as Triton kernels (Daras et al. 2020, arXiv:2010.05315).
 
-Matches the PyTorch reference in smyrf.py (same seed, same clusters, same output):
+The triton backend's SMYRF stages (kernels/stages.py runs them); they match the reference in
+smyrf.py (same seed, same clusters, same output):
 
 1. `_smyrf_hash_kernel`, one program per (batch, head): max squared norms of the real
    queries and keys, then for every round the hash of F(q) and G(k) (eq. 4 and 14) in
@@ -32,11 +33,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .blocks import pow2_block
 from .hashing import on_device
-from .smyrf import smyrf_projections
+from .smyrf import smyrf_cluster_count, smyrf_projections
 from .spec import AttentionSpec
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from .stages import SmyrfStages, sort_by_hash
 
 
 @triton.jit
@@ -250,10 +251,6 @@ def _smyrf_attention_kernel(
         tl.store(acc_ptrs, out, mask=row_mask)
 
 
-def _pow2_block(size: int, low: int, high: int) -> int:
-    return max(low, min(high, triton.next_power_of_2(max(size, 1))))
-
-
 def _real_counts(key_padding_mask: Tensor | None, b: int, n: int, m: int, device) -> tuple[Tensor, Tensor]:
     """Real queries and keys per batch element, (B,) int32 on the device (no host sync)."""
     if key_padding_mask is None:
@@ -290,7 +287,7 @@ def smyrf_hashes_triton(
         *q_hash.stride()[:3], *k_hash.stride()[:3],
         h, n, m, rounds,
         HAS_MASK=has_mask, MASK_QUERIES=has_mask and n == m,
-        HEAD_DIM=d, BLOCK_D=_pow2_block(d, 16, 1024), BLOCK_T=32,
+        HEAD_DIM=d, BLOCK_D=pow2_block(d, 16, 1024), BLOCK_T=32,
     )
     return q_hash, k_hash
 
@@ -322,9 +319,9 @@ def smyrf_cluster_attention_triton(
     in_place = q.dtype == torch.float32 or rounds == 1
     acc = out if in_place else torch.empty(b, h, n, dv, dtype=torch.float32, device=q.device)
     # Typical cluster sizes set the tiles (any size is correct): a tile spanning clusters wastes work.
-    n_clusters = max(1, min(math.ceil(max(n, m) / cluster_size), n, m))
-    block_m = _pow2_block(math.ceil(n / n_clusters), 16, 64)
-    block_n = _pow2_block(math.ceil(m / n_clusters), 16, 64)
+    n_clusters = smyrf_cluster_count(n, m, cluster_size)
+    block_m = pow2_block(math.ceil(n / n_clusters), 16, 64)
+    block_n = pow2_block(math.ceil(m / n_clusters), 16, 64)
     grid = (triton.cdiv(n, block_m), b * h)
     for r in range(rounds):
         q_order, k_order = q_orders[r], k_orders[r]
@@ -336,7 +333,7 @@ def smyrf_cluster_attention_triton(
             h, cluster_size, scale * math.log2(math.e),
             HEAD_DIM=d, HEAD_DIM_V=dv,
             BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_D=_pow2_block(d, 16, 1024), BLOCK_DV=_pow2_block(dv, 16, 1024),
+            BLOCK_D=pow2_block(d, 16, 1024), BLOCK_DV=pow2_block(dv, 16, 1024),
             IS_FIRST=r == 0, IS_LAST=r == rounds - 1,
             # TF32 would cost float32 inputs ~1e-3 of accuracy; half inputs ignore this.
             DOT_PRECISION="ieee",
@@ -347,29 +344,25 @@ def smyrf_cluster_attention_triton(
     return out, lse * math.log(2.0)
 
 
-def smyrf_attention_triton(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    spec: AttentionSpec,
-    key_padding_mask: Tensor | None,
-    scale: float,
-) -> Tensor:
-    """SMYRF attention on the GPU. q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv) -> (B, H, N, Dv).
-
-    key_padding_mask (B, M) bool marks real keys, and real queries too when N == M; padded
-    queries get 0. float16, bfloat16 and float32 inputs, float32 accumulation; output in
-    q.dtype. Same clusters and output as `smyrf.smyrf_attention_torch`.
-    """
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"q: the triton backend takes float16, bfloat16 or float32, got {q.dtype}; use backend='torch'"
-        )
+def hash_tokens_triton(q: Tensor, k: Tensor, key_padding_mask: Tensor | None, spec: AttentionSpec) -> tuple[Tensor, Tensor]:
+    """The hash stage on the device (see `smyrf_hashes_triton`)."""
     projections = on_device(smyrf_projections, (spec.hash_rounds, q.shape[1], q.shape[-1], spec.seed), q.device)
-    q_hashes, k_hashes = smyrf_hashes_triton(q, k, key_padding_mask, projections)
-    q_orders = q_hashes.argsort(dim=-1, stable=True)  # (R, B, H, N)
-    k_orders = k_hashes.argsort(dim=-1, stable=True)  # (R, B, H, M)
-    out, _ = smyrf_cluster_attention_triton(
-        q, k, v, q_orders, k_orders, key_padding_mask, spec.cluster_size, scale
-    )
-    return out
+    return smyrf_hashes_triton(q, k, key_padding_mask, projections)
+
+
+def cluster_attention_triton(
+    q: Tensor, k: Tensor, v: Tensor, q_orders: Tensor, k_orders: Tensor, key_padding_mask: Tensor | None,
+    spec: AttentionSpec, scale: float, dtype: torch.dtype,
+) -> Tensor:
+    """The cluster-attention stage on the device: output (B, H, N, Dv) in q's dtype."""
+    out, _ = smyrf_cluster_attention_triton(q, k, v, q_orders, k_orders, key_padding_mask, spec.cluster_size, scale)
+    return out.to(dtype)
+
+
+TRITON = SmyrfStages(
+    name="triton",
+    compute=lambda dtype: dtype,  # the kernels read float32, float16, bfloat16 and accumulate in float32
+    hash=hash_tokens_triton,
+    sort=sort_by_hash,
+    cluster_attention=cluster_attention_triton,
+)

@@ -1,5 +1,6 @@
-"""Encoder models: our own compact PyTorch BERT-family and ModernBERT encoders, loading
-HuggingFace checkpoint folders, with their tokenizer and sentence-transformers pooling.
+"""Encoder models: our own compact PyTorch BERT-family, ModernBERT, NomicBERT, GTE, Jina v3
+and EuroBERT encoders, loading HuggingFace checkpoint folders, with their tokenizer and
+sentence-transformers pooling and prompts.
 
     from kernels import AttentionSpec
     from models import load_encoder
@@ -10,6 +11,7 @@ HuggingFace checkpoint folders, with their tokenizer and sentence-transformers p
 from .config import EncoderConfig, UnsupportedArchitecture
 from .encoder import Encoder, InputTooLong
 from .loader import load_encoder
+from .prompts import UnknownPrompt
 from .tokenization import Tokens
 
-__all__ = ["Encoder", "EncoderConfig", "InputTooLong", "Tokens", "UnsupportedArchitecture", "load_encoder"]
+__all__ = ["Encoder", "EncoderConfig", "InputTooLong", "Tokens", "UnknownPrompt", "UnsupportedArchitecture", "load_encoder"]

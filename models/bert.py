@@ -33,6 +33,7 @@ HF_NAMES: list[tuple[str, str]] = [
 ]
 # Base-model tensors we do not need: buffers saved by old versions and the NSP pooler.
 HF_IGNORED = (r"^embeddings\.position_ids$", r"^embeddings\.token_type_ids$", r"^pooler\.")
+HF_FUSED: tuple[tuple[str, tuple[str, ...]], ...] = ()
 # The word embedding, by which the loader finds the checkpoint's name prefix.
 HF_ANCHOR = "embeddings.word_embeddings.weight"
 

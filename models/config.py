@@ -1,7 +1,10 @@
 """EncoderConfig: the architecture of a checkpoint, parsed from a HuggingFace config.json.
 
-One dataclass covers the BERT family (BERT, RoBERTa, XLM-RoBERTa) and ModernBERT; fields a
-family does not use keep their defaults. Anything we cannot reproduce exactly raises
+One dataclass covers the BERT family (BERT, RoBERTa, XLM-RoBERTa), ModernBERT, the rotary
+post-norm BERTs (NomicBERT, GTE's "new" architecture, Jina v3) and EuroBERT; fields a family does
+not use keep their defaults. Both the configs transformers writes and those the published
+remote-code checkpoints ship are read (nomic's n_embd / rotary_emb_base, GTE's model_type "new",
+Jina v3's "xlm-roberta" with rotary positions and LoRA adaptations). Anything we cannot reproduce exactly raises
 `UnsupportedArchitecture` naming it, rather than loading into a subtly wrong model.
 """
 
@@ -15,8 +18,12 @@ from typing import Any, Callable
 import torch.nn.functional as F
 from torch import Tensor
 
+from .rotary import ROPE_TYPES
+
 BERT_FAMILY = ("bert", "roberta", "xlm-roberta")
-SUPPORTED_MODEL_TYPES = BERT_FAMILY + ("modernbert",)
+# Post-norm BERTs with rotary positions and no position table.
+ROTARY_BERT_FAMILY = ("nomic-bert", "gte", "jina-embeddings-v3")
+SUPPORTED_MODEL_TYPES = BERT_FAMILY + ("modernbert",) + ROTARY_BERT_FAMILY + ("eurobert",)
 
 # HF activation names -> functions. "gelu" is the exact erf GELU; the tanh variants agree
 # with HF's "gelu_new" to ~1e-7.
@@ -68,7 +75,20 @@ class EncoderConfig:
     layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer
     norm_bias: bool = True
     attention_bias: bool = True
-    mlp_bias: bool = True
+    mlp_bias: bool = True  # the MLP's input projections (ModernBERT: both)
+    mlp_out_bias: bool = True
+    # Rotary families (see models.rotary for the schedules).
+    rope_theta: float = 10_000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_original_positions: int = 0  # where "dynamic" scaling starts
+    rope_interleaved: bool = False
+    mlp_gated: bool = False  # act(gate(x)) * up(x) instead of act(fc1(x))
+    num_kv_heads: int = 0  # grouped-query attention (EuroBERT); 0 = num_heads
+    # Per-task LoRA adapters (Jina v3): delta W = B[t] @ A[t] * lora_alpha / lora_rank.
+    adapters: tuple[str, ...] = ()
+    lora_rank: int = 0
+    lora_alpha: float = 1.0
 
     @property
     def head_dim(self) -> int:
@@ -81,7 +101,7 @@ class EncoderConfig:
 
     @property
     def uses_rope(self) -> bool:
-        return self.model_type == "modernbert"
+        return self.model_type not in BERT_FAMILY
 
     def is_global_layer(self, index: int) -> bool:
         """True when layer `index` attends over the whole sequence (always for the BERT family)."""
@@ -93,18 +113,27 @@ class EncoderConfig:
     def from_dict(cls, raw: dict[str, Any]) -> EncoderConfig:
         """Parse a HuggingFace config.json dict; raises UnsupportedArchitecture."""
         model_type = str(raw.get("model_type", "")).replace("_", "-")
+        if model_type == "new":  # GTE's remote-code name for its architecture
+            model_type = "gte"
+        if model_type == "xlm-roberta" and raw.get("position_embedding_type") == "rotary":
+            model_type = "jina-embeddings-v3"  # Jina's remote-code XLM-R with rotary positions
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedArchitecture(f"model_type {raw.get('model_type')!r}")
         if model_type == "modernbert":
             config = _modernbert_config(raw)
+        elif model_type in ROTARY_BERT_FAMILY:
+            config = _rotary_bert_config(raw, model_type)
+        elif model_type == "eurobert":
+            config = _eurobert_config(raw)
         else:
             config = _bert_config(raw, model_type)
         if config.activation not in ACTIVATIONS:
             raise UnsupportedArchitecture(f"activation {config.activation!r} in {model_type}")
-        if config.hidden_size % config.num_heads:
+        if config.hidden_size % config.num_heads or config.num_heads % (config.num_kv_heads or config.num_heads):
             raise ValueError(
                 f"config.json: hidden_size {config.hidden_size} is not a multiple of "
-                f"num_attention_heads {config.num_heads}; the checkpoint's config is inconsistent"
+                f"num_attention_heads {config.num_heads}, or that of num_key_value_heads "
+                f"{config.num_kv_heads}; the checkpoint's config is inconsistent"
             )
         return config
 
@@ -188,4 +217,126 @@ def _modernbert_config(raw: dict[str, Any]) -> EncoderConfig:
         norm_bias=bool(raw.get("norm_bias", False)),
         attention_bias=bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
+    )
+
+
+def _rope(raw: dict[str, Any], model_type: str, default_theta: float, positions: int) -> dict[str, Any]:
+    """Rotary fields from transformers' rope_parameters or the legacy rope_theta / rope_scaling."""
+    params = dict(raw.get("rope_parameters") or {})
+    legacy = raw.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
+    if rope_type not in ROPE_TYPES or legacy.get("mixed_b") is not None:
+        raise UnsupportedArchitecture(f"{model_type} rope scaling {params or legacy!r}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedArchitecture(f"{model_type} partial rotary factor {params['partial_rotary_factor']}")
+    return dict(
+        rope_theta=float(params.get("rope_theta", raw.get("rope_theta", default_theta))),
+        rope_type=rope_type,
+        rope_factor=float(params.get("factor", legacy.get("factor", 1.0))),
+        rope_original_positions=positions,
+    )
+
+
+def _rotary_bert_config(raw: dict[str, Any], model_type: str) -> EncoderConfig:
+    if "n_embd" in raw:  # nomic's remote-code config (GPT-2 style names)
+        return _nomic_remote_config(raw)
+    if raw.get("position_embedding_type", "rope") not in ("rope", "rotary"):
+        raise UnsupportedArchitecture(f"{model_type} position_embedding_type {raw['position_embedding_type']!r}")
+    if raw.get("logn_attention_scale") or raw.get("logn_attention_clip1"):
+        raise UnsupportedArchitecture(f"{model_type} logn attention scaling")
+    if raw.get("layer_norm_type", "layer_norm") != "layer_norm":
+        raise UnsupportedArchitecture(f"{model_type} layer_norm_type {raw['layer_norm_type']!r}")
+    if raw.get("rotary_emb_fraction", 1.0) != 1.0 or raw.get("rotary_emb_scale_base"):
+        raise UnsupportedArchitecture(f"{model_type} partial or xPos rotary embeddings")
+    jina, nomic = model_type == "jina-embeddings-v3", model_type == "nomic-bert"
+    default_theta = {"nomic-bert": 1000.0, "gte": 160_000.0, "jina-embeddings-v3": 20_000.0}[model_type]
+    if "rotary_emb_base" in raw:  # Jina's remote-code config
+        default_theta = float(raw["rotary_emb_base"])
+    positions = int(raw.get("max_position_embeddings", 8192))
+    adapters = tuple(raw.get("lora_adaptations") or ()) if jina else ()
+    pad = raw.get("pad_token_id")
+    return EncoderConfig(
+        model_type=model_type,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=int(raw["num_attention_heads"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        activation=str(raw.get("hidden_act", "silu" if nomic else "gelu")),
+        norm_eps=float(raw.get("layer_norm_eps", 1e-5 if jina else 1e-12)),
+        max_position_embeddings=positions,
+        type_vocab_size=int(raw.get("type_vocab_size", 1)),
+        pad_token_id=int(pad) if pad is not None else (0 if nomic else 1),
+        attention_bias=not nomic,
+        mlp_bias=jina,  # GTE's and nomic's gate / up projections have no bias
+        mlp_out_bias=not nomic,
+        mlp_gated=not jina,
+        rope_interleaved=bool(raw.get("rotary_emb_interleaved", False)),
+        adapters=adapters,
+        lora_rank=int(raw.get("lora_rank", 4)) if adapters else 0,
+        lora_alpha=float(raw.get("lora_alpha", 1.0)),
+        **_rope(raw, model_type, default_theta, positions),
+    )
+
+
+def _nomic_remote_config(raw: dict[str, Any]) -> EncoderConfig:
+    activation = raw.get("activation_function", "swiglu")
+    gated = {"swiglu": "silu", "geglu": "gelu"}
+    if activation not in gated or raw.get("prenorm") or raw.get("rotary_emb_fraction", 1.0) != 1.0:
+        raise UnsupportedArchitecture(
+            f"nomic-bert activation_function {activation!r} / prenorm / partial rotary embeddings"
+        )
+    if raw.get("rotary_emb_scale_base") or raw.get("qkv_proj_bias") or raw.get("mlp_fc1_bias"):
+        raise UnsupportedArchitecture("nomic-bert with xPos rotary or biased q/k/v or MLP input projections")
+    factor = raw.get("rotary_scaling_factor")
+    hidden = int(raw["n_embd"])
+    return EncoderConfig(
+        model_type="nomic-bert",
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=int(raw["n_layer"]),
+        num_heads=int(raw["n_head"]),
+        intermediate_size=int(raw.get("n_inner") or 4 * hidden),
+        activation=gated[activation],
+        norm_eps=float(raw.get("layer_norm_epsilon", 1e-12)),
+        max_position_embeddings=int(raw.get("n_positions", 2048)),
+        type_vocab_size=int(raw.get("type_vocab_size", 2)),
+        pad_token_id=int(raw.get("pad_token_id") or 0),
+        attention_bias=False,
+        mlp_bias=False,
+        mlp_out_bias=bool(raw.get("mlp_fc2_bias", False)),
+        mlp_gated=True,
+        rope_theta=float(raw.get("rotary_emb_base", 10_000.0)),
+        rope_type="dynamic" if factor else "default",
+        rope_factor=float(factor or 1.0),
+        # Dynamic NTK scaling starts past the length nomic trained on, not past n_positions.
+        rope_original_positions=int(raw.get("max_trained_positions", 2048)),
+        rope_interleaved=bool(raw.get("rotary_emb_interleaved", False)),
+    )
+
+
+def _eurobert_config(raw: dict[str, Any]) -> EncoderConfig:
+    if raw.get("head_dim") not in (None, int(raw["hidden_size"]) // int(raw["num_attention_heads"])):
+        raise UnsupportedArchitecture(f"eurobert head_dim {raw['head_dim']} != hidden_size / heads")
+    positions = int(raw.get("max_position_embeddings", 8192))
+    pad = raw.get("pad_token_id")
+    mlp_bias = bool(raw.get("mlp_bias", False))
+    return EncoderConfig(
+        model_type="eurobert",
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=int(raw["num_attention_heads"]),
+        num_kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        activation=str(raw.get("hidden_act", "silu")),
+        norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+        max_position_embeddings=positions,
+        type_vocab_size=0,
+        pad_token_id=int(pad) if pad is not None else 0,
+        attention_bias=bool(raw.get("attention_bias", False)),
+        mlp_bias=mlp_bias,
+        mlp_out_bias=mlp_bias,
+        mlp_gated=True,
+        **_rope(raw, "eurobert", 250_000.0, positions),
     )

@@ -23,6 +23,7 @@ from kernels import BACKENDS, AttentionSpec
 
 from .inputs import InputTooLong, is_int, prepare_inputs
 from .pooling import PoolingConfig, pool
+from .prompts import Prompts
 from .tokenization import TextTokenizer, Tokens
 
 __all__ = ["Encoder", "InputTooLong"]
@@ -52,6 +53,8 @@ class Encoder:
         pad_token_id: int,
         vocab_size: int,
         folder: Path | None = None,
+        adapters: tuple[str, ...] = (),
+        prompts: Prompts | None = None,
         backend: str = "auto",
     ):
         if backend not in BACKENDS:
@@ -67,6 +70,8 @@ class Encoder:
         self.pad_token_id = pad_token_id
         self.vocab_size = vocab_size
         self.folder = folder
+        self.adapters = adapters
+        self.prompts = prompts or Prompts()
         self.backend = backend
         first = next(model.parameters())
         self.device = first.device
@@ -85,6 +90,9 @@ class Encoder:
             "pooling": self.pooling.mode,
             "normalize": self.pooling.normalize,
             "special_tokens": self.tokenizer.num_special_tokens,
+            "adapters": list(self.adapters),
+            "prompts": dict(self.prompts.prompts),
+            "default_prompt_name": self.prompts.default_name,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "backend": self.backend,
@@ -103,9 +111,25 @@ class Encoder:
         inputs: Sequence[str] | Sequence[Sequence[int]],
         truncate: bool = False,
         truncation_direction: str = "right",
+        prompt_name: str | None = None,
     ) -> list[list[int]]:
         """Token ids per input, within `max_input_tokens` (see `models.inputs.prepare_inputs`;
-        raises its EmptyInput, InvalidTokenIds, InputTooLong)."""
+        raises its EmptyInput, InvalidTokenIds, InputTooLong). Texts get the prompt
+        `prompt_name` (None: the checkpoint's default prompt, if any) prepended; its tokens
+        count toward the limit. Naming a prompt for token-id inputs is a ValueError."""
+        prompt = self.prompts.text(prompt_name)
+        if prompt and not self.pooling.include_prompt:
+            raise ValueError(
+                "prompt_name: this checkpoint pools without its prompt's tokens (include_prompt: false), "
+                "which is not implemented; embed without a prompt"
+            )
+        is_text = (
+            isinstance(inputs, Sequence) and not isinstance(inputs, (str, bytes)) and all(isinstance(x, str) for x in inputs)
+        )
+        if prompt and is_text:
+            inputs = [prompt + text for text in inputs]
+        elif prompt_name is not None and not is_text:
+            raise ValueError("prompt_name: prompts apply to texts; token-id inputs are used exactly as given")
         return prepare_inputs(
             self.tokenizer,
             inputs,
@@ -124,6 +148,8 @@ class Encoder:
         dimensions: int | None = None,
         truncation_direction: str = "right",
         max_batch_tokens: int = 16384,
+        adapter: str | None = None,
+        prompt_name: str | None = None,
     ) -> Tensor:
         """Embed texts or token-id lists -> (n, dimensions or dim) float32 on the CPU, in input order.
 
@@ -138,15 +164,22 @@ class Encoder:
         truncation_direction: "right" keeps the start of an input, "left" its end.
         max_batch_tokens: at most this many tokens, padding included, per forward pass;
             a longer input runs alone.
+        adapter: a task adapter of the checkpoint (`adapters`, e.g. Jina v3's
+            "retrieval.query"); None runs the base weights.
+        prompt_name: a prompt of the checkpoint (`prompts`), prepended to every text; None
+            prepends the default prompt where the checkpoint names one. Its tokens count toward
+            `max_input_tokens`. Token-id inputs are used as given: naming a prompt for them is
+            an error. An unknown name raises UnknownPrompt (a ValueError) naming it.
         """
         self._check_options(spec, dimensions)
         if not (is_int(max_batch_tokens) and max_batch_tokens >= 1):
             raise ValueError(f"max_batch_tokens: must be a positive integer, got {max_batch_tokens!r}")
-        sequences = self.prepare(inputs, truncate, truncation_direction)
+        self._adapter_index(adapter)  # an unknown adapter fails before any work
+        sequences = self.prepare(inputs, truncate, truncation_direction, prompt_name)
         width = dimensions if dimensions is not None else self.dim
         vectors = torch.empty(len(sequences), width, dtype=torch.float32)
         for batch in _length_batches(sequences, max_batch_tokens):
-            vectors[batch] = self.embed_batch([sequences[i] for i in batch], spec, normalize, dimensions)
+            vectors[batch] = self.embed_batch([sequences[i] for i in batch], spec, normalize, dimensions, adapter)
         return vectors
 
     def embed_batch(
@@ -155,15 +188,26 @@ class Encoder:
         spec: AttentionSpec,
         normalize: bool = True,
         dimensions: int | None = None,
+        adapter: str | None = None,
     ) -> Tensor:
         """One forward pass over prepared token ids (`prepare`'s output), in the order given
         -> (len(sequences), dimensions or dim) float32 on the CPU. No re-batching: the caller
         chose the batch."""
         self._check_options(spec, dimensions)
+        adapter_index = self._adapter_index(adapter)
         with torch.inference_mode():
-            pooled = self._forward(sequences, spec).float().cpu()
+            pooled = self._forward(sequences, spec, adapter_index).float().cpu()
         vectors = pooled[:, :dimensions] if dimensions is not None else pooled
         return F.normalize(vectors, dim=-1) if normalize else vectors
+
+    def _adapter_index(self, adapter: str | None) -> int | None:
+        """The index of a task adapter of the checkpoint (None: the base weights)."""
+        if adapter is None:
+            return None
+        if adapter not in self.adapters:
+            known = ", ".join(self.adapters) if self.adapters else "none: this checkpoint has no adapters"
+            raise ValueError(f"adapter: unknown adapter {adapter!r}; known: {known}")
+        return self.adapters.index(adapter)
 
     def _check_options(self, spec: AttentionSpec, dimensions: int | None) -> None:
         if not isinstance(spec, AttentionSpec):
@@ -171,7 +215,7 @@ class Encoder:
         if dimensions is not None and not (is_int(dimensions) and 1 <= dimensions <= self.dim):
             raise ValueError(f"dimensions: must be an integer in [1, {self.dim}], got {dimensions!r}")
 
-    def _forward(self, sequences: list[list[int]], spec: AttentionSpec) -> Tensor:
+    def _forward(self, sequences: list[list[int]], spec: AttentionSpec, adapter: int | None = None) -> Tensor:
         """Right-pad a batch, run the model and pool -> (B, dim) float32."""
         lengths = [len(s) for s in sequences]
         n = max(lengths)
@@ -181,7 +225,9 @@ class Encoder:
         mask = torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]  # (B, N) True = real
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         # Without padding the mask says nothing; leaving it out lets SDPA take its fused path.
-        hidden = self.model(input_ids, None if min(lengths) == n else mask, spec, self.backend)  # (B, N, C)
+        # Only models with task adapters take the argument.
+        extra = {} if adapter is None else {"adapter": adapter}
+        hidden = self.model(input_ids, None if min(lengths) == n else mask, spec, backend=self.backend, **extra)
         return pool(hidden, mask, self.pooling.mode)
 
 

@@ -2,7 +2,8 @@
 
 Reads config.json, every *.safetensors file, tokenizer.json and the sentence-transformers
 pooling files; maps checkpoint names onto our modules (any prefix such as "bert.",
-"roberta." or "model.", legacy LayerNorm gamma/beta); extends a learned position table by
+"roberta." or "model.", legacy LayerNorm gamma/beta, torch parametrizations, fused projections
+split into their parts), checking every name and shape; extends a learned position table by
 copying it (Longformer's initialisation, Beltagy et al. 2020) when asked for more tokens than
 the checkpoint was trained on. Nothing is fetched from a model hub.
 """
@@ -17,16 +18,22 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from . import bert, modernbert
-from .config import BERT_FAMILY, EncoderConfig
+from . import bert, eurobert, modernbert, rotary_bert
+from .config import BERT_FAMILY, ROTARY_BERT_FAMILY, EncoderConfig
 from .encoder import Encoder
 from .pooling import read_pooling
+from .prompts import read_prompts
 from .tokenization import TextTokenizer
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 DEFAULT_MAX_INPUT_TOKENS = 32768  # for the default model, whose checkpoint knows 512
 
 _LEGACY_NAMES = ((r"\.gamma$", ".weight"), (r"\.beta$", ".bias"))
+# torch.nn.utils.parametrize names (Jina v3 stores its LoRA adapters this way).
+_PARAMETRIZATION_NAMES = (
+    (r"\.parametrizations\.weight\.original$", ".weight"),
+    (r"\.parametrizations\.weight\.0\.(lora_[AB])$", r".\1"),
+)
 
 
 def load_encoder(
@@ -39,7 +46,7 @@ def load_encoder(
     """Load an encoder.
 
     path: a folder with config.json, *.safetensors and tokenizer.json (optionally
-        modules.json and 1_Pooling/config.json); None = the embedded all-MiniLM-L6-v2.
+        modules.json, 1_Pooling/config.json and config_sentence_transformers.json); None = the embedded all-MiniLM-L6-v2.
     max_input_tokens: longest input accepted, special tokens included. Default: 32768 for
         the embedded model, the checkpoint's own positions otherwise. Beyond the checkpoint's
         positions a learned table is extended by copying, and RoPE runs past its training length.
@@ -101,6 +108,8 @@ def load_encoder(
         pad_token_id=config.pad_token_id,
         vocab_size=config.vocab_size,
         folder=folder,
+        adapters=config.adapters,
+        prompts=read_prompts(folder),
         backend=backend,
     )
 
@@ -115,7 +124,12 @@ def extend_positions(table: Tensor, offset: int, native: int, target: int) -> Te
 
 
 def _architecture(config: EncoderConfig):
-    return bert if config.model_type in BERT_FAMILY else modernbert
+    """The module that defines the config's network and its checkpoint names."""
+    if config.model_type in BERT_FAMILY:
+        return bert
+    if config.model_type in ROTARY_BERT_FAMILY:
+        return rotary_bert
+    return eurobert if config.model_type == "eurobert" else modernbert
 
 
 def _read_state_dict(folder: Path, config: EncoderConfig) -> dict[str, Tensor]:
@@ -139,6 +153,12 @@ def map_checkpoint_names(raw: dict[str, Tensor], arch) -> dict[str, Tensor]:
     names are mapped or explicitly ignored; `_build_model` rejects any left over, so a
     checkpoint we would misread fails instead of loading.
     """
+    renamed = {}
+    for key, tensor in raw.items():
+        for pattern, replacement in _PARAMETRIZATION_NAMES:
+            key = re.sub(pattern, replacement, key)
+        renamed[key] = tensor
+    raw = renamed
     anchors = [key[: -len(arch.HF_ANCHOR)] for key in raw if key.endswith(arch.HF_ANCHOR)]
     if not anchors:
         raise ValueError(
@@ -160,16 +180,47 @@ def map_checkpoint_names(raw: dict[str, Tensor], arch) -> dict[str, Tensor]:
             if hits:
                 break
         state[name] = tensor
-    return state
+    return _split_fused(state, arch.HF_FUSED)
+
+
+def _split_fused(state: dict[str, Tensor], fused: tuple[tuple[str, tuple[str, ...]], ...]) -> dict[str, Tensor]:
+    """Split fused projections (q|k|v stacked along the output dimension) into their parts.
+
+    Weights and biases split along dim 0; a LoRA lora_B (T, out, r) along its output dim 1;
+    the shared lora_A (T, r, in) is copied to every part.
+    """
+    result: dict[str, Tensor] = {}
+    for name, tensor in state.items():
+        match = next(((whole, parts) for whole, parts in fused if f".{whole}" in f".{name}"), None)
+        if match is None:
+            result[name] = tensor
+            continue
+        whole, parts = match
+        kind = name.rsplit(".", 1)[-1]
+        if kind == "lora_A":
+            pieces = [tensor] * len(parts)
+        else:
+            dim = 1 if kind == "lora_B" else 0
+            if tensor.shape[dim] % len(parts):
+                raise ValueError(f"checkpoint tensor {name}: {tuple(tensor.shape)} does not split into {len(parts)}")
+            pieces = tensor.chunk(len(parts), dim=dim)
+        for part, piece in zip(parts, pieces):
+            result[name.replace(whole, part)] = piece.contiguous()
+    return result
+
+
+_MODELS = {
+    bert: bert.BertModel,
+    modernbert: modernbert.ModernBertModel,
+    rotary_bert: rotary_bert.RotaryBertModel,
+    eurobert: eurobert.EuroBertModel,
+}
 
 
 def _build_model(config: EncoderConfig, state: dict[str, Tensor], device: torch.device, dtype) -> nn.Module:
     # Build on the meta device: no time spent initialising weights we are about to replace.
     with torch.device("meta"):
-        if config.model_type in BERT_FAMILY:
-            model: nn.Module = bert.BertModel(config)
-        else:
-            model = modernbert.ModernBertModel(config)
+        model: nn.Module = _MODELS[_architecture(config)](config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:

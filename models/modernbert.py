@@ -10,33 +10,18 @@ Parameter names are HF's own, so `HF_NAMES` is empty.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from kernels import AttentionSpec, attention
 from kernels.local import local_attention
 
 from .config import ACTIVATIONS, EncoderConfig
+from .rotary import apply_rotary, rotary_tables
 
 HF_NAMES: list[tuple[str, str]] = []
 HF_IGNORED: tuple[str, ...] = ()
+HF_FUSED: tuple[tuple[str, tuple[str, ...]], ...] = ()
 HF_ANCHOR = "embeddings.tok_embeddings.weight"
-
-
-def rotary_tables(n: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
-    """cos, sin: (N, D) float32 for positions 0..n-1, frequencies theta^(-2i/D) (RoPE)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    freqs = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv_freq  # (N, D/2)
-    angles = torch.cat((freqs, freqs), dim=-1)  # (N, D): halves rotate together
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x: (B, H, N, D) by the position angles (computed in float32, returned in x's dtype)."""
-    xf = x.float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
 
 
 class ModernBertEmbeddings(nn.Module):

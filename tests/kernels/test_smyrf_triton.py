@@ -16,10 +16,9 @@ from kernels.smyrf import (
     asymmetric_hashes,
     cluster_slots,
     merge_by_mass,
-    smyrf_attention_torch,
     smyrf_projections,
 )
-from kernels.smyrf_triton import smyrf_attention_triton, smyrf_cluster_attention_triton, smyrf_hashes_triton
+from kernels.smyrf_triton import smyrf_cluster_attention_triton, smyrf_hashes_triton
 
 FULL = AttentionSpec(method="full")
 
@@ -29,7 +28,7 @@ def smyrf(cluster_size, hash_rounds=2, seed=0):
 
 
 def masks_and_counts(b, n, m, key_padding_mask, cluster_size):
-    """The reference's query/key masks, real counts and cluster counts (smyrf_attention_torch)."""
+    """The reference's query/key masks, real counts and cluster counts (smyrf.cluster_counts)."""
     key_mask = key_padding_mask if key_padding_mask is not None else torch.ones(b, m, dtype=torch.bool)
     query_mask = key_mask if n == m else torch.ones(b, n, dtype=torch.bool)
     n_real, m_real = query_mask.sum(1), key_mask.sum(1)
@@ -55,7 +54,7 @@ def assert_unambiguous(hashes):
 
 
 def reference_with_orders(q, k, v, q_orders, k_orders, spec, key_padding_mask, scale, dtype):
-    """smyrf_attention_torch's cluster attention and merge in `dtype`, on given sort orders."""
+    """The reference's cluster attention and merge in `dtype`, on given sort orders."""
     b, h, n, _ = q.shape
     query_mask, _, n_real, m_real, n_clusters = masks_and_counts(b, n, k.shape[2], key_padding_mask, spec.cluster_size)
     qx, kx, vx = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -135,7 +134,7 @@ def test_end_to_end_float32_matches_torch(n, m, d, dv, cluster_size, lengths, tr
     assert torch.equal(sorted_orders(got_q), sorted_orders(expected_q))
     assert torch.equal(sorted_orders(got_k), sorted_orders(expected_k))
     out = attention(q, k, v, spec, key_padding_mask=mask, backend="triton")
-    expected = attention(q, k, v, spec, key_padding_mask=mask, backend="torch")
+    expected = attention(q, k, v, spec, key_padding_mask=mask, backend="reference")
     assert out.dtype == torch.float32 and out.shape == expected.shape
     assert (out - expected).abs().max() <= 1e-4
 
@@ -165,7 +164,7 @@ def test_half_precision_within_twice_torch_error(n, m, d, dv, cluster_size, leng
         q, k, v, sorted_orders(expected_q), sorted_orders(expected_k), spec, mask, scale, torch.float64
     )
     out = attention(q, k, v, spec, key_padding_mask=mask, backend="triton")
-    torch_out = smyrf_attention_torch(q, k, v, spec, mask, scale)
+    torch_out = attention(q, k, v, spec, key_padding_mask=mask, scale=scale, backend="reference")
     assert out.dtype == dtype
     triton_error = (out.double() - exact).abs().max().item()
     torch_error = (torch_out.double() - exact).abs().max().item()
@@ -207,7 +206,7 @@ def test_padding_is_ignored(n, m, lengths):
     assert torch.equal(out, out2)
     if n == m:
         assert (out.transpose(1, 2)[~mask] == 0).all()
-    expected = attention(q, k, v, spec, key_padding_mask=mask, backend="torch")
+    expected = attention(q, k, v, spec, key_padding_mask=mask, backend="reference")
     assert (out - expected).abs().max() <= 1e-4
 
 
@@ -228,5 +227,5 @@ def test_cpu_without_interpreter_raises(monkeypatch):
 
 def test_float64_is_refused():
     q, k, v = qkv(n=16, dtype=torch.float64)
-    with pytest.raises(ValueError, match="backend='torch'"):
-        smyrf_attention_triton(q, k, v, smyrf(8), None, 0.25)
+    with pytest.raises(ValueError, match="backend='reference'"):
+        attention(q, k, v, smyrf(8), backend="triton")

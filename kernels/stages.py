@@ -1,0 +1,153 @@
+"""Each approximate method as a list of named stages, and the one driver that runs them.
+
+Every backend (reference, native, triton) implements the same stages; the driver owns the
+order, the masking rule and the exact-case shortcut, so a backend only says how each stage
+runs on its hardware. Tests compare backends stage by stage and bench/stages.py times the
+stages of the backend it measures by passing an `observe` hook.
+
+Clustered and improved clustered attention (Vyas et al. 2020):
+    hash                (q, spec) -> codes (B, H, N) int64, bit b = sign of projection b
+    cluster             (codes, query_mask, spec) -> assign (B, H, N) in [0, C], Hamming K-means
+    refine              (q, assign, query_mask, spec) -> assign, Euclidean Lloyd steps
+    centroids           (q, assign, clusters) -> (B, H, C, D) float32+, member means
+    centroid_attention  (centroids, k, v, key_mask, scale, topk) -> CentroidAttention
+    sparse              (q, k, v, assign, centroid, key_mask, scale, dtype) -> (B, H, N, Dv), eq. 15
+    broadcast           (centroid_values, assign, dtype) -> (B, H, N, Dv), clustered only
+
+SMYRF (Daras et al. 2020); the asymmetric transform (eq. 4) is fused into `hash`, the merge of
+the rounds by softmax mass (eq. 15) into `cluster_attention`:
+    hash                (q, k, key_padding_mask, spec) -> (R, B, H, N), (R, B, H, M) hashes
+    sort                (q_hashes, k_hashes) -> positions sorted by hash, real tokens first
+    cluster_attention   (q, k, v, q_orders, k_orders, key_padding_mask, spec, scale, dtype) -> out
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from .kmeans import one_query_per_cluster
+from .masks import token_masks
+from .spec import AttentionSpec
+
+CLUSTERED_STAGES = ("hash", "cluster", "refine", "centroids", "centroid_attention", "sparse", "broadcast")
+SMYRF_STAGES = ("hash", "sort", "cluster_attention")
+
+
+class CentroidAttention(NamedTuple):
+    """What the centroid pass hands on. values: V^c = A^c V (B, H, C, Dv); for improved
+    clustered, each cluster's top-k keys under A^c: top_index (B, H, C, k) int64, top_probs
+    (B, H, C, k) (0 on padded keys) and top_real (B, H, C, k) bool; None for clustered."""
+
+    values: Tensor
+    top_index: Tensor | None = None
+    top_probs: Tensor | None = None
+    top_real: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ClusteredStages:
+    """One backend's clustered pipeline. compute: the dtype its stages take for an input dtype."""
+
+    name: str
+    compute: Callable[[torch.dtype], torch.dtype]
+    hash: Callable[..., Tensor]
+    cluster: Callable[..., Tensor]
+    refine: Callable[..., Tensor]
+    centroids: Callable[..., Tensor]
+    centroid_attention: Callable[..., CentroidAttention]
+    sparse: Callable[..., Tensor]
+    broadcast: Callable[..., Tensor]
+
+
+@dataclass(frozen=True)
+class SmyrfStages:
+    """One backend's SMYRF pipeline (see the module docstring)."""
+
+    name: str
+    compute: Callable[[torch.dtype], torch.dtype]
+    hash: Callable[..., tuple[Tensor, Tensor]]
+    sort: Callable[..., tuple[Tensor, Tensor]]
+    cluster_attention: Callable[..., Tensor]
+
+
+Observe = Callable[..., Any]
+
+
+def call(name: str, stage: Callable[..., Any], *args: Any) -> Any:
+    """The default `observe`: run the stage."""
+    return stage(*args)
+
+
+def float32_or_64(dtype: torch.dtype) -> torch.dtype:
+    """The reference's and the native loops' compute dtype: float64 stays, the rest float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def run_clustered(
+    stages: ClusteredStages,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    spec: AttentionSpec,
+    key_padding_mask: Tensor | None,
+    scale: float,
+    observe: Observe = call,
+) -> Tensor:
+    """Clustered or improved clustered attention (spec.method) through `stages`.
+
+    q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv) -> (B, H, N, Dv) in q's dtype.
+    observe(name, stage, *args) runs each stage; the default calls it.
+    """
+    compute = stages.compute(q.dtype)
+    qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
+    key_mask, query_mask = token_masks(q, k, key_padding_mask)
+    assign = cluster_queries(stages, qc, query_mask, spec, observe)
+    centroids = observe("centroids", stages.centroids, qc, assign, spec.clusters)
+    topk = min(spec.topk, k.shape[2]) if spec.method == "i-clustered" else 0
+    centroid = observe("centroid_attention", stages.centroid_attention, centroids, kc, vc, key_mask, scale, topk)
+    if topk:
+        return observe("sparse", stages.sparse, qc, kc, vc, assign, centroid, key_mask, scale, q.dtype)
+    return observe("broadcast", stages.broadcast, centroid.values, assign, q.dtype)
+
+
+def cluster_queries(
+    stages: ClusteredStages, q: Tensor, query_mask: Tensor, spec: AttentionSpec, observe: Observe = call
+) -> Tensor:
+    """The hash, cluster and refine stages: q (B, H, N, D) in the compute dtype, query_mask
+    (B, N) -> assignments (B, H, N) int64 in [0, C], padded queries at C. A sequence with no
+    more real queries than clusters gives each query its own cluster: exact attention."""
+    codes = observe("hash", stages.hash, q, spec)
+    assign = observe("cluster", stages.cluster, codes, query_mask, spec)
+    if spec.refine:
+        assign = observe("refine", stages.refine, q, assign, query_mask, spec)
+    return one_query_per_cluster(assign, query_mask, spec.clusters)
+
+
+def run_smyrf(
+    stages: SmyrfStages,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    spec: AttentionSpec,
+    key_padding_mask: Tensor | None,
+    scale: float,
+    observe: Observe = call,
+) -> Tensor:
+    """SMYRF attention through `stages`: (B, H, N, D), (B, H, M, D), (B, H, M, Dv) -> (B, H, N, Dv)."""
+    compute = stages.compute(q.dtype)
+    qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
+    q_hashes, k_hashes = observe("hash", stages.hash, qc, kc, key_padding_mask, spec)
+    q_orders, k_orders = observe("sort", stages.sort, q_hashes, k_hashes)
+    return observe(
+        "cluster_attention", stages.cluster_attention, qc, kc, vc, q_orders, k_orders, key_padding_mask, spec, scale, q.dtype
+    )
+
+
+def sort_by_hash(q_hashes: Tensor, k_hashes: Tensor) -> tuple[Tensor, Tensor]:
+    """SMYRF's sort stage on every backend: positions in hash order, ties by position (padded
+    tokens hash to +inf and come last)."""
+    return q_hashes.argsort(dim=-1, stable=True), k_hashes.argsort(dim=-1, stable=True)

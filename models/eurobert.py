@@ -1,0 +1,112 @@
+"""EuroBERT (Boizard et al. 2025, arXiv:2503.05500): a Llama-style bidirectional encoder.
+
+Pre-norm layers with RMSNorm, rotary positions, grouped-query attention (key / value heads
+shared by num_heads / num_kv_heads query heads), a SwiGLU MLP and a final RMSNorm. Every layer
+attends globally, so the spec's method replaces all of them. Parameter names are those of the
+published checkpoints and of transformers (both Llama's), so `HF_NAMES` is empty.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from kernels import AttentionSpec, attention
+
+from .config import ACTIVATIONS, EncoderConfig
+from .rotary import apply_rotary, rotary_tables
+
+HF_NAMES: list[tuple[str, str]] = []
+HF_IGNORED = (r"inv_freq$",)
+HF_ANCHOR = "embed_tokens.weight"
+HF_FUSED: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()  # the mean square in float32, as Llama computes it
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class EuroBertAttention(nn.Module):
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        c, bias = config.hidden_size, config.attention_bias
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads or config.num_heads
+        kv = self.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(c, c, bias=bias)
+        self.k_proj = nn.Linear(c, kv, bias=bias)
+        self.v_proj = nn.Linear(c, kv, bias=bias)
+        self.o_proj = nn.Linear(c, c, bias=bias)
+
+    def forward(
+        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor], backend: str = "auto"
+    ) -> Tensor:
+        b, n, c = x.shape
+        q = self.q_proj(x).view(b, n, self.num_heads, -1).transpose(1, 2)  # (B, H, N, D)
+        k = self.k_proj(x).view(b, n, self.num_kv_heads, -1).transpose(1, 2)  # (B, Hkv, N, D)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, -1).transpose(1, 2)
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        # Query head h reads key / value head h // group: repeat to one layout, (B, H, N, D).
+        group = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        o = attention(q, k, v, spec, key_padding_mask=mask, backend=backend)
+        return self.o_proj(o.transpose(1, 2).reshape(b, n, c))  # (B, H, N, D) -> (B, N, C)
+
+
+class EuroBertMLP(nn.Module):
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        c, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(c, inner, bias=bias)
+        self.up_proj = nn.Linear(c, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, c, bias=bias)
+        self.act = ACTIVATIONS[config.activation]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class EuroBertLayer(nn.Module):
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.self_attn = EuroBertAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = EuroBertMLP(config)
+
+    def forward(
+        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor], backend: str = "auto"
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), mask, spec, rotary, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class EuroBertModel(nn.Module):
+    """EuroBERT encoder without any task head."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(EuroBertLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+
+    def forward(self, input_ids: Tensor, mask: Tensor | None, spec: AttentionSpec, backend: str = "auto") -> Tensor:
+        """input_ids: (B, N) long, mask: (B, N) bool True = real token (None: no padding)
+        -> last hidden states (B, N, C)."""
+        cfg = self.config
+        rotary = rotary_tables(
+            input_ids.shape[1], cfg.head_dim, cfg.rope_theta, input_ids.device,
+            cfg.rope_type, cfg.rope_factor, cfg.rope_original_positions,
+        )  # fmt: skip
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, mask, spec, rotary, backend)
+        return self.norm(x)

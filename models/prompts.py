@@ -1,0 +1,48 @@
+"""Prompts as sentence-transformers defines them: `prompts` (name -> text prepended to the
+input) and `default_prompt_name` in a checkpoint's config_sentence_transformers.json, e.g.
+nomic-embed-text's {"query": "search_query: ", "document": "search_document: "}.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class UnknownPrompt(ValueError):
+    """`name` is not one of the checkpoint's prompts."""
+
+    def __init__(self, name: str, known: tuple[str, ...]):
+        listed = ", ".join(known) if known else "none: this checkpoint defines no prompts"
+        super().__init__(f"prompt_name: unknown prompt {name!r}; known: {listed}")
+        self.name = name
+
+
+@dataclass(frozen=True)
+class Prompts:
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_name: str | None = None
+
+    def text(self, name: str | None) -> str:
+        """The text to prepend for prompt `name` (None: the default prompt, or none)."""
+        if name is None:
+            return self.prompts[self.default_name] if self.default_name else ""
+        if name not in self.prompts:
+            raise UnknownPrompt(name, tuple(self.prompts))
+        return self.prompts[name]
+
+
+def read_prompts(folder: Path | None) -> Prompts:
+    """Prompts of a sentence-transformers folder; none without config_sentence_transformers.json."""
+    path = None if folder is None else folder / "config_sentence_transformers.json"
+    if path is None or not path.is_file():
+        return Prompts()
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    prompts = raw.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
+        raise ValueError(f"{path}: prompts must map names to strings, got {prompts!r}")
+    default = raw.get("default_prompt_name") or None
+    if default is not None and default not in prompts:
+        raise ValueError(f"{path}: default_prompt_name {default!r} is not one of the prompts {list(prompts)}")
+    return Prompts(dict(prompts), default)

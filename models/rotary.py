@@ -1,0 +1,75 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021, arXiv:2104.09864) for every rotary encoder.
+
+`rotary_tables` builds the (N, D) cos / sin angles for positions 0..n-1 and `apply_rotary`
+rotates (B, H, N, D) queries or keys by them. The frequency schedules checkpoints ship:
+
+- "default": theta^(-2i/D);
+- "linear": positions divided by `factor` (equivalently, frequencies);
+- "dynamic": dynamic NTK; beyond `original` positions the base grows to
+  theta * (factor * n / original - (factor - 1))^(D / (D - 2)), n the sequence length;
+- "ntk": fixed NTK as GTE's "new" architecture applies it at every length: base theta * factor,
+  and every frequency divided by factor^(2 / D).
+
+Layouts: "half" pairs component i with i + D/2 (GPT-NeoX, HF's rotate_half); "interleaved"
+pairs 2i with 2i + 1 (GPT-J, the original paper).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+ROPE_TYPES = ("default", "linear", "dynamic", "ntk")
+
+
+def inverse_frequencies(
+    n: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    rope_type: str = "default",
+    factor: float = 1.0,
+    original: int = 0,
+) -> Tensor:
+    """(D/2,) float32 angular frequency per rotated pair, for a sequence of n tokens."""
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type: must be one of {', '.join(ROPE_TYPES)}, got {rope_type!r}")
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim
+    if rope_type == "dynamic" and n > original:
+        theta = theta * ((factor * n / original) - (factor - 1)) ** (head_dim / (head_dim - 2))
+    if rope_type == "ntk":
+        return 1.0 / ((theta * factor) ** exponents) / factor ** (2 / head_dim)
+    inv_freq = 1.0 / (theta**exponents)
+    return inv_freq / factor if rope_type == "linear" else inv_freq
+
+
+def rotary_tables(
+    n: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    rope_type: str = "default",
+    factor: float = 1.0,
+    original: int = 0,
+    interleaved: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """cos, sin: (N, D) float32 for positions 0..n-1 in the layout `apply_rotary` expects."""
+    inv_freq = inverse_frequencies(n, head_dim, theta, device, rope_type, factor, original)
+    freqs = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv_freq  # (N, D/2)
+    if interleaved:
+        angles = freqs.repeat_interleave(2, dim=-1)  # (N, D): pairs (2i, 2i+1) rotate together
+    else:
+        angles = torch.cat((freqs, freqs), dim=-1)  # (N, D): halves rotate together
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
+    """Rotate x: (B, H, N, D) by the position angles (computed in float32, returned in x's dtype)."""
+    xf = x.float()
+    if interleaved:
+        even, odd = xf[..., 0::2], xf[..., 1::2]
+        rotated = torch.stack((-odd, even), dim=-1).flatten(-2)
+    else:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)

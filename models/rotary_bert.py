@@ -1,0 +1,163 @@
+"""Post-norm BERTs with rotary positions: NomicBERT (Nussbaum et al. 2024, arXiv:2402.01613),
+GTE's "new" architecture (gte-*-v1.5, gte-multilingual; Zhang et al. 2024, arXiv:2407.19669)
+and Jina v3 (XLM-RoBERTa with rotary positions and per-task LoRA; Sturua et al. 2024,
+arXiv:2409.10173).
+
+The three share one network: word (+ token-type) embeddings and a LayerNorm, no position
+table; each layer is x = norm(x + attn(x)), x = norm(x + mlp(x)) with RoPE on q and k. They
+differ in biases, the MLP (NomicBERT and GTE: gated, act(gate(x)) * up(x); Jina: plain) and
+the rotary schedule, all read from config.json. Every layer attends globally, so the spec's
+method replaces all of them.
+
+`HF_NAMES` maps both transformers' names (self_attn.q_proj, mlp.gate_proj, ...) and those of
+the published remote-code checkpoints (nomic's attn.Wqkv / fc11 / fc12, GTE's qkv_proj /
+up_gate_proj, Jina's mixer.Wqkv with torch parametrizations) onto this module; fused
+projections are named in `HF_FUSED` and split by the loader.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from kernels import AttentionSpec, attention
+
+from .config import ACTIVATIONS, EncoderConfig
+from .lora import AdaptedEmbedding, AdaptedLinear
+from .rotary import apply_rotary, rotary_tables
+
+_LAYER = r"^(?:encoder\.layers?|layers)\.(\d+)\."
+HF_NAMES: list[tuple[str, str]] = [
+    (r"^embeddings\.word_embeddings\.", "embeddings.word."),
+    (r"^embeddings\.token_type_embeddings\.", "embeddings.token_type."),
+    (r"^(?:embeddings\.LayerNorm|emb_ln)\.", "embeddings.norm."),
+    (_LAYER + r"self_attn\.([qkv])_proj\.", r"layers.\1.attn.\2."),
+    (_LAYER + r"(?:attn\.Wqkv|mixer\.Wqkv|attention\.qkv_proj)\.", r"layers.\1.attn.qkv."),
+    (_LAYER + r"(?:self_attn\.o_proj|attn\.out_proj|mixer\.out_proj|attention\.o_proj)\.", r"layers.\1.attn.out."),
+    (_LAYER + r"(?:post_attention_layernorm|norm1|attn_ln)\.", r"layers.\1.attn_norm."),
+    (_LAYER + r"(?:post_mlp_layernorm|norm2|mlp_ln)\.", r"layers.\1.mlp_norm."),
+    (_LAYER + r"mlp\.fc1\.", r"layers.\1.mlp_in."),
+    (_LAYER + r"mlp\.(?:gate_proj|fc12)\.", r"layers.\1.mlp_gate."),
+    (_LAYER + r"mlp\.(?:up_proj|fc11)\.", r"layers.\1.mlp_up."),
+    (_LAYER + r"mlp\.up_gate_proj\.", r"layers.\1.mlp_up_gate."),
+    (_LAYER + r"mlp\.(?:down_proj|fc2)\.", r"layers.\1.mlp_out."),
+]
+HF_IGNORED = (r"^embeddings\.position_ids$", r"^embeddings\.token_type_ids$", r"^pooler\.", r"inv_freq$")
+HF_ANCHOR = "embeddings.word_embeddings.weight"
+# Fused projection -> its parts, in the order they are stacked along the output dimension.
+HF_FUSED: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attn.qkv.", ("attn.q.", "attn.k.", "attn.v.")),
+    ("mlp_up_gate.", ("mlp_up.", "mlp_gate.")),
+)
+
+
+class RotaryBertEmbeddings(nn.Module):
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.word = AdaptedEmbedding(config.vocab_size, config.hidden_size, config)
+        # Inputs are single segments: only row 0 of the token-type table is ever used.
+        self.token_type = (
+            AdaptedEmbedding(config.type_vocab_size, config.hidden_size, config) if config.type_vocab_size else None
+        )
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+
+    def forward(self, input_ids: Tensor, adapter: int | None) -> Tensor:
+        x = self.word(input_ids, adapter)
+        if self.token_type is not None:
+            x = x + self.token_type(torch.zeros_like(input_ids[:, :1]), adapter)  # (B, 1, C)
+        return self.norm(x)
+
+
+class RotaryBertAttention(nn.Module):
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.interleaved = config.rope_interleaved
+        c, bias = config.hidden_size, config.attention_bias
+        self.q = AdaptedLinear(c, c, bias, config)
+        self.k = AdaptedLinear(c, c, bias, config)
+        self.v = AdaptedLinear(c, c, bias, config)
+        self.out = AdaptedLinear(c, c, bias, config)
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None,
+        spec: AttentionSpec,
+        rotary: tuple[Tensor, Tensor],
+        adapter: int | None,
+        backend: str = "auto",
+    ) -> Tensor:
+        b, n, c = x.shape
+
+        def heads(t: Tensor) -> Tensor:
+            return t.view(b, n, self.num_heads, -1).transpose(1, 2)  # (B, H, N, D)
+
+        q = apply_rotary(heads(self.q(x, adapter)), *rotary, interleaved=self.interleaved)
+        k = apply_rotary(heads(self.k(x, adapter)), *rotary, interleaved=self.interleaved)
+        o = attention(q, k, heads(self.v(x, adapter)), spec, key_padding_mask=mask, backend=backend)
+        return self.out(o.transpose(1, 2).reshape(b, n, c), adapter)  # (B, H, N, D) -> (B, N, C)
+
+
+class RotaryBertLayer(nn.Module):
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        c, inner = config.hidden_size, config.intermediate_size
+        self.attn = RotaryBertAttention(config)
+        self.attn_norm = nn.LayerNorm(c, eps=config.norm_eps)
+        self.gated = config.mlp_gated
+        if self.gated:
+            self.mlp_gate = AdaptedLinear(c, inner, config.mlp_bias, config)
+            self.mlp_up = AdaptedLinear(c, inner, config.mlp_bias, config)
+        else:
+            self.mlp_in = AdaptedLinear(c, inner, config.mlp_bias, config)
+        self.mlp_out = AdaptedLinear(inner, c, config.mlp_out_bias, config)
+        self.mlp_norm = nn.LayerNorm(c, eps=config.norm_eps)
+        self.act = ACTIVATIONS[config.activation]
+
+    def mlp(self, x: Tensor, adapter: int | None) -> Tensor:
+        if self.gated:
+            return self.mlp_out(self.act(self.mlp_gate(x, adapter)) * self.mlp_up(x, adapter), adapter)
+        return self.mlp_out(self.act(self.mlp_in(x, adapter)), adapter)
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None,
+        spec: AttentionSpec,
+        rotary: tuple[Tensor, Tensor],
+        adapter: int | None,
+        backend: str = "auto",
+    ) -> Tensor:
+        x = self.attn_norm(x + self.attn(x, mask, spec, rotary, adapter, backend))
+        return self.mlp_norm(x + self.mlp(x, adapter))
+
+
+class RotaryBertModel(nn.Module):
+    """NomicBERT / GTE / Jina v3 encoder without any task head."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = RotaryBertEmbeddings(config)
+        self.layers = nn.ModuleList(RotaryBertLayer(config) for _ in range(config.num_layers))
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        mask: Tensor | None,
+        spec: AttentionSpec,
+        adapter: int | None = None,
+        backend: str = "auto",
+    ) -> Tensor:
+        """input_ids: (B, N) long, mask: (B, N) bool True = real token (None: no padding),
+        adapter: index into config.adapters (None: base weights) -> last hidden states (B, N, C)."""
+        cfg = self.config
+        rotary = rotary_tables(
+            input_ids.shape[1], cfg.head_dim, cfg.rope_theta, input_ids.device,
+            cfg.rope_type, cfg.rope_factor, cfg.rope_original_positions, cfg.rope_interleaved,
+        )  # fmt: skip
+        x = self.embeddings(input_ids, adapter)
+        for layer in self.layers:
+            x = layer(x, mask, spec, rotary, adapter, backend)
+        return x

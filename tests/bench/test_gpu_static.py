@@ -1,0 +1,98 @@
+"""`python -m bench.gpu_static` for sm_90 on the shapes of one 16k-token call (B = 1, 12 heads
+x 64, bfloat16): every Triton kernel compiles for an H100 with the launchers' own block
+sizes, and the report's figures are read from what the compiler made.
+
+The budget tests below are what the GPU pipeline has to meet. Today's kernels break each
+one, so each is marked xfail(strict=True) with the reason: a redesign that meets a budget
+makes its test pass, which strict xfail reports as a failure, and the mark must then go.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = {"_hash_kernel", "_hamming_assign_kernel", "_euclidean_assign_kernel", "_cluster_means_kernel",
+           "_centroid_attention_kernel", "_broadcast_kernel", "_improved_tile_kernel", "_smyrf_hash_kernel",
+           "_smyrf_attention_kernel"}
+
+
+def run_report(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # it compiles: no interpreter
+    return subprocess.run(
+        [sys.executable, "-m", "bench.gpu_static", "--arch", "90", "--lengths", "16384", "--head-dims", "64",
+         "--dtypes", "bfloat16", "--out", str(out), *extra],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_static") / "report.json"
+    result = run_report(out)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    data = json.loads(out.read_text())
+    data["stdout"] = result.stdout
+    return data
+
+
+def violated(report: dict, budget: str) -> list[dict]:
+    return [v for v in report["violations"] if v["budget"] == budget]
+
+
+def test_every_kernel_compiles_for_sm90(report):
+    assert {k["kernel"] for k in report["kernels"]} == KERNELS
+    failed = [f"{k['kernel']}: {k['error']}" for k in report["kernels"] if not k["compiled"]]
+    assert not failed, failed
+    for k in report["kernels"]:
+        assert k["arch"] == 90 and 0 < k["registers"] <= 255 and k["num_warps"] > 0, k
+        assert k["spill_bytes"] >= 0 and k["shared_bytes"] >= 0, k
+
+
+def test_every_call_is_counted(report):
+    calls = {c["method"]: c for c in report["calls"]}
+    assert set(calls) == {"clustered", "i-clustered (paper)", "i-clustered", "smyrf"}
+    for call in calls.values():
+        assert (call["seq_len"], call["head_dim"], call["dtype"]) == (16384, 64, "bfloat16")
+        assert call["triton_launches"] == sum(call["launches_by_kernel"].values()) > 0
+        assert call["kernels"] == call["triton_launches"] + call["torch_ops"]
+    # 4 SMYRF rounds, one attention launch each; K-means: one assignment per iteration and a last one.
+    assert calls["smyrf"]["launches_by_kernel"]["_smyrf_attention_kernel"] == 4
+    assert calls["clustered"]["launches_by_kernel"]["_hamming_assign_kernel"] == 11
+    assert "VIOLATION" in report["stdout"] or not report["violations"]
+
+
+def test_strict_exits_1_exactly_when_a_budget_is_broken(report, tmp_path):
+    result = run_report(tmp_path / "strict.json", "--strict")
+    assert result.returncode == (1 if report["violations"] else 0), result.stdout[-2000:] + result.stderr[-2000:]
+
+
+@pytest.mark.xfail(strict=True, reason="clustered and i-clustered launch 21 Triton kernels and ~300-400 torch ops per call")
+def test_clustered_calls_within_20_kernels(report):
+    assert not [v for v in violated(report, "kernels per call") if v["method"] != "smyrf"]
+
+
+@pytest.mark.xfail(strict=True, reason="SMYRF launches 5 Triton kernels and 7 torch ops "
+                                       "(2 argsorts, 4 buffer fills, 1 scaling) per call")
+def test_smyrf_calls_within_8_kernels(report):
+    assert not [v for v in violated(report, "kernels per call") if v["method"] == "smyrf"]
+
+
+@pytest.mark.xfail(strict=True, reason="the centroid attention kernel uses 255 registers and spills at d = 64")
+def test_no_spills_at_head_dim_64_in_bfloat16(report):
+    assert not violated(report, "no spills")
+
+
+@pytest.mark.xfail(strict=True, reason="hashing, Euclidean assignment, centroid attention and the improved tile "
+                                       "kernel upcast to float32 and run ieee dots on FMA units")
+def test_every_bfloat16_dot_on_tensor_cores(report):
+    assert not violated(report, "tensor cores")
+
+
+@pytest.mark.xfail(strict=True, reason="the Hamming K-means votes use tl.atomic_add's default acq_rel semantics")
+def test_no_acq_rel_atomics(report):
+    assert not violated(report, "no acq_rel atomics")
