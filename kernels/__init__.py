@@ -7,7 +7,7 @@ the CPU and Triton kernels for the GPU (dispatch.py says which runs where).
 """
 
 from .dispatch import BACKENDS, attention, backend_for
-from .spec import APPROXIMATE_METHODS, KNOB_RANGES, METHOD_KNOBS, METHODS, AttentionSpec
+from .spec import APPROXIMATE_METHODS, KNOB_RANGES, METHOD_KNOBS, METHODS, AttentionSpec, Resolved, resolve_auto
 
 __all__ = [
     "APPROXIMATE_METHODS",
@@ -16,6 +16,8 @@ __all__ = [
     "KNOB_RANGES",
     "METHODS",
     "METHOD_KNOBS",
+    "Resolved",
     "attention",
     "backend_for",
+    "resolve_auto",
 ]

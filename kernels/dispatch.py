@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import native
 from .full import full_attention
-from .spec import AttentionSpec
+from .spec import AttentionSpec, resolve_auto
 from .stages import ClusteredStages, SmyrfStages, run_clustered, run_smyrf
 
 BACKENDS = ("auto", "reference", "native", "triton")
@@ -113,7 +113,7 @@ def attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
-    spec = spec.resolve(k.shape[2])
+    spec = resolve_auto(spec, k.shape[2]).spec
     if spec.method == "full":
         return full_attention(q, k, v, key_padding_mask, scale)
     if spec.method == "smyrf":

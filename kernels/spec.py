@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 METHODS = ("full", "clustered", "i-clustered", "smyrf", "auto")
 APPROXIMATE_METHODS = ("clustered", "i-clustered", "smyrf")
@@ -53,7 +53,7 @@ class AttentionSpec:
     cluster_size: SMYRF queries per balanced cluster.
     seed: seeds the random planes, projections and initial centroids: same seed, same output.
     auto_threshold: "auto" runs "full" for sequences shorter than this many tokens ...
-    auto_method: ... and this approximate method from that length on.
+    auto_method: ... and this approximate method from that length on (`resolve_auto`).
     """
 
     method: str = "i-clustered"
@@ -82,13 +82,6 @@ class AttentionSpec:
             if not low <= value <= high:
                 raise ValueError(f"{name}: must be in [{low}, {high}], got {value}")
 
-    def resolve(self, seq_len: int) -> AttentionSpec:
-        """The concrete spec for a sequence of `seq_len` tokens ("auto" picks a method)."""
-        if self.method != "auto":
-            return self
-        method = "full" if seq_len < self.auto_threshold else self.auto_method
-        return dataclasses.replace(self, method=method)
-
     def used_knobs(self) -> dict[str, Any]:
         """The method and only the knobs it reads, e.g. for echoing back to a client."""
         names = METHOD_KNOBS.get(self.method, tuple(KNOB_RANGES) + ("auto_method",))
@@ -97,3 +90,44 @@ class AttentionSpec:
     def to_json(self) -> str:
         """Compact JSON of `used_knobs()` (the service's `x-attention` header)."""
         return json.dumps(self.used_knobs(), separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """How one input runs: its concrete spec (never "auto") and what a response echoes of it."""
+
+    spec: AttentionSpec
+    echo: dict[str, Any]
+
+
+class AutoTable(Protocol):
+    """What `resolve_auto` needs of a calibration table (models.calibration.Calibration is one):
+    `choose` returns an object with the chosen `spec` and an `echo(target)` dict."""
+
+    def choose(self, tokens: int, target: float, seed: int = 0) -> Any: ...
+
+
+def resolve_auto(
+    spec: AttentionSpec, tokens: int, table: AutoTable | None = None, target: float | None = None
+) -> Resolved:
+    """The one place "auto" is decided, for an input of `tokens` tokens.
+
+    A concrete method stays as it is. "auto" with a `target` fidelity and a `table` runs what
+    the table chooses (the fastest configuration measured to meet the target at that length);
+    otherwise "full" below `spec.auto_threshold` tokens and `spec.auto_method` from there on.
+    A target without a table falls back to the threshold, and the echo says so
+    (`"calibrated_fidelity": null`). `kernels.attention` calls this with no table.
+    """
+    if spec.method != "auto":
+        if target is not None:
+            raise ValueError(f'target: applies to method "auto" only, got method {spec.method!r}')
+        return Resolved(spec, spec.used_knobs())
+    if target is not None and table is not None:
+        choice = table.choose(tokens, target, seed=spec.seed)
+        return Resolved(choice.spec, choice.echo(target))
+    method = "full" if tokens < spec.auto_threshold else spec.auto_method
+    resolved = dataclasses.replace(spec, method=method)
+    echo = resolved.used_knobs()
+    if target is not None:
+        echo = {**echo, "target_fidelity": target, "calibrated_fidelity": None}
+    return Resolved(resolved, echo)

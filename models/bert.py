@@ -69,14 +69,14 @@ class BertAttention(nn.Module):
         self.v = nn.Linear(config.hidden_size, config.hidden_size)
         self.out = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x: Tensor, mask: Tensor | None, spec: AttentionSpec) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, backend: str = "auto") -> Tensor:
         """x: (B, N, C), mask: (B, N) bool True = real, or None when nothing is padded."""
         b, n, c = x.shape
 
         def heads(t: Tensor) -> Tensor:
             return t.view(b, n, self.num_heads, -1).transpose(1, 2)  # (B, H, N, D)
 
-        o = attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), spec, key_padding_mask=mask)
+        o = attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), spec, key_padding_mask=mask, backend=backend)
         return self.out(o.transpose(1, 2).reshape(b, n, c))  # (B, H, N, D) -> (B, N, C)
 
 
@@ -90,9 +90,9 @@ class BertLayer(nn.Module):
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.act = ACTIVATIONS[config.activation]
 
-    def forward(self, x: Tensor, mask: Tensor | None, spec: AttentionSpec) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, backend: str = "auto") -> Tensor:
         # Post-norm: normalise after each residual sum, as BERT was trained.
-        x = self.attn_norm(x + self.attn(x, mask, spec))
+        x = self.attn_norm(x + self.attn(x, mask, spec, backend))
         return self.mlp_norm(x + self.mlp_out(self.act(self.mlp_in(x))))
 
 
@@ -105,10 +105,12 @@ class BertModel(nn.Module):
         self.embeddings = BertEmbeddings(config)
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_layers))
 
-    def forward(self, input_ids: Tensor, mask: Tensor | None, spec: AttentionSpec) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, mask: Tensor | None, spec: AttentionSpec, backend: str = "auto"
+    ) -> Tensor:
         """input_ids: (B, N) long, mask: (B, N) bool True = real token (None: no padding)
-        -> last hidden states (B, N, C)."""
+        -> last hidden states (B, N, C). backend: `kernels.attention`'s, for every layer."""
         x = self.embeddings(input_ids)
         for layer in self.layers:
-            x = layer(x, mask, spec)
+            x = layer(x, mask, spec, backend)
         return x

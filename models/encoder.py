@@ -1,14 +1,17 @@
 """Encoder: a loaded checkpoint with its tokenizer and pooling; texts or token ids in, vectors out.
 
-`Encoder.embed` tokenizes, checks lengths against `max_input_tokens`, sorts the inputs by
-length and runs them in batches under a padded-token budget with key padding masks (B, N),
-pools, truncates to Matryoshka `dimensions`, normalises and returns the vectors in input order.
+Two levels:
+- `Encoder.embed(inputs, spec)`: the Python API. Prepares the inputs (models.inputs: tokenize,
+  check, truncate or refuse what is too long), sorts them by length, runs them in batches
+  under a padded-token budget and returns the vectors in input order.
+- `Encoder.embed_batch(sequences, spec)`: one forward pass over prepared token ids, as given:
+  right-padded with a key padding mask (B, N), pooled, cut to Matryoshka `dimensions` and
+  normalised. The service's scheduler, which forms its own batches, calls this.
 Build one with `models.load_encoder`.
 """
 
 from __future__ import annotations
 
-from numbers import Integral
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -16,24 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import AttentionSpec
+from kernels import BACKENDS, AttentionSpec
 
+from .inputs import InputTooLong, is_int, prepare_inputs
 from .pooling import PoolingConfig, pool
 from .prompts import Prompts
-from .tokenization import TRUNCATION_DIRECTIONS, TextTokenizer, Tokens
+from .tokenization import TextTokenizer, Tokens
 
-
-class InputTooLong(ValueError):
-    """Input `index` has `tokens` tokens (special tokens included), more than `limit`."""
-
-    def __init__(self, index: int, tokens: int, limit: int):
-        super().__init__(
-            f"input {index} has {tokens} tokens, more than the limit of {limit}; "
-            "shorten it or pass truncate=True"
-        )
-        self.index = index
-        self.tokens = tokens
-        self.limit = limit
+__all__ = ["Encoder", "InputTooLong"]
 
 
 class Encoder:
@@ -42,7 +35,8 @@ class Encoder:
     name: model name; dim: embedding size; max_input_tokens: longest input accepted
     (special tokens included); native_positions: the longest input the checkpoint was
     trained on; device, dtype: where and in what precision the weights live; folder: the
-    checkpoint folder it was loaded from.
+    checkpoint folder it was loaded from; backend: the `kernels.attention` backend every
+    attention layer is called with.
     """
 
     def __init__(
@@ -61,7 +55,10 @@ class Encoder:
         folder: Path | None = None,
         adapters: tuple[str, ...] = (),
         prompts: Prompts | None = None,
+        backend: str = "auto",
     ):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.pooling = pooling
@@ -75,6 +72,7 @@ class Encoder:
         self.folder = folder
         self.adapters = adapters
         self.prompts = prompts or Prompts()
+        self.backend = backend
         first = next(model.parameters())
         self.device = first.device
         self.dtype = first.dtype
@@ -97,6 +95,7 @@ class Encoder:
             "default_prompt_name": self.prompts.default_name,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "backend": self.backend,
         }
 
     def tokenize(self, texts: Sequence[str]) -> list[Tokens]:
@@ -106,6 +105,39 @@ class Encoder:
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Tokens per text, special tokens included (what `max_input_tokens` limits)."""
         return self.tokenizer.count(_check_texts(texts))
+
+    def prepare(
+        self,
+        inputs: Sequence[str] | Sequence[Sequence[int]],
+        truncate: bool = False,
+        truncation_direction: str = "right",
+        prompt_name: str | None = None,
+    ) -> list[list[int]]:
+        """Token ids per input, within `max_input_tokens` (see `models.inputs.prepare_inputs`;
+        raises its EmptyInput, InvalidTokenIds, InputTooLong). Texts get the prompt
+        `prompt_name` (None: the checkpoint's default prompt, if any) prepended; its tokens
+        count toward the limit. Naming a prompt for token-id inputs is a ValueError."""
+        prompt = self.prompts.text(prompt_name)
+        if prompt and not self.pooling.include_prompt:
+            raise ValueError(
+                "prompt_name: this checkpoint pools without its prompt's tokens (include_prompt: false), "
+                "which is not implemented; embed without a prompt"
+            )
+        is_text = (
+            isinstance(inputs, Sequence) and not isinstance(inputs, (str, bytes)) and all(isinstance(x, str) for x in inputs)
+        )
+        if prompt and is_text:
+            inputs = [prompt + text for text in inputs]
+        elif prompt_name is not None and not is_text:
+            raise ValueError("prompt_name: prompts apply to texts; token-id inputs are used exactly as given")
+        return prepare_inputs(
+            self.tokenizer,
+            inputs,
+            vocab_size=self.vocab_size,
+            limit=self.max_input_tokens,
+            truncate=truncate,
+            truncation_direction=truncation_direction,
+        )
 
     def embed(
         self,
@@ -139,67 +171,49 @@ class Encoder:
             `max_input_tokens`. Token-id inputs are used as given: naming a prompt for them is
             an error. An unknown name raises UnknownPrompt (a ValueError) naming it.
         """
-        if not isinstance(spec, AttentionSpec):
-            raise ValueError(f"spec: must be a kernels.AttentionSpec, got {type(spec).__name__}")
-        if truncation_direction not in TRUNCATION_DIRECTIONS:
-            raise ValueError(
-                f"truncation_direction: must be one of {', '.join(TRUNCATION_DIRECTIONS)}, "
-                f"got {truncation_direction!r}"
-            )
-        if dimensions is not None and not (_is_int(dimensions) and 1 <= dimensions <= self.dim):
-            raise ValueError(f"dimensions: must be an integer in [1, {self.dim}], got {dimensions!r}")
-        if not (_is_int(max_batch_tokens) and max_batch_tokens >= 1):
+        self._check_options(spec, dimensions)
+        if not (is_int(max_batch_tokens) and max_batch_tokens >= 1):
             raise ValueError(f"max_batch_tokens: must be a positive integer, got {max_batch_tokens!r}")
+        self._adapter_index(adapter)  # an unknown adapter fails before any work
+        sequences = self.prepare(inputs, truncate, truncation_direction, prompt_name)
+        width = dimensions if dimensions is not None else self.dim
+        vectors = torch.empty(len(sequences), width, dtype=torch.float32)
+        for batch in _length_batches(sequences, max_batch_tokens):
+            vectors[batch] = self.embed_batch([sequences[i] for i in batch], spec, normalize, dimensions, adapter)
+        return vectors
 
-        if adapter is not None and adapter not in self.adapters:
-            known = ", ".join(self.adapters) if self.adapters else "none: this checkpoint has no adapters"
-            raise ValueError(f"adapter: unknown adapter {adapter!r}; known: {known}")
-        adapter_index = None if adapter is None else self.adapters.index(adapter)
-
-        prompt = self.prompts.text(prompt_name)
-        if prompt and not self.pooling.include_prompt:
-            raise ValueError(
-                "prompt_name: this checkpoint pools without its prompt's tokens (include_prompt: false), "
-                "which is not implemented; embed without a prompt"
-            )
-        is_text = (
-            isinstance(inputs, Sequence)
-            and not isinstance(inputs, (str, bytes))
-            and all(isinstance(x, str) for x in inputs)
-        )
-        if prompt and is_text:
-            inputs = [prompt + text for text in inputs]
-        elif prompt_name is not None and not is_text:
-            raise ValueError("prompt_name: prompts apply to texts; token-id inputs are used exactly as given")
-
-        sequences = self._input_ids(inputs, truncate, truncation_direction)
-        pooled = torch.empty(len(sequences), self.dim, dtype=torch.float32)
+    def embed_batch(
+        self,
+        sequences: list[list[int]],
+        spec: AttentionSpec,
+        normalize: bool = True,
+        dimensions: int | None = None,
+        adapter: str | None = None,
+    ) -> Tensor:
+        """One forward pass over prepared token ids (`prepare`'s output), in the order given
+        -> (len(sequences), dimensions or dim) float32 on the CPU. No re-batching: the caller
+        chose the batch."""
+        self._check_options(spec, dimensions)
+        adapter_index = self._adapter_index(adapter)
         with torch.inference_mode():
-            for batch in _length_batches(sequences, max_batch_tokens):
-                pooled[batch] = self._forward([sequences[i] for i in batch], spec, adapter_index).cpu()
+            pooled = self._forward(sequences, spec, adapter_index).float().cpu()
         vectors = pooled[:, :dimensions] if dimensions is not None else pooled
         return F.normalize(vectors, dim=-1) if normalize else vectors
 
-    def _input_ids(
-        self, inputs: Sequence[str] | Sequence[Sequence[int]], truncate: bool, direction: str
-    ) -> list[list[int]]:
-        """Token ids per input, truncated or checked against max_input_tokens."""
-        if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
-            raise ValueError("inputs: must be a list of strings or a list of token-id lists")
-        if len(inputs) == 0:
-            raise ValueError("inputs: empty list; send at least one text or token-id list")
-        limit = self.max_input_tokens
-        if all(isinstance(x, str) for x in inputs):
-            tokens = self.tokenizer.encode(list(inputs), limit if truncate else None, direction)
-            sequences = [t.ids for t in tokens]
-        else:
-            sequences = [_check_ids(i, x, self.vocab_size) for i, x in enumerate(inputs)]
-            if truncate:
-                sequences = [s[:limit] if direction == "right" else s[-limit:] for s in sequences]
-        for i, ids in enumerate(sequences):
-            if len(ids) > limit:
-                raise InputTooLong(index=i, tokens=len(ids), limit=limit)
-        return sequences
+    def _adapter_index(self, adapter: str | None) -> int | None:
+        """The index of a task adapter of the checkpoint (None: the base weights)."""
+        if adapter is None:
+            return None
+        if adapter not in self.adapters:
+            known = ", ".join(self.adapters) if self.adapters else "none: this checkpoint has no adapters"
+            raise ValueError(f"adapter: unknown adapter {adapter!r}; known: {known}")
+        return self.adapters.index(adapter)
+
+    def _check_options(self, spec: AttentionSpec, dimensions: int | None) -> None:
+        if not isinstance(spec, AttentionSpec):
+            raise ValueError(f"spec: must be a kernels.AttentionSpec, got {type(spec).__name__}")
+        if dimensions is not None and not (is_int(dimensions) and 1 <= dimensions <= self.dim):
+            raise ValueError(f"dimensions: must be an integer in [1, {self.dim}], got {dimensions!r}")
 
     def _forward(self, sequences: list[list[int]], spec: AttentionSpec, adapter: int | None = None) -> Tensor:
         """Right-pad a batch, run the model and pool -> (B, dim) float32."""
@@ -213,7 +227,7 @@ class Encoder:
         # Without padding the mask says nothing; leaving it out lets SDPA take its fused path.
         # Only models with task adapters take the argument.
         extra = {} if adapter is None else {"adapter": adapter}
-        hidden = self.model(input_ids, None if min(lengths) == n else mask, spec, **extra)  # (B, N, C)
+        hidden = self.model(input_ids, None if min(lengths) == n else mask, spec, backend=self.backend, **extra)
         return pool(hidden, mask, self.pooling.mode)
 
 
@@ -234,21 +248,3 @@ def _check_texts(texts: Sequence[str]) -> list[str]:
     if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
         raise ValueError("texts: must be a list of strings")
     return list(texts)
-
-
-def _check_ids(index: int, ids: Any, vocab_size: int) -> list[int]:
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-        raise ValueError(
-            f"inputs[{index}]: expected a string or a list of token ids, got {type(ids).__name__}; "
-            "do not mix texts and token ids in one call"
-        )
-    if len(ids) == 0:
-        raise ValueError(f"inputs[{index}]: empty token-id list; send at least one token id")
-    for t in ids:
-        if not (_is_int(t) and 0 <= t < vocab_size):
-            raise ValueError(f"inputs[{index}]: token ids must be integers in [0, {vocab_size}), got {t!r}")
-    return [int(t) for t in ids]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)

@@ -45,7 +45,9 @@ class EuroBertAttention(nn.Module):
         self.v_proj = nn.Linear(c, kv, bias=bias)
         self.o_proj = nn.Linear(c, c, bias=bias)
 
-    def forward(self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor]) -> Tensor:
+    def forward(
+        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor], backend: str = "auto"
+    ) -> Tensor:
         b, n, c = x.shape
         q = self.q_proj(x).view(b, n, self.num_heads, -1).transpose(1, 2)  # (B, H, N, D)
         k = self.k_proj(x).view(b, n, self.num_kv_heads, -1).transpose(1, 2)  # (B, Hkv, N, D)
@@ -54,7 +56,7 @@ class EuroBertAttention(nn.Module):
         # Query head h reads key / value head h // group: repeat to one layout, (B, H, N, D).
         group = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        o = attention(q, k, v, spec, key_padding_mask=mask)
+        o = attention(q, k, v, spec, key_padding_mask=mask, backend=backend)
         return self.o_proj(o.transpose(1, 2).reshape(b, n, c))  # (B, H, N, D) -> (B, N, C)
 
 
@@ -79,8 +81,10 @@ class EuroBertLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = EuroBertMLP(config)
 
-    def forward(self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor]) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), mask, spec, rotary)
+    def forward(
+        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor], backend: str = "auto"
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), mask, spec, rotary, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -94,7 +98,7 @@ class EuroBertModel(nn.Module):
         self.layers = nn.ModuleList(EuroBertLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
-    def forward(self, input_ids: Tensor, mask: Tensor | None, spec: AttentionSpec) -> Tensor:
+    def forward(self, input_ids: Tensor, mask: Tensor | None, spec: AttentionSpec, backend: str = "auto") -> Tensor:
         """input_ids: (B, N) long, mask: (B, N) bool True = real token (None: no padding)
         -> last hidden states (B, N, C)."""
         cfg = self.config
@@ -104,5 +108,5 @@ class EuroBertModel(nn.Module):
         )  # fmt: skip
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, mask, spec, rotary)
+            x = layer(x, mask, spec, rotary, backend)
         return self.norm(x)

@@ -41,6 +41,7 @@ def load_encoder(
     max_input_tokens: int | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    backend: str = "auto",
 ) -> Encoder:
     """Load an encoder.
 
@@ -50,6 +51,8 @@ def load_encoder(
         the embedded model, the checkpoint's own positions otherwise. Beyond the checkpoint's
         positions a learned table is extended by copying, and RoPE runs past its training length.
     device, dtype: where the weights live and their precision (default float32).
+    backend: the `kernels.attention` backend every attention layer runs ("auto" lets the
+        kernels choose by device and dtype; the service passes the concrete one it resolved).
     Raises UnsupportedArchitecture for a model we do not implement, FileNotFoundError for a
     folder that lacks a needed file.
     """
@@ -107,6 +110,7 @@ def load_encoder(
         folder=folder,
         adapters=config.adapters,
         prompts=read_prompts(folder),
+        backend=backend,
     )
 
 

@@ -44,14 +44,19 @@ class ModernBertAttention(nn.Module):
         self.Wo = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
 
     def forward(
-        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor]
+        self,
+        x: Tensor,
+        mask: Tensor | None,
+        spec: AttentionSpec,
+        rotary: tuple[Tensor, Tensor],
+        backend: str = "auto",
     ) -> Tensor:
         b, n, c = x.shape
         qkv = self.Wqkv(x).view(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
         q, k, v = qkv.unbind(0)
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.window is None:
-            o = attention(q, k, v, spec, key_padding_mask=mask)
+            o = attention(q, k, v, spec, key_padding_mask=mask, backend=backend)
         else:
             o = local_attention(q, k, v, self.window, key_padding_mask=mask)
         return self.Wo(o.transpose(1, 2).reshape(b, n, c))  # (B, H, N, D) -> (B, N, C)
@@ -84,9 +89,14 @@ class ModernBertLayer(nn.Module):
         self.mlp = ModernBertMLP(config)
 
     def forward(
-        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor]
+        self,
+        x: Tensor,
+        mask: Tensor | None,
+        spec: AttentionSpec,
+        rotary: tuple[Tensor, Tensor],
+        backend: str = "auto",
     ) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), mask, spec, rotary)
+        x = x + self.attn(self.attn_norm(x), mask, spec, rotary, backend)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -100,14 +110,16 @@ class ModernBertModel(nn.Module):
         self.layers = nn.ModuleList(ModernBertLayer(config, i) for i in range(config.num_layers))
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
 
-    def forward(self, input_ids: Tensor, mask: Tensor | None, spec: AttentionSpec) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, mask: Tensor | None, spec: AttentionSpec, backend: str = "auto"
+    ) -> Tensor:
         """input_ids: (B, N) long, mask: (B, N) bool True = real token (None: no padding)
-        -> last hidden states (B, N, C)."""
+        -> last hidden states (B, N, C). backend: `kernels.attention`'s, for the global layers."""
         cfg = self.config
         n = input_ids.shape[1]
         global_rotary = rotary_tables(n, cfg.head_dim, cfg.global_rope_theta, input_ids.device)
         local_rotary = rotary_tables(n, cfg.head_dim, cfg.local_rope_theta, input_ids.device)
         x = self.embeddings(input_ids)
         for layer in self.layers:
-            x = layer(x, mask, spec, global_rotary if layer.is_global else local_rotary)
+            x = layer(x, mask, spec, global_rotary if layer.is_global else local_rotary, backend)
         return self.final_norm(x)

@@ -80,7 +80,13 @@ class RotaryBertAttention(nn.Module):
         self.out = AdaptedLinear(c, c, bias, config)
 
     def forward(
-        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor], adapter: int | None
+        self,
+        x: Tensor,
+        mask: Tensor | None,
+        spec: AttentionSpec,
+        rotary: tuple[Tensor, Tensor],
+        adapter: int | None,
+        backend: str = "auto",
     ) -> Tensor:
         b, n, c = x.shape
 
@@ -89,7 +95,7 @@ class RotaryBertAttention(nn.Module):
 
         q = apply_rotary(heads(self.q(x, adapter)), *rotary, interleaved=self.interleaved)
         k = apply_rotary(heads(self.k(x, adapter)), *rotary, interleaved=self.interleaved)
-        o = attention(q, k, heads(self.v(x, adapter)), spec, key_padding_mask=mask)
+        o = attention(q, k, heads(self.v(x, adapter)), spec, key_padding_mask=mask, backend=backend)
         return self.out(o.transpose(1, 2).reshape(b, n, c), adapter)  # (B, H, N, D) -> (B, N, C)
 
 
@@ -115,9 +121,15 @@ class RotaryBertLayer(nn.Module):
         return self.mlp_out(self.act(self.mlp_in(x, adapter)), adapter)
 
     def forward(
-        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor], adapter: int | None
+        self,
+        x: Tensor,
+        mask: Tensor | None,
+        spec: AttentionSpec,
+        rotary: tuple[Tensor, Tensor],
+        adapter: int | None,
+        backend: str = "auto",
     ) -> Tensor:
-        x = self.attn_norm(x + self.attn(x, mask, spec, rotary, adapter))
+        x = self.attn_norm(x + self.attn(x, mask, spec, rotary, adapter, backend))
         return self.mlp_norm(x + self.mlp(x, adapter))
 
 
@@ -131,7 +143,12 @@ class RotaryBertModel(nn.Module):
         self.layers = nn.ModuleList(RotaryBertLayer(config) for _ in range(config.num_layers))
 
     def forward(
-        self, input_ids: Tensor, mask: Tensor | None, spec: AttentionSpec, adapter: int | None = None
+        self,
+        input_ids: Tensor,
+        mask: Tensor | None,
+        spec: AttentionSpec,
+        adapter: int | None = None,
+        backend: str = "auto",
     ) -> Tensor:
         """input_ids: (B, N) long, mask: (B, N) bool True = real token (None: no padding),
         adapter: index into config.adapters (None: base weights) -> last hidden states (B, N, C)."""
@@ -142,5 +159,5 @@ class RotaryBertModel(nn.Module):
         )  # fmt: skip
         x = self.embeddings(input_ids, adapter)
         for layer in self.layers:
-            x = layer(x, mask, spec, rotary, adapter)
+            x = layer(x, mask, spec, rotary, adapter, backend)
         return x

@@ -21,7 +21,8 @@ import torch
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from kernels import APPROXIMATE_METHODS, native
+import kernels
+from kernels import APPROXIMATE_METHODS
 from models.calibration import Calibration, CalibrationError, find_calibration, load_calibration
 
 from . import __version__
@@ -50,11 +51,26 @@ EXPOSED_HEADERS = [
 _WARMUP_TEXT = "Clustered attention groups queries and attends once per cluster. " * 8  # ~100 tokens
 
 
+# The service loads weights in float32: the precision the calibration tables were measured in.
+MODEL_DTYPE = torch.float32
+
+
 def load_model(settings: Settings) -> Any:
-    """The encoder the settings name (None = the embedded default), on the configured device."""
+    """The encoder the settings name (None = the embedded default), on the configured device,
+    with the attention backend resolved once, here, for that device and dtype: the concrete
+    one ("reference", "native" or "triton") that every attention call then names, and that
+    /info and clusterserve_build_info show. ValueError when the configured one cannot run."""
     from models import load_encoder
 
-    return load_encoder(settings.model, max_input_tokens=settings.max_input_tokens, device=settings.resolved_device())
+    device = settings.resolved_device()
+    backend = kernels.backend_for(device, MODEL_DTYPE, settings.backend)
+    return load_encoder(
+        settings.model,
+        max_input_tokens=settings.max_input_tokens,
+        device=device,
+        dtype=MODEL_DTYPE,
+        backend=backend,
+    )
 
 
 def load_calibration_for(encoder: Any, settings: Settings) -> Calibration | None:
@@ -118,12 +134,6 @@ def create_app(settings: Settings | None = None, load: Callable[[Settings], Any]
     return app
 
 
-def cpu_backend() -> str:
-    """"torch+native" where the native CPU loops are built (this builds them, so that the
-    first request does not wait for the compiler), else "torch" (the PyTorch reference)."""
-    return "torch+native" if native.available() else "torch"
-
-
 def _load_and_start(state: ServiceState, load: Callable[[Settings], Any]) -> None:
     settings = state.settings
     try:
@@ -136,8 +146,7 @@ def _load_and_start(state: ServiceState, load: Callable[[Settings], Any]) -> Non
         log.exception("loading the model failed")
         state.load_error = f"{type(exc).__name__}: {exc}"
         return
-    kind = encoder.device.type
-    backend = "triton" if kind == "cuda" else cpu_backend() if kind == "cpu" else "torch"
+    backend = encoder.backend
     with state.lock:
         if state.draining:
             return
@@ -151,8 +160,8 @@ def _load_and_start(state: ServiceState, load: Callable[[Settings], Any]) -> Non
 
 
 def _warm_up(encoder: Any, state: ServiceState) -> None:
-    """Run every method once, so the first request of each pays no one-off costs."""
+    """Run every method once, the way requests run, so the first request of each pays no
+    one-off costs (kernel compilation, the native loops' build, allocator growth)."""
+    sequences = encoder.prepare([_WARMUP_TEXT])
     for method in ("full", *APPROXIMATE_METHODS):
-        spec = dataclasses.replace(state.default_spec, method=method)
-        with torch.inference_mode():
-            encoder.embed([_WARMUP_TEXT], spec, max_batch_tokens=state.settings.max_batch_tokens)
+        encoder.embed_batch(sequences, dataclasses.replace(state.default_spec, method=method))

@@ -1,25 +1,24 @@
 """The scheduler: embedding requests queue here and one worker thread runs them in batches.
 
-A route tokenizes and validates its request, resolves each input's attention spec
-(`"auto"` picks a method by length) and submits a `Job`. The job's inputs enter a FIFO
-queue as `Item`s. The worker takes the oldest item and joins to it every queued item with
-the same batch key (resolved spec, normalize, dimensions) while the padded batch stays
-within the token budget, runs `encoder.embed` once for the batch, and hands each job its
-vectors when its last item is done. Inference never runs on the event loop, so health
-checks and metrics answer while a 30k-token batch is running.
+The pipeline (service.pipeline) prepares a request's inputs, resolves each input's attention
+spec and submits a `Job`. The job's inputs enter a FIFO queue as `Item`s. The worker takes
+the oldest item and joins to it every queued item with the same batch key (resolved spec,
+normalize, dimensions) while the padded batch stays within the token budget, and runs that
+batch as one forward pass (`encoder.embed_batch`: the encoder does not re-batch it). Each
+job gets its vectors when its last item is done. Inference never runs on the event loop, so
+health checks and metrics answer while a 30k-token batch is running.
 
 Per request the worker records:
 - queue time: arrival in the queue -> start of the first batch holding one of its inputs;
 - inference time: that start -> end of the last batch holding one of its inputs;
 - peak memory: the largest peak of those batches (see `metrics.PeakMemory`).
 
-Where later work plugs in (DESIGN.md / issue #6): admission is `Batcher.submit`'s check of
-`max_concurrent_requests`; a job carries its deadline, and the worker drops expired or
-cancelled jobs before it runs them; `_run_or_split` is the one place that catches
-out-of-memory: it frees what the attempt held and retries each half of the batch, down to
-single inputs, so one input too big for memory fails alone (503 naming its token count)
-and its batch-mates still get their vectors; `stop` drains the queue before the worker
-exits.
+Admission is `Batcher.submit`'s check of `max_concurrent_requests`; a job carries its
+deadline, and the worker drops expired or cancelled jobs before it runs them;
+`_run_or_split` is the one place that catches out-of-memory: it frees what the attempt held
+and retries each half of the batch, down to single inputs, so one input too big for memory
+fails alone (503 naming its token count) and its batch-mates still get their vectors;
+`stop` drains the queue before the worker exits.
 """
 
 from __future__ import annotations
@@ -45,19 +44,12 @@ log = logging.getLogger("clusterserve")
 
 
 class Encoder(Protocol):
-    """What the scheduler needs of `models.load_encoder(...)`."""
+    """What the scheduler needs of `models.load_encoder(...)`: one forward pass per batch it forms."""
 
     device: torch.device
 
-    def embed(
-        self,
-        inputs: list[list[int]],
-        spec: AttentionSpec,
-        truncate: bool = False,
-        normalize: bool = True,
-        dimensions: int | None = None,
-        truncation_direction: str = "right",
-        max_batch_tokens: int = 16384,
+    def embed_batch(
+        self, sequences: list[list[int]], spec: AttentionSpec, normalize: bool = True, dimensions: int | None = None
     ) -> Tensor: ...
 
 
@@ -265,44 +257,51 @@ class Batcher:
         batch = [item for item in batch if not item.job.cancelled]  # a failed sibling, a gone client
         if not batch:
             return
-        key = batch[0].key
-        method = key.spec.method
-        tokens = sum(item.tokens for item in batch)
         started = time.monotonic()
         self._peak.reset()
-        out_of_memory = False
+        vectors = self._embed(batch)
+        if vectors is None:
+            self._split_after_out_of_memory(batch)
+            return
+        self._deliver(batch, vectors, started, time.monotonic(), self._peak.read())
+
+    def _embed(self, batch: list[Item]) -> Tensor | None:
+        """One forward pass over the batch as formed here -> (len(batch), dim) float32 on the
+        CPU, or None when it ran out of memory (what the attempt held is freed first)."""
+        key = batch[0].key
         try:
-            vectors = self.encoder.embed(
+            vectors = self.encoder.embed_batch(
                 [item.job.inputs[item.index] for item in batch],
                 key.spec,
                 normalize=key.normalize,
                 dimensions=key.dimensions,
-                max_batch_tokens=self.max_batch_tokens,
             )
+            return vectors.detach().float().cpu()
         except (torch.OutOfMemoryError, MemoryError):
-            out_of_memory = True  # handled outside the except: its traceback pins the batch's tensors
-        if out_of_memory:
-            self._free_memory()
-            if len(batch) == 1:
-                item = batch[0]
-                log.warning("out of memory on a single input of %d tokens (request %s)", item.tokens, item.job.request_id)
-                self._fail(item.job, errors.out_of_memory(item.tokens))
-                return
-            log.warning("out of memory in a batch of %d inputs, %d tokens: retrying in halves", len(batch), tokens)
-            half = len(batch) // 2
-            self._run_or_split(batch[:half])
-            self._run_or_split(batch[half:])
-            return
-        vectors = vectors.detach().float().cpu()
-        finished = time.monotonic()
-        peak = self._peak.read()
+            pass  # handled outside the except: its traceback pins the batch's tensors
+        self._free_memory()
+        return None
 
+    def _split_after_out_of_memory(self, batch: list[Item]) -> None:
+        if len(batch) == 1:
+            item = batch[0]
+            log.warning("out of memory on a single input of %d tokens (request %s)", item.tokens, item.job.request_id)
+            self._fail(item.job, errors.out_of_memory(item.tokens))
+            return
+        tokens = sum(item.tokens for item in batch)
+        log.warning("out of memory in a batch of %d inputs, %d tokens: retrying in halves", len(batch), tokens)
+        half = len(batch) // 2
+        self._run_or_split(batch[:half])
+        self._run_or_split(batch[half:])
+
+    def _deliver(self, batch: list[Item], vectors: Tensor, started: float, finished: float, peak: int | None) -> None:
+        """Record the batch's metrics and hand each item its vector; finish jobs now complete."""
+        method = batch[0].key.spec.method
         self.metrics.inference_duration.labels(method=method).observe(finished - started)
         self.metrics.batch_size.labels(method=method).observe(len(batch))
-        self.metrics.batch_tokens.labels(method=method).observe(tokens)
+        self.metrics.batch_tokens.labels(method=method).observe(sum(item.tokens for item in batch))
         if peak is not None:
             self.metrics.peak_memory.labels(method=method).observe(peak)
-
         for item, vector in zip(batch, vectors):
             job = item.job
             job.vectors[item.index] = vector

@@ -53,8 +53,7 @@ class Metrics:
     """The service's series on a registry of its own (tests build several apps per process)."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+        self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "clusterserve_requests", "HTTP requests answered", ["endpoint", "method", "code"], registry=r
         )
@@ -65,57 +64,38 @@ class Metrics:
             buckets=_SECONDS,
             registry=r,
         )
-        self.queue_duration = Histogram(
-            "clusterserve_queue_duration_seconds",
-            "time an input waited in the queue before its batch started",
-            ["method"],
-            buckets=_SECONDS,
-            registry=r,
+        per_method = self._per_method
+        self.queue_duration = per_method(
+            "clusterserve_queue_duration_seconds", "time an input waited in the queue before its batch started", _SECONDS
         )
-        self.inference_duration = Histogram(
-            "clusterserve_inference_duration_seconds",
-            "time of one batch's forward pass",
-            ["method"],
-            buckets=_SECONDS,
-            registry=r,
+        self.inference_duration = per_method(
+            "clusterserve_inference_duration_seconds", "time of one batch's forward pass", _SECONDS
         )
-        self.input_tokens = Histogram(
-            "clusterserve_input_tokens", "tokens per input (after truncation)", ["method"], buckets=_TOKENS, registry=r
+        self.input_tokens = per_method("clusterserve_input_tokens", "tokens per input (after truncation)", _TOKENS)
+        self.batch_size = per_method("clusterserve_batch_size", "inputs per batch", _BATCH)
+        self.batch_tokens = per_method("clusterserve_batch_tokens", "real (unpadded) tokens per batch", _BATCH_TOKENS)
+        self.peak_memory = per_method(
+            "clusterserve_peak_memory_bytes", "peak memory while a batch ran (CUDA allocator peak; CPU: process peak RSS)", _BYTES
         )
-        self.batch_size = Histogram(
-            "clusterserve_batch_size", "inputs per batch", ["method"], buckets=_BATCH, registry=r
-        )
-        self.batch_tokens = Histogram(
-            "clusterserve_batch_tokens", "real (unpadded) tokens per batch", ["method"], buckets=_BATCH_TOKENS, registry=r
-        )
-        self.peak_memory = Histogram(
-            "clusterserve_peak_memory_bytes",
-            "peak memory while a batch ran (CUDA allocator peak; CPU: process peak RSS)",
-            ["method"],
-            buckets=_BYTES,
-            registry=r,
-        )
-        self.fidelity = Histogram(
+        self.fidelity = per_method(
             "clusterserve_fidelity",
             'cosine of an approximate embedding to the exact one, per input of a "fidelity": true request',
-            ["method"],
-            buckets=_FIDELITY,
-            registry=r,
+            _FIDELITY,
         )
-        self.queue_depth = Gauge(
-            "clusterserve_queue_depth", "embedding requests waiting for their first batch", registry=r
-        )
-        self.inflight = Gauge(
-            "clusterserve_inflight_requests", "embedding requests admitted and not yet answered", registry=r
-        )
+        self.failures = Counter("clusterserve_request_failures", "failed requests by reason", ["reason"], registry=r)
+        self._add_gauges()
+        self._create_children()
+
+    def _add_gauges(self) -> None:
+        """The series that say what is now: queue, in-flight requests, memory, the build."""
+        r = self.registry
+        self.queue_depth = Gauge("clusterserve_queue_depth", "embedding requests waiting for their first batch", registry=r)
+        self.inflight = Gauge("clusterserve_inflight_requests", "embedding requests admitted and not yet answered", registry=r)
         self.device_memory = Gauge(
             "clusterserve_device_memory_bytes",
             "memory now: CUDA allocated and reserved (0 on CPU), process RSS",
             ["kind"],
             registry=r,
-        )
-        self.failures = Counter(
-            "clusterserve_request_failures", "failed requests by reason", ["reason"], registry=r
         )
         self.build_info = Gauge(
             "clusterserve_build_info",
@@ -123,7 +103,10 @@ class Metrics:
             ["version", "model", "device", "backend"],
             registry=r,
         )
-        self._create_children()
+
+    def _per_method(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+        """A histogram labelled by attention method, on this registry."""
+        return Histogram(name, documentation, ["method"], buckets=buckets, registry=self.registry)
 
     def _create_children(self) -> None:
         for endpoint in INFERENCE_ENDPOINTS:

@@ -84,30 +84,31 @@ class RequestMiddleware:
             if not started:
                 await _send_json(send_with_headers, 500, error_body(500, "internal server error", None))
         finally:
-            route = scope.get("route")
-            path = getattr(route, "path", None)
-            endpoint = path if path in _KNOWN_ENDPOINTS else "other"
-            method = scope.get(METHOD_KEY, NO_METHOD)
-            self.metrics.requests.labels(endpoint=endpoint, method=method, code=str(status)).inc()
-            total_s = time.monotonic() - arrival
-            self.metrics.request_duration.labels(endpoint=endpoint, method=method).observe(total_s)
-            logged = {
-                name.decode(): sent_headers[key].decode("latin-1")
-                for key, name in _LOGGED_HEADERS.items()
-                if key in sent_headers
+            self._record(scope, request_id, status, time.monotonic() - arrival, sent_headers)
+
+    def _record(self, scope: Scope, request_id: str, status: int, total_s: float, sent_headers: dict[bytes, bytes]) -> None:
+        """Count and time the answered request, and write its access line."""
+        route = scope.get("route")
+        path = getattr(route, "path", None)
+        endpoint = path if path in _KNOWN_ENDPOINTS else "other"
+        method = scope.get(METHOD_KEY, NO_METHOD)
+        self.metrics.requests.labels(endpoint=endpoint, method=method, code=str(status)).inc()
+        self.metrics.request_duration.labels(endpoint=endpoint, method=method).observe(total_s)
+        logged = {
+            name.decode(): sent_headers[key].decode("latin-1") for key, name in _LOGGED_HEADERS.items() if key in sent_headers
+        }
+        log_request(
+            {
+                "request_id": request_id,
+                "http_method": scope.get("method"),
+                "route": endpoint,
+                "path": scope.get("path"),
+                "status": status,
+                "attention": None if method == NO_METHOD else method,
+                **logged,
+                "total_ms": round(total_s * 1e3, 3),
             }
-            log_request(
-                {
-                    "request_id": request_id,
-                    "http_method": scope.get("method"),
-                    "route": endpoint,
-                    "path": scope.get("path"),
-                    "status": status,
-                    "attention": None if method == NO_METHOD else method,
-                    **logged,
-                    "total_ms": round(total_s * 1e3, 3),
-                }
-            )
+        )
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | tuple[int, str, str] | None:
         """The whole body, an (status, reason, message) refusal, or None on disconnect."""

@@ -19,10 +19,22 @@ def _knob(name: str, description: str) -> Any:
     return Field(None, ge=low, le=high, description=f"{description} [{low}, {high}]")
 
 
+# Knobs a calibrated choice sets: a request that names target_fidelity leaves them out (422).
+CALIBRATED_KNOBS = ("clusters", "topk", "bits", "iterations", "refine", "hash_rounds", "cluster_size")
+# The same rule in the OpenAPI document: no target_fidelity, or method auto (or unset) and
+# none of the calibrated knobs.
+_TARGET_RULE = {
+    "anyOf": [
+        {"properties": {"target_fidelity": {"type": "null"}}},
+        {"properties": {"method": {"enum": ["auto", None]}, **{name: {"type": "null"} for name in CALIBRATED_KNOBS}}},
+    ]
+}
+
+
 class AttentionRequest(BaseModel):
     """The per-request `attention` object; every field is optional (defaults: GET /info)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_TARGET_RULE)
 
     method: Literal[METHODS] | None = Field(  # type: ignore[valid-type]
         None, description="full | clustered | i-clustered | smyrf | auto"
@@ -76,13 +88,33 @@ def _check_text_inputs(value: Any) -> str | list[str]:
     raise ValueError("must be a string or a list of strings")
 
 
+# What the OpenAPI document declares, so that it rejects what the server answers with 400
+# (an empty input, an empty list, an empty item). The validators above do the checking: they
+# keep pydantic's per-arm errors out of the messages, and the pipeline answers an empty
+# input with 400 "empty input", never 422.
+NonEmptyText = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+OpenAIInputSchema = Union[
+    NonEmptyText,
+    Annotated[list[NonEmptyText], Field(min_length=1)],
+    TokenIds,
+    Annotated[list[TokenIds], Field(min_length=1)],
+]
+TextInputsSchema = Union[NonEmptyText, Annotated[list[NonEmptyText], Field(min_length=1)]]
+# /tokenize answers "" (and "" items) with the special tokens alone; only an empty list is a 400.
+TokenizeInputsSchema = Union[str, Annotated[list[str], Field(min_length=1)]]
+
 OpenAIInput = Annotated[
     Union[str, list[str], list[int], list[list[int]]],
-    PlainValidator(_check_input, json_schema_input_type=Union[str, list[str], list[int], list[list[int]]]),
+    PlainValidator(_check_input, json_schema_input_type=OpenAIInputSchema),
 ]
 TextInputs = Annotated[
     Union[str, list[str]],
-    PlainValidator(_check_text_inputs, json_schema_input_type=Union[str, list[str]]),
+    PlainValidator(_check_text_inputs, json_schema_input_type=TextInputsSchema),
+]
+TokenizeInputs = Annotated[
+    Union[str, list[str]],
+    PlainValidator(_check_text_inputs, json_schema_input_type=TokenizeInputsSchema),
 ]
 
 
@@ -144,7 +176,7 @@ class TokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    inputs: TextInputs
+    inputs: TokenizeInputs
     add_special_tokens: StrictBool = True
 
 

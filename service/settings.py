@@ -16,7 +16,7 @@ import torch
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from kernels import APPROXIMATE_METHODS, METHODS, AttentionSpec
+from kernels import APPROXIMATE_METHODS, BACKENDS, METHODS, AttentionSpec
 
 _DEFAULT_SPEC = AttentionSpec()
 
@@ -34,6 +34,13 @@ class Settings(BaseSettings):
         "unset = the embedded all-MiniLM-L6-v2",
     )
     device: str = Field("auto", description='torch device for the model: "auto" (cuda if available), "cpu", "cuda:0", ...')
+    backend: Literal[BACKENDS] = Field(  # type: ignore[valid-type]
+        "auto",
+        description='attention kernels: "auto" (triton on CUDA, the native C loops on a CPU where they '
+        'build, the PyTorch reference otherwise), "reference", "native" or "triton"; resolved once at '
+        "start-up for the model's device and dtype (/info shows the result); one that cannot run there "
+        "fails start-up",
+    )
 
     # Default attention for requests that leave a knob out (AttentionSpec's fields).
     method: Literal[METHODS] = Field(_DEFAULT_SPEC.method, description="default attention method")  # type: ignore[valid-type]

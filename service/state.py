@@ -29,7 +29,7 @@ class ServiceState:
     ready: bool = False  # loaded, warmed up and not draining
     draining: bool = False
     load_error: str | None = None
-    backend: str = "torch"
+    backend: str = "reference"  # the concrete attention backend the encoder runs (kernels.backend_for)
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards the start/drain hand-over
 
     def require_ready(self) -> tuple[Any, Batcher]:

@@ -4,6 +4,8 @@ target_fidelity chooses from), the kernel backend and the device."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -11,7 +13,7 @@ from kernels import KNOB_RANGES, METHOD_KNOBS, METHODS
 
 from .. import __version__, errors
 from ..schemas import ErrorResponse
-from ..state import get_state
+from ..state import ServiceState, get_state
 
 router = APIRouter(tags=["info"])
 
@@ -24,15 +26,7 @@ async def info(request: Request) -> JSONResponse:
         raise errors.not_ready(
             f"the model failed to load: {state.load_error}" if state.load_error else "the model is still loading"
         )
-    settings, default = state.settings, state.default_spec
     model = encoder.info()
-    methods = {}
-    for method in METHODS:
-        knobs = METHOD_KNOBS.get(method, tuple(name for name in KNOB_RANGES if name != "auto_threshold"))
-        methods[method] = {
-            name: {"default": getattr(default, name), "min": KNOB_RANGES[name][0], "max": KNOB_RANGES[name][1]}
-            for name in knobs
-        }
     return JSONResponse(
         {
             "version": __version__,
@@ -44,24 +38,42 @@ async def info(request: Request) -> JSONResponse:
             "extended_positions": encoder.max_input_tokens,
             "position_extension": model.get("position_extension"),
             "max_input_tokens": state.max_input_tokens,
-            "limits": {
-                "max_input_tokens": state.max_input_tokens,
-                "max_batch_tokens": settings.max_batch_tokens,
-                "max_client_batch_size": settings.max_client_batch_size,
-                "max_concurrent_requests": settings.max_concurrent_requests,
-                "max_body_bytes": settings.max_body_bytes,
-                "request_timeout_s": settings.request_timeout_s,
-            },
-            "attention": {
-                "default_method": default.method,
-                "auto": {"threshold": default.auto_threshold, "method": default.auto_method},
-                "methods": methods,
-                # auto with target_fidelity chooses from this; null = it falls back to the threshold
-                "calibration": state.calibration.info() if state.calibration is not None else None,
-            },
+            "limits": _limits(state),
+            "attention": _attention(state),
             "backend": state.backend,
             "device": str(encoder.device),
             "dtype": model.get("dtype"),
-            "auth": settings.api_key is not None,
+            "auth": state.settings.api_key is not None,
         }
     )
+
+
+def _limits(state: ServiceState) -> dict[str, Any]:
+    settings = state.settings
+    return {
+        "max_input_tokens": state.max_input_tokens,
+        "max_batch_tokens": settings.max_batch_tokens,
+        "max_client_batch_size": settings.max_client_batch_size,
+        "max_concurrent_requests": settings.max_concurrent_requests,
+        "max_body_bytes": settings.max_body_bytes,
+        "request_timeout_s": settings.request_timeout_s,
+    }
+
+
+def _attention(state: ServiceState) -> dict[str, Any]:
+    """The default method, how auto decides, and every method's knobs with defaults and ranges."""
+    default = state.default_spec
+    methods = {}
+    for method in METHODS:
+        knobs = METHOD_KNOBS.get(method, tuple(name for name in KNOB_RANGES if name != "auto_threshold"))
+        methods[method] = {
+            name: {"default": getattr(default, name), "min": KNOB_RANGES[name][0], "max": KNOB_RANGES[name][1]}
+            for name in knobs
+        }
+    return {
+        "default_method": default.method,
+        "auto": {"threshold": default.auto_threshold, "method": default.auto_method},
+        "methods": methods,
+        # auto with target_fidelity chooses from this; null = it falls back to the threshold
+        "calibration": state.calibration.info() if state.calibration is not None else None,
+    }

@@ -15,9 +15,10 @@ import base64
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from ..auth import require_api_key
+from ..pipeline import EmbedOptions, embed
 from ..schemas import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse
 from ..state import get_state
-from .common import embed, require_api_key
 
 router = APIRouter(tags=["openai"])
 
@@ -29,15 +30,10 @@ router = APIRouter(tags=["openai"])
     dependencies=[Depends(require_api_key)],
 )
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
-    embedded = await embed(
-        request,
-        body.input,
-        param="input",
-        attention=body.attention,
-        truncate=body.truncate,
-        dimensions=body.dimensions,
-        fidelity=body.fidelity,
+    options = EmbedOptions(
+        "input", body.attention, body.truncate, dimensions=body.dimensions, fidelity=body.fidelity
     )
+    embedded = await embed(request, body.input, options)
     if body.encoding_format == "base64":
         rows = embedded.vectors.numpy().astype("<f4")
         data = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]

@@ -10,8 +10,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from ..auth import require_api_key
+from ..pipeline import EmbedOptions, embed
 from ..schemas import ERROR_RESPONSES, EmbedRequest
-from .common import embed, require_api_key
 
 router = APIRouter(tags=["tei"])
 
@@ -23,15 +24,14 @@ router = APIRouter(tags=["tei"])
     dependencies=[Depends(require_api_key)],
 )
 async def tei_embed(body: EmbedRequest, request: Request) -> JSONResponse:
-    embedded = await embed(
-        request,
-        body.inputs,
-        param="inputs",
-        attention=body.attention,
-        truncate=body.truncate,
-        truncation_direction=body.truncation_direction,
-        normalize=body.normalize,
-        dimensions=body.dimensions,
-        fidelity=body.fidelity,
+    options = EmbedOptions(
+        "inputs",
+        body.attention,
+        body.truncate,
+        body.truncation_direction,
+        body.normalize,
+        body.dimensions,
+        body.fidelity,
     )
+    embedded = await embed(request, body.inputs, options)
     return JSONResponse(embedded.vectors.tolist(), headers=embedded.headers())

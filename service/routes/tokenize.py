@@ -11,10 +11,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from .. import errors
+from ..auth import require_api_key
+from ..pipeline import parse_inputs
 from ..schemas import ERROR_RESPONSES, Token, TokenizeRequest
 from ..state import get_state
-from .common import require_api_key, split_inputs
 
 router = APIRouter(tags=["tokenize"])
 
@@ -28,11 +28,7 @@ router = APIRouter(tags=["tokenize"])
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     state = get_state(request)
     encoder, _ = state.require_ready()
-    texts, params, _ = split_inputs(body.inputs, "inputs")
-    if not texts:
-        raise errors.empty_input("inputs")
-    if len(texts) > state.settings.max_client_batch_size:
-        raise errors.batch_too_large("inputs", len(texts), state.settings.max_client_batch_size)
+    texts, _ = parse_inputs(body.inputs, "inputs", state.settings.max_client_batch_size, allow_empty_items=True)
     encoded = await run_in_threadpool(encoder.tokenize, texts)
     result = []
     for text, tokens in zip(texts, encoded):

@@ -15,7 +15,7 @@ from server_process import running_server
 def server(tmp_path_factory):
     """{"base": "http://127.0.0.1:PORT", "port": PORT} of a ready server."""
     log_path = tmp_path_factory.mktemp("deploy-server") / "server.log"
-    with running_server(log_path, "--no-warmup", ready_timeout_s=180) as (base, _process):
+    with running_server(log_path, "--no-warmup", ready_timeout_s=600) as (base, _process):
         yield {"base": base, "port": int(base.rsplit(":", 1)[1]), "log": log_path}
 
 

@@ -1,8 +1,10 @@
 """AttentionSpec validation and resolution."""
 
+import dataclasses
+
 import pytest
 
-from kernels import KNOB_RANGES, METHODS, AttentionSpec
+from kernels import KNOB_RANGES, METHODS, AttentionSpec, resolve_auto
 
 
 @pytest.mark.parametrize("name", sorted(KNOB_RANGES))
@@ -34,11 +36,55 @@ def test_every_method_constructs_with_defaults(method):
 
 def test_auto_resolves_by_length():
     spec = AttentionSpec(method="auto", auto_threshold=1000, auto_method="smyrf")
-    assert spec.resolve(999).method == "full"
-    assert spec.resolve(1000).method == "smyrf"
-    assert spec.resolve(1000).cluster_size == spec.cluster_size
+    assert resolve_auto(spec, 999).spec.method == "full"
+    long = resolve_auto(spec, 1000)
+    assert long.spec.method == "smyrf" and long.spec.cluster_size == spec.cluster_size
+    assert long.echo == long.spec.used_knobs()
     concrete = AttentionSpec(method="clustered")
-    assert concrete.resolve(10) is concrete
+    assert resolve_auto(concrete, 10).spec is concrete
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    spec: AttentionSpec
+
+    def echo(self, target):
+        return {**self.spec.used_knobs(), "target_fidelity": target, "calibrated_fidelity": 0.97}
+
+
+class OneChoiceTable:
+    """A table that always chooses `spec` (with the request's seed), recording what it was asked."""
+
+    def __init__(self, spec):
+        self.spec, self.asked = spec, []
+
+    def choose(self, tokens, target, seed=0):
+        self.asked.append((tokens, target, seed))
+        return Choice(dataclasses.replace(self.spec, seed=seed))
+
+
+def test_auto_with_a_target_runs_what_the_table_chooses():
+    table = OneChoiceTable(AttentionSpec(method="smyrf", hash_rounds=2))
+    spec = AttentionSpec(method="auto", auto_threshold=10, seed=5)
+    resolved = resolve_auto(spec, 3, table=table, target=0.95)  # below the threshold: the table still decides
+    assert table.asked == [(3, 0.95, 5)]
+    assert resolved.spec.method == "smyrf" and resolved.spec.seed == 5
+    assert resolved.echo["target_fidelity"] == 0.95 and resolved.echo["calibrated_fidelity"] == 0.97
+
+
+def test_a_target_without_a_table_falls_back_to_the_threshold_and_says_so():
+    spec = AttentionSpec(method="auto", auto_threshold=10)
+    resolved = resolve_auto(spec, 30, target=0.9)
+    assert resolved.spec.method == spec.auto_method
+    assert resolved.echo == {**resolved.spec.used_knobs(), "target_fidelity": 0.9, "calibrated_fidelity": None}
+    table = OneChoiceTable(AttentionSpec(method="smyrf"))
+    assert resolve_auto(spec, 30, table=table).spec.method == spec.auto_method  # no target: no table
+    assert table.asked == []
+
+
+def test_a_target_with_a_concrete_method_is_refused():
+    with pytest.raises(ValueError, match="^target:"):
+        resolve_auto(AttentionSpec(method="full"), 10, target=0.9)
 
 
 def test_used_knobs_echo_only_what_the_method_reads():

@@ -230,3 +230,46 @@ def test_bfloat16_weights_give_float32_vectors_close_to_float32(default_encoder,
     assert vectors.dtype == torch.float32
     cosine = torch.nn.functional.cosine_similarity(vectors, default_encoder.embed(texts, full_spec))
     assert (cosine > 0.99).all(), cosine
+
+
+def test_embed_batch_runs_prepared_inputs_as_one_batch(default_encoder, full_spec, long_text):
+    texts = ["short", long_text(60, seed=8)]
+    sequences = default_encoder.prepare(texts)
+    assert sequences == [t.ids for t in default_encoder.tokenize(texts)]
+    batch = default_encoder.embed_batch(sequences, full_spec, dimensions=32)
+    torch.testing.assert_close(batch, default_encoder.embed(texts, full_spec, dimensions=32), atol=2e-6, rtol=0)
+    raw = default_encoder.embed_batch(sequences, full_spec, normalize=False)
+    assert raw.shape == (2, 384) and not torch.allclose(raw.norm(dim=-1), torch.ones(2))
+
+
+def test_prepare_raises_typed_errors_naming_the_input(short_encoder):
+    from models.inputs import EmptyInput, InputTooLong, InvalidTokenIds
+
+    with pytest.raises(InvalidTokenIds) as caught:
+        short_encoder.prepare([[1, 2], [3, 30522]])
+    assert caught.value.index == 1 and caught.value.detail == "token ids must be in [0, 30522), got 30522"
+    with pytest.raises(EmptyInput) as caught:
+        short_encoder.prepare([[1], []])
+    assert caught.value.index == 1
+    with pytest.raises(EmptyInput) as caught:
+        short_encoder.prepare([])
+    assert caught.value.index is None
+    with pytest.raises(InputTooLong) as caught:
+        short_encoder.prepare([[7] * 10, [7] * 65])
+    assert (caught.value.index, caught.value.tokens, caught.value.limit) == (1, 65, 64)
+    assert short_encoder.prepare([[7] * 65], truncate=True, truncation_direction="left") == [[7] * 64]
+
+
+def test_the_backend_is_stored_checked_and_reaches_every_attention_call(monkeypatch):
+    from kernels import BACKENDS
+
+    assert load_encoder(None, max_input_tokens=64).backend == "auto"
+    concrete = BACKENDS[1]
+    assert load_encoder(None, max_input_tokens=64, backend=concrete).backend == concrete
+    with pytest.raises(ValueError, match="^backend:"):
+        load_encoder(None, max_input_tokens=64, backend="cuda")
+    # Triton on CPU tensors is refused by kernels.attention: the encoder's choice got there.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    on_triton = load_encoder(None, max_input_tokens=64, backend="triton")
+    with pytest.raises(ValueError, match="triton"):
+        on_triton.embed(["a few words"], AttentionSpec(method="clustered", clusters=2))

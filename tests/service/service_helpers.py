@@ -1,6 +1,6 @@
 """Helpers of the service tests: real text, readiness polling, and a fake encoder.
 
-`FakeEncoder` has the real tokenizer but an arithmetic `embed` that can block or fail on
+`FakeEncoder` has the real tokenizer but an arithmetic `embed_batch` that can block or fail on
 demand: for the scheduling, deadline, overload and fault paths, where a real forward pass
 would only cost time.
 """
@@ -68,10 +68,11 @@ def value(families, family: str, sample: str, **labels) -> float:
 
 
 class FakeEncoder:
-    """The real tokenizer and an `embed` that returns (tokens, first id, last id, 1) per input.
+    """The real tokenizer and input preparation, and an `embed_batch` that returns
+    (tokens, first id, last id, 1) per input.
 
-    gate: when given, `embed` waits for it (to hold the worker busy).
-    fail: when given, `embed` raises it (to inject faults such as MemoryError).
+    gate: when given, `embed_batch` waits for it (to hold the worker busy).
+    fail: when given, `embed_batch` raises it (to inject faults such as MemoryError).
     fail_above_tokens: when given with `fail`, only batches whose padded size (inputs x
         longest) is above it fail: out of memory for big batches, fine for small ones.
     """
@@ -80,6 +81,7 @@ class FakeEncoder:
     dim = 4
     native_positions = 512
     position_extension = None
+    backend = "reference"
 
     def __init__(
         self,
@@ -97,7 +99,7 @@ class FakeEncoder:
         self.max_input_tokens = max_input_tokens
         self.device = torch.device("cpu")
         self.gate, self.fail, self.fail_above_tokens = gate, fail, fail_above_tokens
-        self.calls: list[dict[str, Any]] = []  # one per embed call: what the scheduler batched
+        self.calls: list[dict[str, Any]] = []  # one per embed_batch call: what the scheduler batched
 
     def info(self) -> dict[str, Any]:
         return {"model": self.name, "architecture": "fake", "dtype": "float32"}
@@ -105,17 +107,26 @@ class FakeEncoder:
     def tokenize(self, texts: list[str]):
         return self.tokenizer.encode(texts)
 
-    def embed(
-        self, inputs, spec, truncate=False, normalize=True, dimensions=None, truncation_direction="right",
-        max_batch_tokens=16384,
-    ):
-        self.calls.append({"inputs": [list(x) for x in inputs], "spec": spec, "normalize": normalize})
-        if self.gate is not None and not self.gate.wait(timeout=30):
+    def prepare(self, inputs, truncate=False, truncation_direction="right"):
+        from models.inputs import prepare_inputs
+
+        return prepare_inputs(
+            self.tokenizer,
+            inputs,
+            vocab_size=self.vocab_size,
+            limit=self.max_input_tokens,
+            truncate=truncate,
+            truncation_direction=truncation_direction,
+        )
+
+    def embed_batch(self, sequences, spec, normalize=True, dimensions=None):
+        self.calls.append({"inputs": [list(x) for x in sequences], "spec": spec, "normalize": normalize})
+        if self.gate is not None and not self.gate.wait(timeout=300):
             raise TimeoutError("test gate never opened")
-        padded = len(inputs) * max(len(ids) for ids in inputs)
+        padded = len(sequences) * max(len(ids) for ids in sequences)
         if self.fail is not None and (self.fail_above_tokens is None or padded > self.fail_above_tokens):
             raise self.fail
-        rows = [[float(len(ids)), float(ids[0]), float(ids[-1]), 1.0] for ids in inputs]
+        rows = [[float(len(ids)), float(ids[0]), float(ids[-1]), 1.0] for ids in sequences]
         vectors = torch.tensor(rows)[:, :dimensions]
         return torch.nn.functional.normalize(vectors, dim=-1) if normalize else vectors
 
@@ -127,7 +138,7 @@ async def running(app, ready: bool = True):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as http:
             if ready:
-                with anyio.fail_after(30):
+                with anyio.fail_after(120):
                     while (await http.get("/health/ready")).status_code != 200:
                         await anyio.sleep(0.01)
             yield http

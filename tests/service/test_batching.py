@@ -19,13 +19,13 @@ async def hold_worker(http, encoder, tasks, responses):
         responses["blocker"] = await http.post("/v1/embeddings", json={"input": "blocker"})
 
     tasks.start_soon(post)
-    with anyio.fail_after(10):
+    with anyio.fail_after(120):
         while not encoder.calls:
             await anyio.sleep(0.005)
 
 
 async def wait_queued(app, items: int) -> None:
-    with anyio.fail_after(10):
+    with anyio.fail_after(120):
         while app.state.service.batcher.snapshot()["pending_items"] < items:
             await anyio.sleep(0.005)
 

@@ -155,11 +155,9 @@ async def test_a_bad_configured_table_fails_start_up_clearly(tmp_path, problem):
         _table(path, model="another-model")
     app, _ = fake_app(calibration=path)
     async with running(app, ready=False) as http:
-        for _ in range(500):
-            response = await http.get("/health/ready")
-            if "failed to load" in response.text:
-                break
-            await anyio.sleep(0.01)
+        with anyio.move_on_after(120):  # the load fails on the loader thread: wait for it, generously
+            while "failed to load" not in (response := await http.get("/health/ready")).text:
+                await anyio.sleep(0.01)
         assert response.status_code == 503
         message = response.json()["error"]["message"]
         assert "CalibrationError" in message and str(path) in message

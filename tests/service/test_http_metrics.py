@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from service_helpers import fake_app, running, scrape, value
-
-from service.app import cpu_backend
+from service_helpers import FakeEncoder, fake_app, running, scrape, value
 
 # DESIGN.md's metrics table: name -> (type, labels).
 SERIES = {
@@ -44,7 +42,7 @@ async def test_every_series_before_the_first_request_and_counts_after():
         assert value(before, "clusterserve_requests", "clusterserve_requests_total",
                      endpoint="/v1/embeddings", method="full", code="200") == 0
         assert value(before, "clusterserve_build_info", "clusterserve_build_info",
-                     version=app.version, model="fake-encoder", device="cpu", backend=cpu_backend()) == 1
+                     version=app.version, model="fake-encoder", device="cpu", backend=FakeEncoder.backend) == 1
         assert value(before, "clusterserve_device_memory_bytes", "clusterserve_device_memory_bytes", kind="rss") > 0
         assert value(before, "clusterserve_request_failures", "clusterserve_request_failures_total", reason="invalid_field") == 0
 

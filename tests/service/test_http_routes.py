@@ -5,14 +5,17 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import time
 
 import numpy as np
 import pytest
 import torch
-from service_helpers import license_text
+from fastapi.testclient import TestClient
+from service_helpers import REAL_LIMITS, license_text, wait_ready
 
-from kernels import KNOB_RANGES, METHOD_KNOBS, AttentionSpec, native
-from service.app import cpu_backend
+from kernels import KNOB_RANGES, METHOD_KNOBS, AttentionSpec, backend_for
+from service.app import create_app
+from service.settings import Settings
 
 TIMING_HEADERS = ("x-request-id", "x-queue-time-ms", "x-inference-time-ms", "x-total-time-ms")
 SUCCESS_HEADERS = TIMING_HEADERS + ("x-input-tokens", "x-attention", "x-peak-memory-bytes")
@@ -163,10 +166,26 @@ def test_tokenize(client):
     assert plain[0] == tokens[1:-1] and len(plain) == 2
 
 
-def test_cpu_backend_says_whether_the_native_loops_run(monkeypatch):
-    assert cpu_backend() == ("torch+native" if native.library() is not None else "torch")
-    monkeypatch.setenv("CLUSTERSERVE_NATIVE", "0")
-    assert cpu_backend() == "torch"
+def cpu_backend() -> str:
+    """What "auto" runs for the served model's float32 CPU tensors."""
+    return backend_for(torch.device("cpu"), torch.float32)
+
+
+def test_the_backend_is_resolved_once_at_start_up_and_every_attention_call_gets_it():
+    assert cpu_backend() in ("native", "reference")
+    app = create_app(Settings(**{**REAL_LIMITS, "backend": "reference"}))
+    with TestClient(app) as reference_client:
+        wait_ready(reference_client)
+        assert reference_client.get("/info").json()["backend"] == "reference"
+        assert app.state.service.encoder.backend == "reference"
+    # One that cannot run on this device fails start-up, and readiness says why.
+    app = create_app(Settings(**{**REAL_LIMITS, "backend": "triton"}))
+    with TestClient(app) as triton_client:
+        deadline = time.monotonic() + 60
+        while app.state.service.load_error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ready = triton_client.get("/health/ready")
+        assert ready.status_code == 503 and "triton" in json.dumps(ready.json())
 
 
 def test_info(client):

