@@ -25,7 +25,7 @@ KNOB_RANGES: dict[str, tuple[int, int]] = {
     "refine": (0, 100),
     "hash_rounds": (1, 64),
     "cluster_size": (1, 65536),
-    "seed": (0, 2**63 - 1),
+    "seed": (0, 2**53 - 1),  # the integers a JSON number carries exactly
     "auto_threshold": (0, 1 << 20),
 }
 

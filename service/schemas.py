@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictBool, StrictFloat, StrictInt
 
 from kernels import KNOB_RANGES, METHODS
 
@@ -47,7 +47,7 @@ class AttentionRequest(BaseModel):
     hash_rounds: StrictInt | None = _knob("hash_rounds", "SMYRF hashing rounds")
     cluster_size: StrictInt | None = _knob("cluster_size", "SMYRF queries per cluster")
     seed: StrictInt | None = _knob("seed", "seed of the random planes and initial centroids")
-    target_fidelity: float | None = Field(
+    target_fidelity: StrictFloat | None = Field(
         None,
         gt=0,
         le=1,

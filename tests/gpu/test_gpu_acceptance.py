@@ -45,9 +45,9 @@ from bench.cpu import SPECS
 from bench.gpu import dry_run_spec
 from kernels import AttentionSpec, attention
 from kernels.clustered import REFERENCE
-from kernels.stages import cluster_queries
 from kernels.masks import token_masks
 from kernels.smyrf import asymmetric_hashes, smyrf_cluster_count, smyrf_projections
+from kernels.stages import cluster_queries
 
 pytestmark = pytest.mark.gpu
 
