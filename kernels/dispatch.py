@@ -113,7 +113,7 @@ def attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
-    spec = resolve_auto(spec, k.shape[2]).spec
+    spec = resolve_auto(spec, k.shape[2], shortcut_exact=False).spec
     if spec.method == "full":
         return full_attention(q, k, v, key_padding_mask, scale)
     if spec.method == "smyrf":

@@ -107,27 +107,59 @@ class AutoTable(Protocol):
     def choose(self, tokens: int, target: float, seed: int = 0) -> Any: ...
 
 
+def exact_by_knobs(spec: AttentionSpec, queries: int, keys: int) -> bool:
+    """Whether a concrete approximate spec computes exact attention for `queries` x `keys`:
+    clusters >= queries (every query its own cluster), top-k >= keys (i-clustered recomputes
+    every key), or one SMYRF cluster (cluster_size >= both)."""
+    if spec.method in ("clustered", "i-clustered") and spec.clusters >= queries:
+        return True
+    if spec.method == "i-clustered" and spec.topk >= keys:
+        return True
+    return spec.method == "smyrf" and spec.cluster_size >= max(queries, keys)
+
+
 def resolve_auto(
-    spec: AttentionSpec, tokens: int, table: AutoTable | None = None, target: float | None = None
+    spec: AttentionSpec,
+    tokens: int,
+    table: AutoTable | None = None,
+    target: float | None = None,
+    queries: int | None = None,
+    shortcut_exact: bool = True,
 ) -> Resolved:
-    """The one place "auto" is decided, for an input of `tokens` tokens.
+    """The one place "auto" is decided, for an input of `tokens` tokens (keys; `queries`
+    defaults to the same, as in self-attention).
 
     A concrete method stays as it is. "auto" with a `target` fidelity and a `table` runs what
     the table chooses (the fastest configuration measured to meet the target at that length);
     otherwise "full" below `spec.auto_threshold` tokens and `spec.auto_method` from there on.
     A target without a table falls back to the threshold, and the echo says so
-    (`"calibrated_fidelity": null`). `kernels.attention` calls this with no table.
+    (`"calibrated_fidelity": null`). Whatever was chosen, an approximate spec that is exact by
+    its knobs at this length (`exact_by_knobs`) runs exact attention directly, the cheaper way
+    to the same result, and the echo says so (`"method": "full"`, `"exact_by_knobs"`: what was
+    asked). `kernels.attention` calls this with no table and without that shortcut: it runs
+    the method it is given, so that the methods' exact cases stay testable through it.
     """
     if spec.method != "auto":
         if target is not None:
             raise ValueError(f'target: applies to method "auto" only, got method {spec.method!r}')
-        return Resolved(spec, spec.used_knobs())
-    if target is not None and table is not None:
+        resolved = Resolved(spec, spec.used_knobs())
+    elif target is not None and table is not None:
         choice = table.choose(tokens, target, seed=spec.seed)
-        return Resolved(choice.spec, choice.echo(target))
-    method = "full" if tokens < spec.auto_threshold else spec.auto_method
-    resolved = dataclasses.replace(spec, method=method)
-    echo = resolved.used_knobs()
-    if target is not None:
-        echo = {**echo, "target_fidelity": target, "calibrated_fidelity": None}
-    return Resolved(resolved, echo)
+        resolved = Resolved(choice.spec, choice.echo(target))
+    else:
+        concrete = dataclasses.replace(spec, method="full" if tokens < spec.auto_threshold else spec.auto_method)
+        echo = concrete.used_knobs()
+        if target is not None:
+            echo = {**echo, "target_fidelity": target, "calibrated_fidelity": None}
+        resolved = Resolved(concrete, echo)
+    if not shortcut_exact:
+        return resolved
+    return _exact_if_exact(resolved, tokens if queries is None else queries, tokens)
+
+
+def _exact_if_exact(resolved: Resolved, queries: int, keys: int) -> Resolved:
+    if resolved.spec.method not in APPROXIMATE_METHODS or not exact_by_knobs(resolved.spec, queries, keys):
+        return resolved
+    asked = {name: value for name, value in resolved.echo.items() if name != "method"}
+    exact = dataclasses.replace(resolved.spec, method="full")
+    return Resolved(exact, {"method": "full", "exact_by_knobs": {"method": resolved.spec.method, **asked}})

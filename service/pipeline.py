@@ -82,7 +82,7 @@ class Embedded:
 async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Embedded:
     """Run the whole pipeline for one request; raises ServiceError with the documented status."""
     state = get_state(request)
-    spec, target = resolve_request_attention(state.default_spec, options.attention)
+    spec, target = resolve_request_attention(state.default_spec, options.attention, state.settings.target_fidelity)
     request.scope[METHOD_KEY] = spec.method
     encoder, batcher = state.require_ready()
     inputs, params = parse_inputs(raw_inputs, options.param, state.settings.max_client_batch_size)
@@ -115,13 +115,16 @@ async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Emb
 
 
 def resolve_request_attention(
-    default: AttentionSpec, requested: AttentionRequest | None
+    default: AttentionSpec, requested: AttentionRequest | None, default_target: float | None = None
 ) -> tuple[AttentionSpec, float | None]:
     """The request's knobs over the server defaults, validated as an AttentionSpec (422 naming
-    the knob), and its target fidelity (None when it names none)."""
-    if requested is None:
-        return default, None
-    knobs = requested.model_dump(exclude_none=True)
+    the knob), and the target fidelity "auto" aims at: the request's, else the server's
+    `default_target` when the request runs "auto" and names no knob a calibration sets."""
+    knobs = requested.model_dump(exclude_none=True) if requested is not None else {}
+    if "target_fidelity" not in knobs and not any(name in knobs for name in CALIBRATED_KNOBS):
+        if knobs.get("method", default.method) == "auto" and default_target is not None:
+            knobs["target_fidelity"] = default_target
+            knobs.setdefault("method", "auto")
     target = knobs.pop("target_fidelity", None)
     if target is not None:
         method = knobs.setdefault("method", "auto")

@@ -43,7 +43,9 @@ class Settings(BaseSettings):
     )
 
     # Default attention for requests that leave a knob out (AttentionSpec's fields).
-    method: Literal[METHODS] = Field(_DEFAULT_SPEC.method, description="default attention method")  # type: ignore[valid-type]
+    method: Literal[METHODS] = Field(  # type: ignore[valid-type]
+        "auto", description='default attention method; "auto" with target_fidelity: the fastest calibrated choice'
+    )
     clusters: int = Field(_DEFAULT_SPEC.clusters, description="default query clusters")
     topk: int = Field(_DEFAULT_SPEC.topk, description="default keys recomputed per cluster (i-clustered)")
     bits: int = Field(_DEFAULT_SPEC.bits, description="default LSH bits for clustering")
@@ -57,6 +59,15 @@ class Settings(BaseSettings):
     )
     auto_method: Literal[APPROXIMATE_METHODS] = Field(  # type: ignore[valid-type]
         _DEFAULT_SPEC.auto_method, description='"auto" runs this method from the threshold on'
+    )
+    target_fidelity: float | None = Field(
+        0.98,
+        gt=0,
+        le=1,
+        description='the fidelity "auto" aims at when a request names no target_fidelity and no knob it '
+        "calibrates: the fastest configuration of the device's calibration table measured to keep at least "
+        "this cosine to exact attention at the input's length (exact attention when none does, or when it "
+        "is faster); unset = auto goes by auto_threshold",
     )
     calibration: Path | None = Field(
         None,
@@ -110,6 +121,12 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [origin.strip() for origin in value.split(",") if origin.strip()]
         return value
+
+    @field_validator("target_fidelity", mode="before")
+    @classmethod
+    def _unset_target(cls, value: object) -> object:
+        # CLUSTERSERVE_TARGET_FIDELITY= (or "none") switches the calibrated default off.
+        return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
 
     @field_validator("log_level", mode="before")
     @classmethod

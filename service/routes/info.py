@@ -72,7 +72,13 @@ def _attention(state: ServiceState) -> dict[str, Any]:
         }
     return {
         "default_method": default.method,
-        "auto": {"threshold": default.auto_threshold, "method": default.auto_method},
+        # auto aims at target_fidelity through the calibration table; without a table (or a
+        # target) it goes by the threshold
+        "auto": {
+            "target_fidelity": state.settings.target_fidelity,
+            "threshold": default.auto_threshold,
+            "method": default.auto_method,
+        },
         "methods": methods,
         # auto with target_fidelity chooses from this; null = it falls back to the threshold
         "calibration": state.calibration.info() if state.calibration is not None else None,

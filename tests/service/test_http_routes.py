@@ -171,7 +171,9 @@ def cpu_backend() -> str:
     return backend_for(torch.device("cpu"), torch.float32)
 
 
-def test_the_backend_is_resolved_once_at_start_up_and_every_attention_call_gets_it():
+def test_the_backend_is_resolved_once_at_start_up_and_every_attention_call_gets_it(monkeypatch):
+    # The Triton tests of the same session set TRITON_INTERPRET=1, which lets triton run on CPU.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert cpu_backend() in ("native", "reference")
     app = create_app(Settings(**{**REAL_LIMITS, "backend": "reference"}))
     with TestClient(app) as reference_client:
