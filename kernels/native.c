@@ -411,16 +411,17 @@ static int64_t cluster_start(int64_t c, int64_t count, int64_t clusters) {
     return (c * count + clusters - 1) / clusters;
 }
 
-/* One cluster of one round: keys kt (D, SP) transposed and values vals (SK, Dv) already
- * gathered; the SQ queries whose positions are qpos. Each query's logits over the SK keys
- * join its running softmax: mx (the largest logit so far), den (the sum of exp(logit - mx))
- * and acc (the Dv row of out, the sum of exp(logit - mx) v). logits: SMYRF_GROUP * SP floats,
- * 64-byte aligned. */
+/* One cluster of one round: keys kt (D, SP) transposed and values vals (SK, DVP) already
+ * gathered (SP and DVP whole vectors, 64-byte aligned, the padding 0); the SQ queries whose
+ * positions are qpos. Each query's logits over the SK keys join its running softmax: mx (the
+ * largest logit so far), den (the sum of exp(logit - mx)) and its Dv row of out (the sum of
+ * exp(logit - mx) v). logits: SMYRF_GROUP * SP floats, 64-byte aligned. */
 static void smyrf_cluster(const float *q, const int64_t *qpos, int64_t sq, const float *kt, const float *vals,
-                          int64_t sk, int64_t sp, int64_t d, int64_t dv, float scale, float *out, float *mx, float *den,
-                          float *logits) {
+                          int64_t sk, int64_t sp, int64_t d, int64_t dv, int64_t dvp, float scale, float *out, float *mx,
+                          float *den, float *logits) {
     for (int64_t i0 = 0; i0 < sq; i0 += SMYRF_GROUP) {
         const float *x[SMYRF_GROUP];
+        float keep[SMYRF_GROUP];
         for (int g = 0; g < SMYRF_GROUP; g++) x[g] = q + qpos[i0 + g < sq ? i0 + g : sq - 1] * d; /* a short tail repeats */
         for (int64_t tb = 0; tb < sp; tb += LANES) {
             floats acc[SMYRF_GROUP];
@@ -431,27 +432,35 @@ static void smyrf_cluster(const float *q, const int64_t *qpos, int64_t sq, const
             }
             for (int g = 0; g < SMYRF_GROUP; g++) *(floats *)(logits + g * sp + tb) = acc[g] * scale;
         }
-        for (int64_t g = 0; g < SMYRF_GROUP && i0 + g < sq; g++) {
+        for (int64_t g = 0; g < SMYRF_GROUP; g++) {
+            float *row = logits + g * sp;
+            if (i0 + g >= sq) break; /* the repeated tail: its sums are computed and dropped */
             const int64_t i = qpos[i0 + g];
-            float *row = logits + g * sp, *o = out + i * dv;
             float top = row[0];
             for (int64_t t = 1; t < sk; t++) top = row[t] > top ? row[t] : top;
             /* The first round that reaches query i starts its sums; later ones rescale them. */
             const float grow = den[i] > 0.0f && mx[i] > top ? mx[i] : top;
-            const float keep = den[i] > 0.0f ? expf(mx[i] - grow) : 0.0f;
+            keep[g] = den[i] > 0.0f ? expf(mx[i] - grow) : 0.0f;
             float total = 0.0f;
             for (int64_t t = 0; t < sk; t++) {
                 row[t] = expf(row[t] - grow);
                 total += row[t];
             }
-            for (int64_t e = 0; e < dv; e++) o[e] *= keep;
-            for (int64_t t = 0; t < sk; t++) {
-                const float p = row[t];
-                const float *vt = vals + t * dv;
-                for (int64_t e = 0; e < dv; e++) o[e] += p * vt[e];
-            }
-            den[i] = den[i] * keep + total;
+            den[i] = den[i] * keep[g] + total;
             mx[i] = grow;
+        }
+        for (int64_t eb = 0; eb < dvp; eb += LANES) {
+            floats acc[SMYRF_GROUP];
+            for (int g = 0; g < SMYRF_GROUP; g++) acc[g] = (floats){0};
+            for (int64_t t = 0; t < sk; t++) {
+                const floats val = *(const floats *)(vals + t * dvp + eb);
+                for (int g = 0; g < SMYRF_GROUP; g++) acc[g] += logits[g * sp + t] * val;
+            }
+            const int64_t width = dv - eb < LANES ? dv - eb : LANES;
+            for (int64_t g = 0; g < SMYRF_GROUP && i0 + g < sq; g++) {
+                float *o = out + qpos[i0 + g] * dv + eb;
+                for (int64_t e = 0; e < width; e++) o[e] = o[e] * keep[g] + acc[g][e];
+            }
         }
     }
 }
@@ -480,9 +489,11 @@ void smyrf_attention(const float *q, const float *k, const float *v, const int64
         const int64_t sk_max = (mr + lc - 1) / lc;
         const int64_t sp = (sk_max + LANES - 1) / LANES * LANES;
         float *kt = aligned_alloc(64, d * sp * sizeof *kt);
-        float *vals = malloc(sk_max * dv * sizeof *vals);
+        const int64_t dvp = (dv + LANES - 1) / LANES * LANES;
+        float *vals = aligned_alloc(64, sk_max * dvp * sizeof *vals);
         float *logits = aligned_alloc(64, SMYRF_GROUP * sp * sizeof *logits);
         memset(kt, 0, d * sp * sizeof *kt); /* key slots past a cluster's end stay 0 */
+        memset(vals, 0, sk_max * dvp * sizeof *vals); /* and the value columns past Dv */
         for (int64_t r = 0; r < rounds; r++) {
             const int64_t *qo = q_orders + (r * bh_total + bh) * n, *ko = k_orders + (r * bh_total + bh) * m;
             for (int64_t c = 0; c < lc; c++) {
@@ -491,11 +502,11 @@ void smyrf_attention(const float *q, const float *k, const float *v, const int64
                 for (int64_t t = 0; t < k1 - k0; t++) {
                     const float *kr = ks + ko[k0 + t] * d;
                     for (int64_t s = 0; s < d; s++) kt[s * sp + t] = kr[s];
-                    memcpy(vals + t * dv, vs + ko[k0 + t] * dv, dv * sizeof *vals);
+                    memcpy(vals + t * dvp, vs + ko[k0 + t] * dv, dv * sizeof *vals);
                 }
                 for (int64_t t = k1 - k0; t < sk_max; t++)
                     for (int64_t s = 0; s < d; s++) kt[s * sp + t] = 0.0f;
-                smyrf_cluster(qs, qo + q0, q1 - q0, kt, vals, k1 - k0, sp, d, dv, scale, o, mxs, dens, logits);
+                smyrf_cluster(qs, qo + q0, q1 - q0, kt, vals, k1 - k0, sp, d, dv, dvp, scale, o, mxs, dens, logits);
             }
         }
         for (int64_t i = 0; i < n; i++) {
