@@ -3,12 +3,11 @@
 
     backend     runs                                         where
     reference   kernels/clustered.py, smyrf.py (PyTorch)      any device, any float dtype
-    native      kernels/clustered_native.py (C loops)         CPU, computed in float32
+    native      kernels/clustered_native.py, smyrf_native.py  CPU, computed in float32
+                (C loops)
     triton      kernels/clustered_triton.py, smyrf_triton.py  CUDA (CPU only under TRITON_INTERPRET=1)
     auto        triton on CUDA, native on a CPU where it is built, the reference otherwise;
                 float64 always runs the reference (the kernels and loops accumulate in float32)
-
-The native backend has no SMYRF loops: its SMYRF is the reference's stages.
 """
 
 from __future__ import annotations
@@ -79,11 +78,15 @@ def clustered_stages(backend: str) -> ClusteredStages:
 
 
 def smyrf_stages(backend: str) -> SmyrfStages:
-    """The SMYRF pipeline of a concrete backend; native runs the reference's."""
+    """The SMYRF pipeline of a concrete backend (imported on demand: triton is optional)."""
     if backend == "triton":
         from .smyrf_triton import TRITON
 
         return TRITON
+    if backend == "native":
+        from .smyrf_native import NATIVE
+
+        return NATIVE
     from .smyrf import REFERENCE
 
     return REFERENCE

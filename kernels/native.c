@@ -1,8 +1,9 @@
-/* Native CPU loops of clustered and improved clustered attention (Vyas et al. 2020).
+/* Native CPU loops of clustered and improved clustered attention (Vyas et al. 2020) and of
+ * SMYRF (Daras et al. 2020).
  *
- * The PyTorch reference in clustered.py and kmeans.py defines what every function here
- * computes; these loops do the same work without materialising the (N, C) score matrices
- * that make the reference slow on a CPU. native.py compiles this file on first use and calls
+ * The PyTorch reference in clustered.py, kmeans.py and smyrf.py defines what every function
+ * here computes; these loops do the same work without materialising the (N, C) score
+ * matrices and per-round cluster tensors that make the reference slow on a CPU. native.py compiles this file on first use and calls
  * it through ctypes (which releases the GIL), one range of (batch, head) slices per thread.
  *
  * Layouts: every tensor is contiguous; "bh" indexes the flattened (batch, head) dimension,
@@ -397,4 +398,224 @@ void improved_sparse(const float *q, const int64_t *assign, const float *keys_t,
         }
     }
     free(logit);
+}
+
+/* ---- SMYRF: attention inside balanced clusters, rounds merged by softmax mass ------- */
+
+/* Queries of one cluster scored together: independent FMA chains over each key block. */
+#define SMYRF_GROUP 8
+
+/* Rank `c` of the cuts that split `count` sorted tokens into `clusters` balanced clusters:
+ * ceil(c count / clusters), the first rank of cluster c (smyrf.cluster_slots). */
+static int64_t cluster_start(int64_t c, int64_t count, int64_t clusters) {
+    return (c * count + clusters - 1) / clusters;
+}
+
+/* One cluster of one round: keys kt (D, SP) transposed and values vals (SK, DVP) already
+ * gathered (SP and DVP whole vectors, 64-byte aligned, the padding 0); the SQ queries whose
+ * positions are qpos. Each query's logits over the SK keys join its running softmax: mx (the
+ * largest logit so far), den (the sum of exp(logit - mx)) and its Dv row of out (the sum of
+ * exp(logit - mx) v). logits: SMYRF_GROUP * SP floats, 64-byte aligned. */
+static void smyrf_cluster(const float *q, const int64_t *qpos, int64_t sq, const float *kt, const float *vals,
+                          int64_t sk, int64_t sp, int64_t d, int64_t dv, int64_t dvp, float scale, float *out, float *mx,
+                          float *den, float *logits) {
+    for (int64_t i0 = 0; i0 < sq; i0 += SMYRF_GROUP) {
+        const float *x[SMYRF_GROUP];
+        float keep[SMYRF_GROUP];
+        for (int g = 0; g < SMYRF_GROUP; g++) x[g] = q + qpos[i0 + g < sq ? i0 + g : sq - 1] * d; /* a short tail repeats */
+        for (int64_t tb = 0; tb < sp; tb += LANES) {
+            floats acc[SMYRF_GROUP];
+            for (int g = 0; g < SMYRF_GROUP; g++) acc[g] = (floats){0};
+            for (int64_t s = 0; s < d; s++) {
+                const floats col = *(const floats *)(kt + s * sp + tb);
+                for (int g = 0; g < SMYRF_GROUP; g++) acc[g] += x[g][s] * col;
+            }
+            for (int g = 0; g < SMYRF_GROUP; g++) *(floats *)(logits + g * sp + tb) = acc[g] * scale;
+        }
+        for (int64_t g = 0; g < SMYRF_GROUP; g++) {
+            float *row = logits + g * sp;
+            if (i0 + g >= sq) break; /* the repeated tail: its sums are computed and dropped */
+            const int64_t i = qpos[i0 + g];
+            float top = row[0];
+            for (int64_t t = 1; t < sk; t++) top = row[t] > top ? row[t] : top;
+            /* The first round that reaches query i starts its sums; later ones rescale them. */
+            const float grow = den[i] > 0.0f && mx[i] > top ? mx[i] : top;
+            keep[g] = den[i] > 0.0f ? expf(mx[i] - grow) : 0.0f;
+            float total = 0.0f;
+            for (int64_t t = 0; t < sk; t++) {
+                row[t] = expf(row[t] - grow);
+                total += row[t];
+            }
+            den[i] = den[i] * keep[g] + total;
+            mx[i] = grow;
+        }
+        for (int64_t eb = 0; eb < dvp; eb += LANES) {
+            floats acc[SMYRF_GROUP];
+            for (int g = 0; g < SMYRF_GROUP; g++) acc[g] = (floats){0};
+            for (int64_t t = 0; t < sk; t++) {
+                const floats val = *(const floats *)(vals + t * dvp + eb);
+                for (int g = 0; g < SMYRF_GROUP; g++) acc[g] += logits[g * sp + t] * val;
+            }
+            const int64_t width = dv - eb < LANES ? dv - eb : LANES;
+            for (int64_t g = 0; g < SMYRF_GROUP && i0 + g < sq; g++) {
+                float *o = out + qpos[i0 + g] * dv + eb;
+                for (int64_t e = 0; e < width; e++) o[e] = o[e] * keep[g] + acc[g][e];
+            }
+        }
+    }
+}
+
+/* smyrf.cluster_attention for slices [bh0, bh1), all rounds: q (BH, N, D), k (BH, M, D),
+ * v (BH, M, Dv); q_orders (R, BH, N) and k_orders (R, BH, M), positions in hash order with
+ * the real tokens first; n_real, m_real, n_clusters (B) the real queries, real keys and L of
+ * each batch row. Per round, the sorted ranks are cut into L balanced clusters (rank r of
+ * count in cluster floor(r L / count)) and each query attends to its cluster's keys.
+ * out (BH, N, Dv) gets the attention over all rounds merged by softmax mass (eq. 15): the
+ * sums of exp(logit) v over every (round, key) pair a query met, over the sums of exp(logit);
+ * mx and den (BH, N) get each query's largest logit and sum of exp(logit - mx), den 0 for a
+ * query that met no key (its row of out is 0). */
+void smyrf_attention(const float *q, const float *k, const float *v, const int64_t *q_orders, const int64_t *k_orders,
+                     const int64_t *n_real, const int64_t *m_real, const int64_t *n_clusters, int64_t bh_total,
+                     int64_t heads, int64_t n, int64_t m, int64_t d, int64_t dv, int64_t rounds, float scale, float *out,
+                     float *mx, float *den, int64_t bh0, int64_t bh1) {
+    for (int64_t bh = bh0; bh < bh1; bh++) {
+        const int64_t b = bh / heads, nr = n_real[b], mr = m_real[b], lc = n_clusters[b];
+        const float *qs = q + bh * n * d, *ks = k + bh * m * d, *vs = v + bh * m * dv;
+        float *o = out + bh * n * dv, *mxs = mx + bh * n, *dens = den + bh * n;
+        memset(o, 0, n * dv * sizeof *o);
+        memset(mxs, 0, n * sizeof *mxs);
+        memset(dens, 0, n * sizeof *dens);
+        if (nr == 0 || mr == 0) continue; /* no query, or no key to attend to: rows of 0 */
+        const int64_t sk_max = (mr + lc - 1) / lc;
+        const int64_t sp = (sk_max + LANES - 1) / LANES * LANES;
+        float *kt = aligned_alloc(64, d * sp * sizeof *kt);
+        const int64_t dvp = (dv + LANES - 1) / LANES * LANES;
+        float *vals = aligned_alloc(64, sk_max * dvp * sizeof *vals);
+        float *logits = aligned_alloc(64, SMYRF_GROUP * sp * sizeof *logits);
+        memset(kt, 0, d * sp * sizeof *kt); /* key slots past a cluster's end stay 0 */
+        memset(vals, 0, sk_max * dvp * sizeof *vals); /* and the value columns past Dv */
+        for (int64_t r = 0; r < rounds; r++) {
+            const int64_t *qo = q_orders + (r * bh_total + bh) * n, *ko = k_orders + (r * bh_total + bh) * m;
+            for (int64_t c = 0; c < lc; c++) {
+                const int64_t q0 = cluster_start(c, nr, lc), q1 = cluster_start(c + 1, nr, lc);
+                const int64_t k0 = cluster_start(c, mr, lc), k1 = cluster_start(c + 1, mr, lc);
+                for (int64_t t = 0; t < k1 - k0; t++) {
+                    const float *kr = ks + ko[k0 + t] * d;
+                    for (int64_t s = 0; s < d; s++) kt[s * sp + t] = kr[s];
+                    memcpy(vals + t * dvp, vs + ko[k0 + t] * dv, dv * sizeof *vals);
+                }
+                for (int64_t t = k1 - k0; t < sk_max; t++)
+                    for (int64_t s = 0; s < d; s++) kt[s * sp + t] = 0.0f;
+                smyrf_cluster(qs, qo + q0, q1 - q0, kt, vals, k1 - k0, sp, d, dv, dvp, scale, o, mxs, dens, logits);
+            }
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const float inv = dens[i] > 0.0f ? 1.0f / dens[i] : 0.0f;
+            for (int64_t e = 0; e < dv; e++) o[i * dv + e] *= inv;
+        }
+        free(kt), free(vals), free(logits);
+    }
+}
+
+/* ---- SMYRF: hashing and sorting ----------------------------------------------------- */
+
+/* The bits of +inf: padded tokens hash to it and sort last. Stored as an integer, because
+ * -ffast-math lets the compiler assume that no float is infinite. */
+static const uint32_t INF_BITS = 0x7f800000u;
+
+/* Hashes of one side's tokens (smyrf.asymmetric_hashes) for one slice and every round:
+ * x (T, D), real (T); radius = max |q|^2 + max |k|^2 over the real tokens; projections
+ * (R, H, D + 2) at this slice's head; extra: the coordinate of the transformed vector that
+ * holds sqrt(radius - |x|^2) (D + 1 for queries, D for keys). hashes (R, BH, T) at this slice. */
+static void smyrf_side(const float *x, const uint8_t *real, int64_t t_count, int64_t d, float radius, const float *proj,
+                       int64_t proj_round, int64_t extra, int64_t rounds, float *hashes, int64_t hash_round) {
+    for (int64_t i = 0; i < t_count; i++) {
+        const float *row = x + i * d;
+        if (!real[i]) {
+            for (int64_t r = 0; r < rounds; r++) memcpy(hashes + r * hash_round + i, &INF_BITS, sizeof INF_BITS);
+            continue;
+        }
+        float sq = 0.0f;
+        for (int64_t s = 0; s < d; s++) sq += row[s] * row[s];
+        const float lift = radius > sq ? sqrtf(radius - sq) : 0.0f;
+        for (int64_t r = 0; r < rounds; r++) {
+            const float *a = proj + r * proj_round;
+            float h = lift * a[extra];
+            for (int64_t s = 0; s < d; s++) h += row[s] * a[s];
+            hashes[r * hash_round + i] = h;
+        }
+    }
+}
+
+/* Largest squared norm of the real rows of x (T, D); 0 if none. */
+static float max_sq_norm(const float *x, const uint8_t *real, int64_t t_count, int64_t d) {
+    float best = 0.0f;
+    for (int64_t i = 0; i < t_count; i++) {
+        if (!real[i]) continue;
+        float sq = 0.0f;
+        for (int64_t s = 0; s < d; s++) sq += x[i * d + s] * x[i * d + s];
+        best = sq > best ? sq : best;
+    }
+    return best;
+}
+
+/* smyrf.asymmetric_hashes for slices [bh0, bh1): q (BH, N, D), k (BH, M, D), q_real (B, N),
+ * k_real (B, M), projections (R, H, D + 2) -> q_hashes (R, BH, N), k_hashes (R, BH, M), +inf
+ * for padded tokens. */
+void smyrf_hashes(const float *q, const float *k, const uint8_t *q_real, const uint8_t *k_real, const float *projections,
+                  int64_t bh_total, int64_t heads, int64_t n, int64_t m, int64_t d, int64_t rounds, float *q_hashes,
+                  float *k_hashes, int64_t bh0, int64_t bh1) {
+    for (int64_t bh = bh0; bh < bh1; bh++) {
+        const int64_t b = bh / heads;
+        const float *qs = q + bh * n * d, *ks = k + bh * m * d;
+        const float radius = max_sq_norm(qs, q_real + b * n, n, d) + max_sq_norm(ks, k_real + b * m, m, d);
+        const float *proj = projections + (bh % heads) * (d + 2);
+        smyrf_side(qs, q_real + b * n, n, d, radius, proj, heads * (d + 2), d + 1, rounds, q_hashes + bh * n, bh_total * n);
+        smyrf_side(ks, k_real + b * m, m, d, radius, proj, heads * (d + 2), d, rounds, k_hashes + bh * m, bh_total * m);
+    }
+}
+
+/* Radix sort digits: 11 bits, three passes over 32-bit keys. */
+#define RADIX_BITS 11
+#define RADIX (1 << RADIX_BITS)
+
+/* Positions of the floats `values` (T) in ascending order, equal values by position (a
+ * stable argsort; -0 equals +0, +inf last), into order (T). LSD radix sort on the floats'
+ * bits mapped to unsigned integers of the same order. keys, other: T scratch each. */
+static void argsort_one(const float *values, int64_t t_count, int64_t *order, uint32_t *keys, uint32_t *other_keys,
+                        int64_t *other, int64_t *count) {
+    for (int64_t i = 0; i < t_count; i++) {
+        uint32_t bits;
+        memcpy(&bits, values + i, sizeof bits);
+        bits = bits == 0x80000000u ? 0u : bits; /* -0 sorts with +0 */
+        keys[i] = bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+        order[i] = i;
+    }
+    for (int shift = 0; shift < 32; shift += RADIX_BITS) {
+        memset(count, 0, RADIX * sizeof *count);
+        for (int64_t i = 0; i < t_count; i++) count[(keys[i] >> shift) & (RADIX - 1)]++;
+        if (count[(keys[0] >> shift) & (RADIX - 1)] == t_count) continue; /* one digit: nothing moves */
+        int64_t sum = 0;
+        for (int64_t j = 0; j < RADIX; j++) {
+            const int64_t c = count[j];
+            count[j] = sum;
+            sum += c;
+        }
+        for (int64_t i = 0; i < t_count; i++) {
+            const int64_t to = count[(keys[i] >> shift) & (RADIX - 1)]++;
+            other_keys[to] = keys[i];
+            other[to] = order[i];
+        }
+        memcpy(keys, other_keys, t_count * sizeof *keys);
+        memcpy(order, other, t_count * sizeof *order);
+    }
+}
+
+/* A stable argsort of every row of values (rows, T) into order (rows, T); rows [r0, r1). */
+void argsort_rows(const float *values, int64_t t_count, int64_t *order, int64_t r0, int64_t r1) {
+    if (t_count == 0) return;
+    uint32_t *keys = malloc(t_count * sizeof *keys), *other_keys = malloc(t_count * sizeof *other_keys);
+    int64_t *other = malloc(t_count * sizeof *other), *count = malloc(RADIX * sizeof *count);
+    for (int64_t r = r0; r < r1; r++) argsort_one(values + r * t_count, t_count, order + r * t_count, keys, other_keys, other, count);
+    free(keys), free(other_keys), free(other), free(count);
 }

@@ -1,9 +1,12 @@
-"""Native CPU loops for the clustered methods: native.c, built with the package, called by ctypes.
+"""Native CPU loops for the clustered methods and SMYRF: native.c, built with the package,
+called by ctypes.
 
 On a CPU the PyTorch reference spends its time in (N, C) score matrices and their argmax,
-(C, M) softmax and top-k, and tiles of gathered rows. The native backend runs those steps as
-the loops of native.c, on float32 CPU tensors; the tests compare them with the reference
-(same clusters up to ties within float rounding; outputs equal to float32 rounding).
+(C, M) softmax and top-k, and tiles of gathered rows; SMYRF's in per-round gathers, (L, S, S)
+logits and scatters. The native backend runs those steps as the loops of native.c, on float32
+CPU tensors (stage tables: clustered_native.py, smyrf_native.py); the tests compare them with
+the reference (same clusters up to ties within float rounding; outputs equal to float32
+rounding).
 
 `pip install` compiles native.c once per x86-64 level (setup.py: baseline, v3 = AVX2 + FMA,
 v4 = AVX-512) into kernels/_native_<level>*.so; `library()` loads the highest level this CPU
@@ -46,6 +49,9 @@ _SIGNATURES = {
     "refine_clusters": (_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64),
     "softmax_topk": (_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64),
     "improved_sparse": (_PTR,) * 7 + (_I64,) * 5 + (ctypes.c_float, _PTR, _I64, _I64),
+    "smyrf_attention": (_PTR,) * 8 + (_I64,) * 7 + (ctypes.c_float,) + (_PTR,) * 3 + (_I64, _I64),
+    "smyrf_hashes": (_PTR,) * 5 + (_I64,) * 6 + (_PTR, _PTR, _I64, _I64),
+    "argsort_rows": (_PTR, _I64, _PTR, _I64, _I64),
 }
 
 
@@ -213,3 +219,69 @@ def improved_sparse(
         n, d, dv, c, k, scale, _ptr(out),
     )
     return out
+
+
+def smyrf_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_orders: Tensor,
+    k_orders: Tensor,
+    n_real: Tensor,
+    m_real: Tensor,
+    n_clusters: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """smyrf.cluster_attention's work for all rounds: q (B, H, N, D), k (B, H, M, D),
+    v (B, H, M, Dv) float32; q_orders (R, B, H, N), k_orders (R, B, H, M) positions in hash
+    order, real tokens first; n_real, m_real, n_clusters (B,) -> out (B, H, N, Dv), the
+    rounds merged by softmax mass, and each query's largest logit and sum of exp(logit - it)
+    (B, H, N), the sum 0 (and the row of out 0) for a query that met no key."""
+    b, h, n, d = q.shape
+    m, dv, rounds = k.shape[2], v.shape[-1], q_orders.shape[0]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q_orders, k_orders = q_orders.contiguous(), k_orders.contiguous()
+    counts = [t.to(torch.int64).contiguous() for t in (n_real, m_real, n_clusters)]
+    out = torch.empty(b, h, n, dv, dtype=torch.float32)
+    top, total = torch.empty(b, h, n, dtype=torch.float32), torch.empty(b, h, n, dtype=torch.float32)
+    _split(
+        library().smyrf_attention,
+        b * h,
+        *(_ptr(t) for t in (q, k, v, q_orders, k_orders, *counts)),
+        b * h, h, n, m, d, dv, rounds, scale,
+        _ptr(out), _ptr(top), _ptr(total),
+    )
+    return out, top, total
+
+
+def smyrf_hashes(
+    q: Tensor, k: Tensor, query_mask: Tensor, key_mask: Tensor, projections: Tensor
+) -> tuple[Tensor, Tensor]:
+    """smyrf.asymmetric_hashes: q (B, H, N, D), k (B, H, M, D) float32, query_mask (B, N),
+    key_mask (B, M), projections (R, H, D + 2) -> (R, B, H, N), (R, B, H, M), +inf where padded."""
+    b, h, n, d = q.shape
+    m, rounds = k.shape[2], projections.shape[0]
+    q, k = q.contiguous(), k.contiguous()
+    q_real, k_real = query_mask.to(torch.uint8).contiguous(), key_mask.to(torch.uint8).contiguous()
+    projections = projections.to(torch.float32).contiguous()
+    q_hashes = torch.empty(rounds, b, h, n, dtype=torch.float32)
+    k_hashes = torch.empty(rounds, b, h, m, dtype=torch.float32)
+    _split(
+        library().smyrf_hashes,
+        b * h,
+        *(_ptr(t) for t in (q, k, q_real, k_real, projections)),
+        b * h, h, n, m, d, rounds,
+        _ptr(q_hashes), _ptr(k_hashes),
+    )
+    return q_hashes, k_hashes
+
+
+def argsort(values: Tensor) -> Tensor:
+    """values.argsort(dim=-1, stable=True) for float32 values without NaN (-0 equal to +0,
+    +inf last): int64 positions of the same shape."""
+    values = values.contiguous()
+    order = torch.empty(values.shape, dtype=torch.int64)
+    length = values.shape[-1]
+    rows = values.numel() // length if length else 0
+    _split(library().argsort_rows, rows, _ptr(values), length, _ptr(order))
+    return order
