@@ -44,6 +44,8 @@ EXPOSED_HEADERS = [
     "x-total-time-ms",
     "x-input-tokens",
     "x-attention",
+    "x-prompt-name",
+    "x-adapter",
     "x-peak-memory-bytes",
     "x-fidelity",
     "x-exact-time-ms",

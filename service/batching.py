@@ -3,7 +3,7 @@
 The pipeline (service.pipeline) prepares a request's inputs, resolves each input's attention
 spec and submits a `Job`. The job's inputs enter a FIFO queue as `Item`s. The worker takes
 the oldest item and joins to it every queued item with the same batch key (resolved spec,
-normalize, dimensions) while the padded batch stays within the token budget, and runs that
+adapter, normalize, dimensions) while the padded batch stays within the token budget, and runs that
 batch as one forward pass (`encoder.embed_batch`: the encoder does not re-batch it). Each
 job gets its vectors when its last item is done. Inference never runs on the event loop, so
 health checks and metrics answer while a 30k-token batch is running.
@@ -49,7 +49,12 @@ class Encoder(Protocol):
     device: torch.device
 
     def embed_batch(
-        self, sequences: list[list[int]], spec: AttentionSpec, normalize: bool = True, dimensions: int | None = None
+        self,
+        sequences: list[list[int]],
+        spec: AttentionSpec,
+        normalize: bool = True,
+        dimensions: int | None = None,
+        adapter: str | None = None,
     ) -> Tensor: ...
 
 
@@ -60,6 +65,7 @@ class BatchKey:
     spec: AttentionSpec
     normalize: bool
     dimensions: int | None
+    adapter: str | None = None  # a task adapter (Jina v3); None: the base weights
 
 
 @dataclass
@@ -69,6 +75,7 @@ class Job:
     request_id: str
     inputs: list[list[int]]
     specs: list[AttentionSpec]  # resolved per input: never "auto"
+    adapter: str | None = None  # the task adapter every input runs with (None: the base weights)
     normalize: bool = True
     dimensions: int | None = None
     deadline: float = float("inf")  # time.monotonic() by which it must be answered
@@ -165,7 +172,7 @@ class Batcher:
             self._waiting_jobs += 1
             self.metrics.queue_depth.set(self._waiting_jobs)
             for index, spec in enumerate(job.specs):
-                key = BatchKey(spec, job.normalize, job.dimensions)
+                key = BatchKey(spec, job.normalize, job.dimensions, job.adapter)
                 self._pending.append(Item(job, index, key))
             self._cond.notify()
         try:
@@ -275,6 +282,7 @@ class Batcher:
                 key.spec,
                 normalize=key.normalize,
                 dimensions=key.dimensions,
+                adapter=key.adapter,
             )
             return vectors.detach().float().cpu()
         except (torch.OutOfMemoryError, MemoryError):

@@ -26,7 +26,7 @@ from kernels import APPROXIMATE_METHODS, METHODS
 from .errors import FAILURE_REASONS
 
 # Labels of the endpoint series, pre-created at start-up.
-INFERENCE_ENDPOINTS = ("/v1/embeddings", "/embed")
+INFERENCE_ENDPOINTS = ("/v1/embeddings", "/embed", "/")  # "/": TEI's root route, the same as /embed
 OTHER_ENDPOINTS = (
     "/tokenize",
     "/info",

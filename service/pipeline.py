@@ -3,7 +3,8 @@
     embed(request, raw inputs, options)
       -> resolve_request_attention   the request's knobs over the server defaults (422 naming a bad one)
       -> parse_inputs                the HTTP shape of `input(s)`: one or several, empty (400), too many (413)
-      -> prepare                     models: tokenize, check ids, truncate or refuse (413 / 422), off the loop
+      -> choose_prompt_and_adapter   the prompt (sent or default) and task adapter (422 naming an unknown one)
+      -> prepare                     models: prompt, tokenize, check ids, truncate or refuse (413 / 422), off the loop
       -> kernels.resolve_auto        each input's concrete spec and echo (threshold, or calibration table)
       -> submit_unless_disconnected  one Job on the scheduler (service.batching), which batches and runs it
       -> collect                     vectors, timings, the fidelity re-run's cosines -> Embedded
@@ -17,6 +18,7 @@ import dataclasses
 import json
 import math
 import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,7 @@ from torch import Tensor
 from kernels import AttentionSpec, Resolved, resolve_auto
 from models.calibration import EXACT
 from models.inputs import EmptyInput, InputError, InputTooLong
+from models.prompts import UnknownPrompt
 
 from . import errors
 from .batching import Batcher, Job, JobResult
@@ -50,6 +53,8 @@ class EmbedOptions:
     normalize: bool = True
     dimensions: int | None = None
     fidelity: bool = False
+    prompt_name: str | None = None  # None: the model's default prompt, if any
+    adapter: str | None = None  # None: the adapter named like the prompt in effect, if any
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,8 @@ class Embedded:
     inference_s: float  # the requested attention's forward passes (without the exact ones)
     fidelity: list[float] | None = None  # per input, with "fidelity": true
     exact_s: float | None = None  # the exact forward passes that fidelity took
+    prompt_name: str | None = None  # the prompt prepended to the texts (sent or default)
+    adapter: str | None = None  # the task adapter that ran (None: the base weights)
 
     def headers(self) -> dict[str, str]:
         headers = {
@@ -71,12 +78,21 @@ class Embedded:
             "x-input-tokens": str(sum(self.tokens)),
             "x-attention": json.dumps(self.attention, separators=(",", ":")),
         }
+        if self.prompt_name is not None:
+            headers["x-prompt-name"] = _header_safe(self.prompt_name)
+        if self.adapter is not None:
+            headers["x-adapter"] = _header_safe(self.adapter)
         if self.result.peak_memory is not None:
             headers["x-peak-memory-bytes"] = str(self.result.peak_memory)
         if self.fidelity is not None:
             headers["x-fidelity"] = ",".join(f"{f:.6f}" for f in self.fidelity)
             headers["x-exact-time-ms"] = f"{(self.exact_s or 0.0) * 1e3:.3f}"
         return headers
+
+
+def _header_safe(name: str) -> str:
+    """A checkpoint's name as a header value: printable ASCII as is, anything else percent-encoded."""
+    return urllib.parse.quote(name, safe="".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%"))
 
 
 async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Embedded:
@@ -88,6 +104,7 @@ async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Emb
     inputs, params = parse_inputs(raw_inputs, options.param, state.settings.max_client_batch_size)
     if options.dimensions is not None and options.dimensions > encoder.dim:
         raise errors.invalid_field("dimensions", f"must be in [1, {encoder.dim}], got {options.dimensions}")
+    prompt_name, adapter = choose_prompt_and_adapter(encoder, inputs, options)
     sequences = await prepare(encoder, inputs, params, options)
     plans = [resolve_auto(spec, len(ids), state.calibration, target) for ids in sequences]
     # With "fidelity": true the approximate inputs run a second time with exact attention, in
@@ -98,6 +115,7 @@ async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Emb
         request_id=request.scope.get(REQUEST_ID_KEY, ""),
         inputs=sequences + [sequences[i] for i in rerun],
         specs=[plan.spec for plan in plans] + [EXACT] * len(rerun),
+        adapter=adapter,
         normalize=options.normalize,
         dimensions=options.dimensions,
         deadline=request.scope.get(ARRIVAL_KEY, time.monotonic()) + timeout,
@@ -110,6 +128,8 @@ async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Emb
         attention=echo_attention(plans, spec, target),
         result=result,
         inference_s=result.run_seconds(list(range(len(sequences)))) if rerun else result.inference_s,
+        prompt_name=prompt_name,
+        adapter=adapter,
     )
     return with_fidelity(embedded, plans, rerun, state.metrics) if options.fidelity else embedded
 
@@ -172,13 +192,37 @@ def parse_inputs(
     return inputs, params
 
 
+def choose_prompt_and_adapter(encoder: Any, inputs: list[Any], options: EmbedOptions) -> tuple[str | None, str | None]:
+    """The prompt the texts get and the task adapter that runs (None: none, the base weights).
+
+    The prompt is the one sent, else the model's default prompt; token-id inputs get none
+    (naming one for them is refused by `prepare`). The adapter is the one sent, else the
+    adapter named like the prompt in effect: Jina v3 names its prompts after its tasks, so a
+    TEI client's `prompt_name="retrieval.query"` selects both. 422 naming `prompt_name` or
+    `adapter` when the model has no such prompt or adapter, listing the ones it has."""
+    prompts, adapters = encoder.prompts, tuple(encoder.adapters)
+    if options.prompt_name is not None and options.prompt_name not in prompts.prompts:
+        raise errors.invalid_field("prompt_name", _detail(UnknownPrompt(options.prompt_name, tuple(prompts.prompts))))
+    if options.adapter is not None and options.adapter not in adapters:
+        known = ", ".join(adapters) if adapters else "none: this model has no task adapters"
+        raise errors.invalid_field("adapter", f"unknown adapter {options.adapter!r}; known: {known}")
+    texts = all(isinstance(one, str) for one in inputs)
+    sent = options.prompt_name
+    prompt_name = (sent if sent is not None else prompts.default_name) if texts else None
+    if options.adapter is not None:
+        return prompt_name, options.adapter
+    return prompt_name, prompt_name if prompt_name in adapters else None
+
+
 async def prepare(encoder: Any, inputs: list[Any], params: list[str], options: EmbedOptions) -> list[list[int]]:
-    """Token ids per input (models.inputs, via `encoder.prepare`), with its typed errors as
-    statuses: too long 413, empty 400, anything else 422, each naming the input's param."""
+    """Token ids per input (models.inputs, via `encoder.prepare`, which prepends the prompt),
+    with its typed errors as statuses: too long 413 (the prompt's tokens count), empty 400,
+    anything else 422, each naming the input's param (or `prompt_name` for a prompt the
+    inputs cannot take)."""
     try:
         # Tokenizing a 30k-token text takes milliseconds: off the loop, in the thread pool.
         return await run_in_threadpool(
-            encoder.prepare, inputs, options.truncate, options.truncation_direction.lower()
+            encoder.prepare, inputs, options.truncate, options.truncation_direction.lower(), options.prompt_name
         )
     except InputError as exc:
         param = options.param if exc.index is None else params[exc.index]
@@ -187,6 +231,15 @@ async def prepare(encoder: Any, inputs: list[Any], params: list[str], options: E
         if isinstance(exc, EmptyInput):
             raise errors.empty_input(param) from None
         raise errors.invalid_field(param, exc.detail) from None
+    except ValueError as exc:  # the prompt: token-id inputs, or a pooling that excludes it
+        if not str(exc).startswith("prompt_name: "):
+            raise
+        raise errors.invalid_field("prompt_name", _detail(exc)) from None
+
+
+def _detail(exc: ValueError) -> str:
+    """A models ValueError's message without its leading "field: " (the error names the param)."""
+    return str(exc).partition(": ")[2] or str(exc)
 
 
 def echo_attention(plans: list[Resolved], requested: AttentionSpec, target: float | None) -> dict[str, Any]:

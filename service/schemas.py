@@ -57,6 +57,16 @@ class AttentionRequest(BaseModel):
     )
 
 
+PROMPT_NAME_DESCRIPTION = (
+    "a prompt of the model (GET /info: prompts), prepended to every text; its tokens count toward "
+    "the length limit. Unset: the model's default prompt, if it names one. Where the model has a "
+    "task adapter of the same name (Jina v3), that adapter runs too"
+)
+ADAPTER_DESCRIPTION = (
+    "a task adapter of the model (GET /info: adapters; Jina v3's LoRA tasks), whatever the prompt. "
+    "Unset: the adapter named like the prompt in effect, if any, else the base weights"
+)
+
 FIDELITY_DESCRIPTION = (
     "also embed with exact attention and report, per input, the cosine of the returned embedding "
     "to the exact one (x-exact-time-ms: the exact run's time); costs that exact run"
@@ -119,7 +129,8 @@ TokenizeInputs = Annotated[
 
 
 class EmbeddingRequest(BaseModel):
-    """POST /v1/embeddings (OpenAI), plus the `attention` and `truncate` extensions."""
+    """POST /v1/embeddings (OpenAI), plus the `attention`, `truncate`, `prompt_name`, `adapter`
+    and `fidelity` extensions."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -134,6 +145,8 @@ class EmbeddingRequest(BaseModel):
     user: str | None = Field(None, description="accepted and ignored (never logged)")
     attention: AttentionRequest | None = None
     truncate: StrictBool = Field(False, description="cut inputs longer than the limit instead of 413")
+    prompt_name: str | None = Field(None, description=PROMPT_NAME_DESCRIPTION)
+    adapter: str | None = Field(None, description=ADAPTER_DESCRIPTION)
     fidelity: StrictBool = Field(False, description=FIDELITY_DESCRIPTION)
 
 
@@ -155,10 +168,13 @@ class EmbeddingResponse(BaseModel):
     model: str
     usage: Usage
     attention: dict[str, Any] = Field(description="the resolved attention spec (method and the knobs it used)")
+    prompt_name: str | None = Field(description="the prompt prepended to the texts (sent, or the default), or null")
+    adapter: str | None = Field(description="the task adapter that ran, or null (base weights)")
 
 
 class EmbedRequest(BaseModel):
-    """POST /embed (Text Embeddings Inference), plus the `attention` extension."""
+    """POST /embed and POST / (Text Embeddings Inference), plus the `attention`, `adapter` and
+    `fidelity` extensions."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -167,6 +183,8 @@ class EmbedRequest(BaseModel):
     truncation_direction: Literal["right", "left", "Right", "Left"] = "right"
     normalize: StrictBool = True
     dimensions: StrictInt | None = Field(None, ge=1)
+    prompt_name: str | None = Field(None, description=PROMPT_NAME_DESCRIPTION)
+    adapter: str | None = Field(None, description=ADAPTER_DESCRIPTION)
     attention: AttentionRequest | None = None
     fidelity: StrictBool = Field(False, description=FIDELITY_DESCRIPTION + " (header x-fidelity)")
 

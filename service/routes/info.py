@@ -1,6 +1,7 @@
-"""GET /info: what is served and how it may be asked: the model, its limits, every attention
-method with its knobs' defaults and ranges, the calibration table's frontier (what auto's
-target_fidelity chooses from), the kernel backend and the device."""
+"""GET /info: what is served and how it may be asked: the model, its limits, its prompts (and
+the default one) and task adapters, every attention method with its knobs' defaults and
+ranges, the calibration table's frontier (what auto's target_fidelity chooses from), the
+kernel backend and the device."""
 
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ async def info(request: Request) -> JSONResponse:
             "extended_positions": encoder.max_input_tokens,
             "position_extension": model.get("position_extension"),
             "max_input_tokens": state.max_input_tokens,
+            # name -> text prepended to each text; requests without prompt_name get the default
+            "prompts": model.get("prompts", {}),
+            "default_prompt_name": model.get("default_prompt_name"),
+            # task adapters (Jina v3); a prompt_name that names one selects it too
+            "adapters": model.get("adapters", []),
             "limits": _limits(state),
             "attention": _attention(state),
             "backend": state.backend,

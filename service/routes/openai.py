@@ -1,11 +1,14 @@
-"""POST /v1/embeddings: the OpenAI embeddings API, plus `attention` and `truncate`.
+"""POST /v1/embeddings: the OpenAI embeddings API, plus `attention`, `truncate`, `prompt_name`,
+`adapter` and `fidelity`.
 
 Token-id inputs are the model's vocabulary ids, used exactly as sent (no [CLS]/[SEP] is
 added); texts get the model's special tokens. `model` and `user` are accepted and ignored:
 the response names the served model. `encoding_format="base64"` (what the official client
 asks for by default) is little-endian float32 bytes, base64-encoded, as OpenAI sends them.
 With `"fidelity": true` each data item also carries `fidelity`, the cosine of its embedding
-to the exact-attention one (headers `x-fidelity`, `x-exact-time-ms`).
+to the exact-attention one (headers `x-fidelity`, `x-exact-time-ms`). The body's
+`prompt_name` and `adapter` say which prompt the texts got (the one sent, or the model's
+default) and which task adapter ran; null when none.
 """
 
 from __future__ import annotations
@@ -31,7 +34,13 @@ router = APIRouter(tags=["openai"])
 )
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
     options = EmbedOptions(
-        "input", body.attention, body.truncate, dimensions=body.dimensions, fidelity=body.fidelity
+        "input",
+        body.attention,
+        body.truncate,
+        dimensions=body.dimensions,
+        fidelity=body.fidelity,
+        prompt_name=body.prompt_name,
+        adapter=body.adapter,
     )
     embedded = await embed(request, body.input, options)
     if body.encoding_format == "base64":
@@ -49,5 +58,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONRes
         "model": get_state(request).encoder.name,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         "attention": embedded.attention,
+        "prompt_name": embedded.prompt_name,
+        "adapter": embedded.adapter,
     }
     return JSONResponse(content, headers=embedded.headers())

@@ -1,8 +1,14 @@
-"""POST /embed: Text Embeddings Inference's embed API, plus the `attention` extension.
+"""POST /embed and POST /: Text Embeddings Inference's embed API, plus the `attention`,
+`adapter` and `fidelity` extensions.
+
+The root route is TEI's too: the same body and answers as /embed, so that clients which post
+to the server's URL as given (huggingface_hub's `InferenceClient(model=URL).feature_extraction`,
+LangChain's `HuggingFaceEndpointEmbeddings`) get vectors.
 
 Returns a bare `[[float]]`, one row per input; the resolved attention is in `x-attention`,
-and with `"fidelity": true` each input's cosine to the exact embedding is in `x-fidelity`
-(comma-separated, input order).
+the prompt the texts got (sent as `prompt_name`, or the model's default) in `x-prompt-name`,
+the task adapter that ran in `x-adapter`, and with `"fidelity": true` each input's cosine to
+the exact embedding in `x-fidelity` (comma-separated, input order).
 """
 
 from __future__ import annotations
@@ -23,6 +29,13 @@ router = APIRouter(tags=["tei"])
     responses=ERROR_RESPONSES,
     dependencies=[Depends(require_api_key)],
 )
+@router.post(
+    "/",
+    response_model=list[list[float]],
+    responses=ERROR_RESPONSES,
+    dependencies=[Depends(require_api_key)],
+    summary="Tei Embed (TEI's root route: the same as /embed)",
+)
 async def tei_embed(body: EmbedRequest, request: Request) -> JSONResponse:
     options = EmbedOptions(
         "inputs",
@@ -32,6 +45,8 @@ async def tei_embed(body: EmbedRequest, request: Request) -> JSONResponse:
         body.normalize,
         body.dimensions,
         body.fidelity,
+        body.prompt_name,
+        body.adapter,
     )
     embedded = await embed(request, body.inputs, options)
     return JSONResponse(embedded.vectors.tolist(), headers=embedded.headers())

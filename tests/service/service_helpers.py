@@ -19,6 +19,7 @@ import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from models.prompts import Prompts
 from service.app import create_app
 from service.settings import Settings
 
@@ -100,6 +101,7 @@ class FakeEncoder:
         self.device = torch.device("cpu")
         self.gate, self.fail, self.fail_above_tokens = gate, fail, fail_above_tokens
         self.calls: list[dict[str, Any]] = []  # one per embed_batch call: what the scheduler batched
+        self.prompts, self.adapters = Prompts(), ()  # no prompts, no task adapters
 
     def info(self) -> dict[str, Any]:
         return {"model": self.name, "architecture": "fake", "dtype": "float32"}
@@ -107,8 +109,10 @@ class FakeEncoder:
     def tokenize(self, texts: list[str]):
         return self.tokenizer.encode(texts)
 
-    def prepare(self, inputs, truncate=False, truncation_direction="right"):
+    def prepare(self, inputs, truncate=False, truncation_direction="right", prompt_name=None):
         from models.inputs import prepare_inputs
+
+        self.prompts.text(prompt_name)  # an unknown name raises, as the real encoder's does
 
         return prepare_inputs(
             self.tokenizer,
@@ -119,7 +123,7 @@ class FakeEncoder:
             truncation_direction=truncation_direction,
         )
 
-    def embed_batch(self, sequences, spec, normalize=True, dimensions=None):
+    def embed_batch(self, sequences, spec, normalize=True, dimensions=None, adapter=None):
         self.calls.append({"inputs": [list(x) for x in sequences], "spec": spec, "normalize": normalize})
         if self.gate is not None and not self.gate.wait(timeout=300):
             raise TimeoutError("test gate never opened")
