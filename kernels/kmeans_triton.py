@@ -44,8 +44,9 @@ def _hamming_assign_kernel(
 ):
     """Nearest centroid code by XOR + popcount (ties to the lowest cluster); padded queries -> C.
 
-    With VOTE, also counts each cluster's members and, per bit, its members with that bit set
-    (integer atomics: the counts do not depend on the order of the adds).
+    With VOTE, also counts each cluster's members and, per bit, its members with that bit set,
+    by relaxed integer atomics: the counts do not depend on the order of the adds and nothing
+    reads them before the launch ends, so no memory ordering is needed.
     """
     bh = tl.program_id(1).to(tl.int64)
     batch = bh // H
@@ -70,11 +71,11 @@ def _hamming_assign_kernel(
     tl.store(distance_ptr + bh * N + rows, best.to(tl.float32), mask=in_range)
     if VOTE:
         ones = tl.full([BLOCK_N], 1, tl.int32)
-        tl.atomic_add(members_ptr + bh * C + best_cluster, ones, mask=real)
+        tl.atomic_add(members_ptr + bh * C + best_cluster, ones, mask=real, sem="relaxed")
         bit = tl.arange(0, BLOCK_BITS).to(tl.int64)
         is_set = ((codes[:, None] >> bit[None, :]) & 1) == 1
         vote_ptrs = ones_ptr + (bh * C + best_cluster)[:, None] * BITS + bit[None, :]
-        tl.atomic_add(vote_ptrs, is_set.to(tl.int32), mask=real[:, None] & is_set & (bit[None, :] < BITS))
+        tl.atomic_add(vote_ptrs, is_set.to(tl.int32), mask=real[:, None] & is_set & (bit[None, :] < BITS), sem="relaxed")
 
 
 @triton.jit

@@ -93,6 +93,5 @@ def test_every_bfloat16_dot_on_tensor_cores(report):
     assert not violated(report, "tensor cores")
 
 
-@pytest.mark.xfail(strict=True, reason="the Hamming K-means votes use tl.atomic_add's default acq_rel semantics")
 def test_no_acq_rel_atomics(report):
     assert not violated(report, "no acq_rel atomics")
