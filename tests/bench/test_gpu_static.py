@@ -76,8 +76,6 @@ def test_clustered_calls_within_20_kernels(report):
     assert not [v for v in violated(report, "kernels per call") if v["method"] != "smyrf"]
 
 
-@pytest.mark.xfail(strict=True, reason="SMYRF launches 5 Triton kernels and 7 torch ops "
-                                       "(2 argsorts, 4 buffer fills, 1 scaling) per call")
 def test_smyrf_calls_within_8_kernels(report):
     assert not [v for v in violated(report, "kernels per call") if v["method"] == "smyrf"]
 
