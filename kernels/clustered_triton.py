@@ -31,7 +31,7 @@ from .hashing_triton import hash_codes_triton
 from .kmeans import initial_offsets
 from .kmeans_triton import cluster_means_triton, hamming_kmeans_triton, refine_clusters_triton
 from .spec import AttentionSpec
-from .stages import CentroidAttention, ClusteredStages
+from .stages import CentroidAttention, ClusteredStages, applied_by_stages
 
 # Running max of a softmax row before any real key: finite, so exp(m_old - m_new) is never NaN.
 _NO_MAX = -1.0e30
@@ -199,12 +199,13 @@ def hash_queries_triton(q: Tensor, spec: AttentionSpec) -> Tensor:
 def cluster_codes_triton(codes: Tensor, query_mask: Tensor, spec: AttentionSpec) -> Tensor:
     """The cluster stage on the device: Hamming K-means of codes (B, H, N) -> (B, H, N) in [0, C]."""
     offsets = on_device(initial_offsets, (codes.shape[1], spec.seed), codes.device)
-    return hamming_kmeans_triton(codes, query_mask, spec.clusters, spec.iterations, offsets, spec.bits)
+    return hamming_kmeans_triton(codes, query_mask, spec.clusters, spec.iterations, offsets, spec.bits,
+                                 exact_case=True)
 
 
 def refine_assignments_triton(q: Tensor, assign: Tensor, query_mask: Tensor, spec: AttentionSpec) -> Tensor:
     """The refine stage on the device."""
-    return refine_clusters_triton(q, assign, query_mask, spec.clusters, spec.refine)
+    return refine_clusters_triton(q, assign, query_mask, spec.clusters, spec.refine, exact_case=True)
 
 
 def centroids_triton(q: Tensor, assign: Tensor, clusters: int) -> Tensor:
@@ -290,5 +291,6 @@ TRITON = ClusteredStages(
     centroid_attention=centroid_attention_triton,
     sparse=improved_sparse_triton,
     broadcast=broadcast_triton,
+    exact_case=applied_by_stages,  # the K-means kernels write the exact case's ranks
 )
 

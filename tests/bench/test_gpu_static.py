@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNELS = {"_hash_kernel", "_hamming_assign_kernel", "_euclidean_assign_kernel", "_cluster_means_kernel",
+KERNELS = {"_hash_kernel", "_hamming_kmeans_kernel", "_lloyd_kernel",
            "_centroid_attention_kernel", "_broadcast_kernel", "_improved_tile_kernel", "_smyrf_hash_kernel",
            "_smyrf_attention_kernel"}
 
@@ -60,9 +60,11 @@ def test_every_call_is_counted(report):
         assert (call["seq_len"], call["head_dim"], call["dtype"]) == (16384, 64, "bfloat16")
         assert call["triton_launches"] == sum(call["launches_by_kernel"].values()) > 0
         assert call["kernels"] == call["triton_launches"] + call["torch_ops"]
-    # 4 SMYRF rounds, one attention launch each; K-means: one assignment per iteration and a last one.
+    # 4 SMYRF rounds, one attention launch each; each K-means (Hamming, refinement) one launch
+    # for all its iterations, and the cluster means one more.
     assert calls["smyrf"]["launches_by_kernel"]["_smyrf_attention_kernel"] == 4
-    assert calls["clustered"]["launches_by_kernel"]["_hamming_assign_kernel"] == 11
+    assert calls["clustered"]["launches_by_kernel"]["_hamming_kmeans_kernel"] == 1
+    assert calls["clustered"]["launches_by_kernel"]["_lloyd_kernel"] == 2
     assert "VIOLATION" in report["stdout"] or not report["violations"]
 
 
