@@ -38,8 +38,8 @@ from .hashing import hash_planes, on_device
 from .hashing_triton import hash_codes_triton
 from .kmeans import initial_offsets
 from .kmeans_triton import cluster_means_triton, hamming_kmeans_triton, refine_clusters_triton
-from .split_dot import dot_split_left, mma
 from .spec import AttentionSpec
+from .split_dot import dot_split_left, mma
 from .stages import CentroidAttention, ClusteredStages, applied_by_stages
 
 # Running max of a softmax row before any real key: finite, so exp(m_old - m_new) is never NaN.

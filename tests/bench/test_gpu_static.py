@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNELS = {"_hash_kernel", "_hamming_kmeans_kernel", "_lloyd_kernel",
-           "_centroid_attention_kernel", "_centroid_combine_kernel", "_cluster_layout_kernel", "_broadcast_kernel", "_improved_tile_kernel", "_smyrf_hash_kernel",
-           "_smyrf_attention_kernel"}
+KERNELS = {"_hash_kernel", "_hamming_kmeans_kernel", "_lloyd_kernel", "_centroid_attention_kernel",
+           "_centroid_combine_kernel", "_cluster_layout_kernel", "_broadcast_kernel", "_improved_tile_kernel",
+           "_smyrf_hash_kernel", "_smyrf_attention_kernel"}
 
 
 def run_report(out: Path, *extra: str) -> subprocess.CompletedProcess:
