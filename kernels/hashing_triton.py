@@ -2,6 +2,8 @@
 bias, sign and packing of the sign bits into one int64 per query, in one pass.
 
 Matches `hashing.hash_codes` (bit b set where projection b, bias included, is positive).
+Half-precision queries meet the float32 planes on tensor cores through split_dot (three
+half-precision parts of the planes), which keeps every sign that float32 keeps.
 The planes come from the same seeded CPU generator as the reference; they are copied to the
 device once per (heads, dim, bits, seed, device) and kept, because a blocking host-to-device
 copy inside every attention call would synchronise the host (and break CUDA-graph capture).
@@ -15,6 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .blocks import pow2_block
+from .split_dot import dot_split_right
 
 # Codes are packed into one int64, so at most 63 bits (spec.bits <= 63): the tile is 64 wide.
 BLOCK_BITS = 64
@@ -26,7 +29,7 @@ def _hash_kernel(
     stride_xb, stride_xh, stride_xn, stride_xd,
     stride_ph, stride_pd, stride_pbit,
     H, N, D, BITS,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_BITS: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """codes[b, h, n] = sum_bit [x[b, h, n] . planes[h, :D, bit] + planes[h, D, bit] > 0] << bit."""
     bh = tl.program_id(1).to(tl.int64)
@@ -37,15 +40,15 @@ def _hash_kernel(
     x = tl.load(
         x_ptr + batch * stride_xb + head * stride_xh + rows[:, None] * stride_xn + dims[None, :] * stride_xd,
         mask=(rows[:, None] < N) & (dims[None, :] < D), other=0.0,
-    ).to(tl.float32)
+    )
     planes_head = planes_ptr + head * stride_ph
     weights = tl.load(
         planes_head + dims[:, None] * stride_pd + bit[None, :] * stride_pbit,
         mask=(dims[:, None] < D) & (bit[None, :] < BITS), other=0.0,
     )
     bias = tl.load(planes_head + D * stride_pd + bit * stride_pbit, mask=bit < BITS, other=0.0)
-    # ieee: TF32 would flip the signs of small projections that the reference keeps.
-    projections = tl.dot(x, weights, input_precision="ieee") + bias[None, :]
+    # float32 accuracy (no TF32): a rounded plane would flip the signs of small projections.
+    projections = dot_split_right(x, weights, UPCAST) + bias[None, :]
     is_set = (projections > 0) & (bit[None, :] < BITS)
     codes = tl.sum(is_set.to(tl.int64) << bit[None, :].to(tl.int64), axis=1)
     tl.store(codes_ptr + bh * N + rows, codes, mask=rows < N)
@@ -67,6 +70,6 @@ def hash_codes_triton(x: Tensor, planes: Tensor) -> Tensor:
         *x.stride(),
         *planes.stride(),
         h, n, d, bits,
-        BLOCK_N=block_n, HEAD_DIM=pow2_block(d), BLOCK_BITS=BLOCK_BITS,
+        BLOCK_N=block_n, HEAD_DIM=pow2_block(d), BLOCK_BITS=BLOCK_BITS, UPCAST=x.device.type == "cpu",
     )
     return codes

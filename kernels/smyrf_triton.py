@@ -16,8 +16,9 @@ smyrf.py (same seed, same clusters, same output):
    The round's output and log-sum-exp are merged by softmax mass (eq. 15) into a float32
    accumulator at the query's original position; the last round writes the output dtype.
 
-No host synchronisation: per-batch token and cluster counts stay on the device; the grid
-depends only on shapes. The hash directions come from the reference's CPU generator and are
+No host synchronisation and no torch glue: the kernels count each sequence's real tokens
+from the mask; the grid depends only on shapes. A call is 1 + R launches and the sort
+stage's two argsorts. The hash directions come from the reference's CPU generator and are
 copied without a stream sync; capturing a CUDA graph needs them on the device beforehand,
 since a copy from pageable host memory cannot be captured.
 
@@ -141,8 +142,22 @@ def _smyrf_hash_kernel(
 
 
 @triton.jit
+def _real_count(mask_row, n_rows, USE_MASK: tl.constexpr, BLOCK: tl.constexpr):
+    """Real tokens of one sequence: n_rows, or the True entries of its mask row."""
+    if USE_MASK:
+        count = tl.zeros((BLOCK,), dtype=tl.int32)
+        for start in range(0, n_rows, BLOCK):
+            rows = start + tl.arange(0, BLOCK)
+            count += (tl.load(mask_row + rows, mask=rows < n_rows, other=0) != 0).to(tl.int32)
+        total = tl.sum(count, axis=0)
+    else:
+        total = n_rows
+    return total
+
+
+@triton.jit
 def _smyrf_attention_kernel(
-    Q, K, V, QOrder, KOrder, NReal, MReal, Acc, AccLse, Out,
+    Q, K, V, QOrder, KOrder, Mask, Acc, AccLse, Out,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_km, stride_kd,
     stride_vb, stride_vh, stride_vm, stride_vd,
@@ -151,8 +166,9 @@ def _smyrf_attention_kernel(
     stride_accb, stride_acch, stride_accn, stride_accd,
     stride_lseb, stride_lseh,
     stride_ob, stride_oh, stride_on, stride_od,
-    H, cluster_size, qk_scale,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    stride_maskb,
+    H, N, M, cluster_size, qk_scale,
+    HAS_MASK: tl.constexpr, MASK_QUERIES: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_FIRST: tl.constexpr, IS_LAST: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
@@ -161,7 +177,9 @@ def _smyrf_attention_kernel(
     Program (i, b * H + h) owns sorted query ranks [i BLOCK_M, (i + 1) BLOCK_M). qk_scale is
     the logit scale times log2(e): the softmax runs in base 2, and AccLse holds base-2
     log-sum-exps. Acc/AccLse are read unless IS_FIRST and written unless IS_LAST; the last
-    round writes Out (B, H, N, Dv) in its own dtype. Padded queries are never written.
+    round writes Out (B, H, N, Dv) in its own dtype. Ranks past the real queries hold the
+    padded ones (their hashes sort last): each round gives them lse -inf, the last output 0.
+    Real counts come from the mask row (read by every program: no count pass, no host copy).
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -169,8 +187,9 @@ def _smyrf_attention_kernel(
     h = (pid_bh % H).to(tl.int64)
 
     # Per-batch counts and clusters, as in the reference: L = min(ceil(max(n, m) / cs), n, m) >= 1.
-    n_real = tl.load(NReal + b).to(tl.int64)
-    m_real = tl.load(MReal + b).to(tl.int64)
+    mask_row = Mask + b * stride_maskb
+    n_real = _real_count(mask_row, N, MASK_QUERIES, 1024).to(tl.int64)
+    m_real = _real_count(mask_row, M, HAS_MASK, 1024).to(tl.int64)
     n_clusters = tl.minimum(tl.cdiv(tl.maximum(n_real, m_real), cluster_size), tl.minimum(n_real, m_real))
     n_clusters = tl.maximum(n_clusters, 1)
     n_safe = tl.maximum(n_real, 1)
@@ -191,7 +210,8 @@ def _smyrf_attention_kernel(
 
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
-    q_pos = tl.load(QOrder + b * stride_qob + h * stride_qoh + ranks, mask=rank_valid, other=0)
+    q_pos = tl.load(QOrder + b * stride_qob + h * stride_qoh + ranks, mask=ranks < N, other=0)
+    padded_query = (ranks >= n_real) & (ranks < N)
     q_ptrs = Q + b * stride_qb + h * stride_qh + q_pos[:, None] * stride_qn + dims[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=rank_valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
 
@@ -243,22 +263,14 @@ def _smyrf_attention_kernel(
         inv_total = tl.where(has_total, 1.0 / tl.where(has_total, total, 1.0), 0.0)
         out = (old_out * w_old[:, None] + out * w_new[:, None]) * inv_total[:, None]
         lse = tl.where(has_total, top + tl.math.log2(tl.where(has_total, total, 1.0)), float("-inf"))
-    tl.store(lse_ptrs, lse, mask=rank_valid)
+    tl.store(lse_ptrs, tl.where(rank_valid, lse, float("-inf")), mask=rank_valid | padded_query)
     if IS_LAST:
         out_ptrs = Out + b * stride_ob + h * stride_oh + q_pos[:, None] * stride_on + dims_v[None, :] * stride_od
-        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_mask)
+        out = tl.where(rank_valid[:, None], out, 0.0)
+        written = (rank_valid | padded_query)[:, None] & (dims_v[None, :] < HEAD_DIM_V)
+        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=written)
     else:
         tl.store(acc_ptrs, out, mask=row_mask)
-
-
-def _real_counts(key_padding_mask: Tensor | None, b: int, n: int, m: int, device) -> tuple[Tensor, Tensor]:
-    """Real queries and keys per batch element, (B,) int32 on the device (no host sync)."""
-    if key_padding_mask is None:
-        return (torch.full((b,), n, dtype=torch.int32, device=device),
-                torch.full((b,), m, dtype=torch.int32, device=device))
-    m_real = key_padding_mask.sum(1, dtype=torch.int32)
-    n_real = m_real if n == m else torch.full((b,), n, dtype=torch.int32, device=device)
-    return n_real, m_real
 
 
 def smyrf_hashes_triton(
@@ -309,12 +321,24 @@ def smyrf_cluster_attention_triton(
     (B, H, N, Dv) in q.dtype (padded queries 0) and its natural log-sum-exp (B, H, N) float32
     (-inf for padded queries).
     """
+    out, lse2 = _smyrf_rounds(q, k, v, q_orders, k_orders, key_padding_mask, cluster_size, scale)
+    return out, lse2 * math.log(2.0)
+
+
+def _smyrf_rounds(
+    q: Tensor, k: Tensor, v: Tensor, q_orders: Tensor, k_orders: Tensor, key_padding_mask: Tensor | None,
+    cluster_size: int, scale: float,
+) -> tuple[Tensor, Tensor]:
+    """`smyrf_cluster_attention_triton` with the log-sum-exp left in base 2. The kernels write
+    every buffer before reading it (torch.empty): a call is its launches and nothing else."""
     b, h, n, d = q.shape
     m, dv = k.shape[2], v.shape[-1]
     rounds = q_orders.shape[0]
-    n_real, m_real = _real_counts(key_padding_mask, b, n, m, q.device)
-    out = torch.zeros(b, h, n, dv, dtype=q.dtype, device=q.device)
-    lse = torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
+    out = torch.empty(b, h, n, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
+    has_mask = key_padding_mask is not None
+    # Triton reads bool as bytes; a dummy pointer stands in when there is no mask.
+    mask = key_padding_mask.contiguous().view(torch.uint8) if has_mask else lse
     # float32 outputs accumulate in place; half precisions keep a float32 accumulator.
     in_place = q.dtype == torch.float32 or rounds == 1
     acc = out if in_place else torch.empty(b, h, n, dv, dtype=torch.float32, device=q.device)
@@ -326,12 +350,13 @@ def smyrf_cluster_attention_triton(
     for r in range(rounds):
         q_order, k_order = q_orders[r], k_orders[r]
         _smyrf_attention_kernel[grid](
-            q, k, v, q_order, k_order, n_real, m_real, acc, lse, out,
+            q, k, v, q_order, k_order, mask, acc, lse, out,
             *q.stride(), *k.stride(), *v.stride(),
             *q_order.stride()[:2], *k_order.stride()[:2],
             *acc.stride(), *lse.stride()[:2], *out.stride(),
-            h, cluster_size, scale * math.log2(math.e),
-            HEAD_DIM=d, HEAD_DIM_V=dv,
+            mask.stride(0) if has_mask else 0,
+            h, n, m, cluster_size, scale * math.log2(math.e),
+            HAS_MASK=has_mask, MASK_QUERIES=has_mask and n == m, HEAD_DIM=d, HEAD_DIM_V=dv,
             BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_D=pow2_block(d, 16, 1024), BLOCK_DV=pow2_block(dv, 16, 1024),
             IS_FIRST=r == 0, IS_LAST=r == rounds - 1,
@@ -341,7 +366,7 @@ def smyrf_cluster_attention_triton(
             # (triton-lang/triton#11584); on CPU tensors, bfloat16 products go through float32.
             UPCAST_DOT=q.dtype == torch.bfloat16 and not q.is_cuda,
         )
-    return out, lse * math.log(2.0)
+    return out, lse
 
 
 def hash_tokens_triton(q: Tensor, k: Tensor, key_padding_mask: Tensor | None, spec: AttentionSpec) -> tuple[Tensor, Tensor]:
@@ -355,7 +380,7 @@ def cluster_attention_triton(
     spec: AttentionSpec, scale: float, dtype: torch.dtype,
 ) -> Tensor:
     """The cluster-attention stage on the device: output (B, H, N, Dv) in q's dtype."""
-    out, _ = smyrf_cluster_attention_triton(q, k, v, q_orders, k_orders, key_padding_mask, spec.cluster_size, scale)
+    out, _ = _smyrf_rounds(q, k, v, q_orders, k_orders, key_padding_mask, spec.cluster_size, scale)
     return out.to(dtype)
 
 

@@ -61,6 +61,9 @@ class ClusteredStages:
     centroid_attention: Callable[..., CentroidAttention]
     sparse: Callable[..., Tensor]
     broadcast: Callable[..., Tensor]
+    # The exact case (kmeans.one_query_per_cluster) on the final assignments; a backend whose
+    # cluster and refine stages apply it themselves passes `applied_by_stages`.
+    exact_case: Callable[[Tensor, Tensor, int], Tensor] = one_query_per_cluster
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,13 @@ def cluster_queries(
     assign = observe("cluster", stages.cluster, codes, query_mask, spec)
     if spec.refine:
         assign = observe("refine", stages.refine, q, assign, query_mask, spec)
-    return one_query_per_cluster(assign, query_mask, spec.clusters)
+    return stages.exact_case(assign, query_mask, spec.clusters)
+
+
+def applied_by_stages(assign: Tensor, query_mask: Tensor, clusters: int) -> Tensor:
+    """`exact_case` of a backend whose cluster and refine stages give each query its own
+    cluster themselves when a sequence has no more real queries than clusters."""
+    return assign
 
 
 def run_smyrf(

@@ -117,13 +117,16 @@ def test_cluster_means_equal_the_reference():
     assign = torch.randint(0, 7, (2, 2, 45), generator=torch.Generator().manual_seed(0))
     assign[:, :, ::5] = 6  # C = 6: every fifth query padded, and cluster 6 is not a cluster
     assign[1, 1][assign[1, 1] == 2] = 3  # an empty cluster
-    means, members, _ = cluster_means_triton(q, assign, 6)
+    means, members = cluster_means_triton(q, assign, 6)
     assert torch.allclose(means, cluster_means(q, assign, 6), atol=1e-6, rtol=0)
     assert torch.equal(members, _count_members(assign, 6).long())
 
 
-@pytest.mark.parametrize("d, dv, m", [(24, 16, 37), (128, 32, 20)])
-def test_centroid_attention_equals_the_reference(d, dv, m):
+@pytest.mark.parametrize("d, dv, m", [(24, 16, 37), (128, 32, 20), (16, 16, 300)])
+def test_centroid_attention_equals_the_reference(d, dv, m, monkeypatch):
+    """The keys split across programs (64 keys a split here: m = 300 makes 5), each split's
+    online softmax and top-k kept on chip, then merged."""
+    monkeypatch.setattr(triton_clustered, "KEYS_PER_SPLIT", 64)
     _, k, v = qkv(m=m, d=d, dv=dv)
     centroids = torch.randn(2, 2, 5, d, generator=torch.Generator().manual_seed(1))
     mask = padding_mask(2, m, [m - 3, 0])  # row 1 has no real key at all
@@ -136,6 +139,17 @@ def test_centroid_attention_equals_the_reference(d, dv, m):
     assert torch.allclose(got.top_probs, want_probs, atol=1e-6, rtol=0)
     assert (got.top_probs[1] == 0).all() and (got.values[1] == 0).all()
     assert triton_clustered.centroid_attention_triton(centroids, k, v, mask, scale, 0).top_index is None
+
+
+def test_centroid_attention_beyond_the_on_chip_topk_equals_the_reference(monkeypatch):
+    monkeypatch.setattr(triton_clustered, "MAX_TOPK_ON_CHIP", 4)
+    _, k, v = qkv(m=30, d=16)
+    centroids = torch.randn(2, 2, 5, 16, generator=torch.Generator().manual_seed(1))
+    mask = padding_mask(2, 30, [30, 21])
+    got = triton_clustered.centroid_attention_triton(centroids, k, v, mask, 0.25, 6)
+    expected = _centroid_attention(centroids, k, mask, 0.25)
+    assert torch.allclose(got.values, expected @ v, atol=1e-5, rtol=0)
+    assert_topk_agree(got.top_index, expected.topk(6, dim=-1).indices, expected)
 
 
 @pytest.mark.parametrize("n, m, topk, lengths", [(45, 45, 6, [45, 31]), (30, 100, 80, [100, 70])])
