@@ -243,11 +243,14 @@ def _detail(exc: ValueError) -> str:
 
 
 def echo_attention(plans: list[Resolved], requested: AttentionSpec, target: float | None) -> dict[str, Any]:
-    """What the response reports: the one resolved spec, or for "auto" over mixed lengths what
-    auto went by (threshold or target) and each input's resolved spec."""
+    """What the response reports: the one resolved spec, or, where inputs resolved differently
+    (auto over mixed lengths, or a method exact by its knobs for the short inputs only), the
+    method asked for, what auto went by (threshold or target), and each input's resolved spec."""
     distinct = {json.dumps(plan.echo, sort_keys=True) for plan in plans}
     if len(distinct) == 1:
         return plans[0].echo
+    if requested.method != "auto":
+        return {"method": requested.method, "inputs": [plan.echo for plan in plans]}
     rule = {"target_fidelity": target} if target is not None else {"auto_threshold": requested.auto_threshold}
     return {"method": "auto", **rule, "inputs": [plan.echo for plan in plans]}
 

@@ -44,8 +44,10 @@ def test_openai_embeddings_float(client):
     assert int(response.headers["x-input-tokens"]) == sum(tokens)
     assert int(response.headers["x-peak-memory-bytes"]) > 0
     assert json.loads(response.headers["x-attention"]) == body["attention"]
-    # The server's default (i-clustered, inputs this short) and only the knobs it uses.
-    assert body["attention"] == AttentionSpec().used_knobs()
+    # The server's default: auto aiming at 0.98 through the shipped CPU table, which runs exact
+    # attention at these lengths.
+    assert body["attention"]["method"] == "full" and body["attention"]["target_fidelity"] == 0.98
+    assert body["attention"]["calibration_bucket"] == 1024
     total = float(response.headers["x-total-time-ms"])
     assert total >= float(response.headers["x-inference-time-ms"]) >= 0
 
@@ -93,7 +95,8 @@ def test_openai_dimensions_cut_and_renormalise(client):
 
 @pytest.mark.parametrize("method", ["full", "clustered", "i-clustered", "smyrf"])
 def test_attention_is_resolved_and_echoed(client, method):
-    knobs = {"clusters": 7, "topk": 5, "hash_rounds": 2, "cluster_size": 16, "seed": 3}
+    # Knobs that keep each method approximate for a sentence of ~10 tokens.
+    knobs = {"clusters": 7, "topk": 5, "hash_rounds": 2, "cluster_size": 2, "seed": 3}
     knobs = {k: v for k, v in knobs.items() if k in METHOD_KNOBS[method]}
     response = client.post("/v1/embeddings", json={"input": SENTENCES[1], "attention": {"method": method, **knobs}})
     assert response.status_code == 200, response.text
@@ -106,19 +109,34 @@ def test_attention_is_resolved_and_echoed(client, method):
     np.testing.assert_array_equal(np.array(tei.json(), dtype=np.float32), vectors(response))
 
 
-def test_auto_picks_by_length(client):
-    # The session app sets auto_threshold=256.
+def test_auto_with_a_knob_picks_by_length(client):
+    # The session app sets auto_threshold=256; naming a knob a calibration chooses leaves the
+    # server's default target out, so the threshold decides.
     long_text = license_text(1500)
-    short = client.post("/v1/embeddings", json={"input": SENTENCES[0], "attention": {"method": "auto"}})
+    auto = {"method": "auto", "clusters": 9}
+    short = client.post("/v1/embeddings", json={"input": SENTENCES[0], "attention": auto})
     assert short.json()["attention"] == {"method": "full"}
-    long = client.post("/v1/embeddings", json={"input": long_text, "attention": {"method": "auto", "clusters": 9}})
+    long = client.post("/v1/embeddings", json={"input": long_text, "attention": auto})
     assert long.json()["usage"]["prompt_tokens"] >= 256
     assert long.json()["attention"]["method"] == "i-clustered"
     assert long.json()["attention"]["clusters"] == 9
-    mixed = client.post("/v1/embeddings", json={"input": [SENTENCES[0], long_text], "attention": {"method": "auto"}})
+    mixed = client.post("/v1/embeddings", json={"input": [SENTENCES[0], long_text], "attention": auto})
     echo = mixed.json()["attention"]
     assert echo["method"] == "auto" and echo["auto_threshold"] == 256
     assert [spec["method"] for spec in echo["inputs"]] == ["full", "i-clustered"]
+
+
+def test_a_method_exact_by_its_knobs_runs_exact_attention_and_says_so(client):
+    long_text = license_text(1500)  # ~300 tokens
+    asked = {"method": "i-clustered", "clusters": 100, "topk": 8}
+    mixed = client.post("/v1/embeddings", json={"input": [SENTENCES[0], long_text], "attention": asked})
+    echo = mixed.json()["attention"]
+    assert echo["method"] == "i-clustered"
+    short, long = echo["inputs"]
+    assert short["method"] == "full" and short["exact_by_knobs"]["method"] == "i-clustered"
+    assert short["exact_by_knobs"]["clusters"] == 100 and long["method"] == "i-clustered"
+    full = client.post("/v1/embeddings", json={"input": SENTENCES[0], "attention": {"method": "full"}})
+    np.testing.assert_array_equal(vectors(mixed)[0], vectors(full)[0])
 
 
 def test_truncate_cuts_to_the_limit(client):
@@ -208,8 +226,8 @@ def test_info(client):
         for name, described in methods[method].items():
             low, high = KNOB_RANGES[name]
             assert described == {"default": getattr(default, name), "min": low, "max": high}
-    assert info["attention"]["default_method"] == "i-clustered"
-    assert info["attention"]["auto"] == {"threshold": 256, "method": "i-clustered"}
+    assert info["attention"]["default_method"] == "auto"
+    assert info["attention"]["auto"] == {"target_fidelity": 0.98, "threshold": 256, "method": "i-clustered"}
 
 
 @pytest.mark.parametrize("path", ["/health", "/health/live", "/health/ready"])

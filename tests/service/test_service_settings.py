@@ -12,11 +12,12 @@ from service.settings import Settings
 
 
 def test_defaults_match_the_contract(monkeypatch):
-    for name in ("HOST", "PORT", "MODEL", "METHOD", "API_KEY"):
+    for name in ("HOST", "PORT", "MODEL", "METHOD", "API_KEY", "TARGET_FIDELITY"):
         monkeypatch.delenv(f"CLUSTERSERVE_{name}", raising=False)
     settings = Settings()
     assert (settings.host, settings.port, settings.model) == ("127.0.0.1", 8000, None)
-    assert settings.default_spec() == AttentionSpec()
+    # A request that names nothing runs auto aiming at 0.98 through the calibration table.
+    assert settings.default_spec() == AttentionSpec(method="auto") and settings.target_fidelity == 0.98
     assert settings.api_key is None and settings.cors_origins == []
 
 
@@ -36,13 +37,21 @@ def test_environment_variables(monkeypatch):
     assert settings.log_level == "warning"
 
 
+@pytest.mark.parametrize("unset", ["", "none", "None"])
+def test_an_empty_target_fidelity_leaves_auto_to_the_threshold(monkeypatch, unset):
+    monkeypatch.setenv("CLUSTERSERVE_TARGET_FIDELITY", unset)
+    assert Settings().target_fidelity is None
+
+
 def test_flags_override_the_environment(monkeypatch):
     monkeypatch.setenv("CLUSTERSERVE_PORT", "9123")
     monkeypatch.setenv("CLUSTERSERVE_CLUSTERS", "50")
     settings = parse_settings(["--port", "9001", "--host", "127.0.0.2", "--topk", "8", "--no-warmup",
                                "--auto-threshold", "2048", "--auto-method", "smyrf", "--model", "/tmp"])
     assert (settings.port, settings.host, settings.warmup) == (9001, "127.0.0.2", False)
-    assert settings.default_spec() == AttentionSpec(clusters=50, topk=8, auto_threshold=2048, auto_method="smyrf")
+    assert settings.default_spec() == AttentionSpec(
+        method="auto", clusters=50, topk=8, auto_threshold=2048, auto_method="smyrf"
+    )
     assert str(settings.model) == "/tmp"
 
 
@@ -50,7 +59,7 @@ def test_flags_override_the_environment(monkeypatch):
     "kwargs, field",
     [({"clusters": 0}, "clusters"), ({"bits": 64}, "bits"), ({"method": "linear"}, "method"),
      ({"auto_method": "full"}, "auto_method"), ({"max_batch_tokens": 0}, "max_batch_tokens"),
-     ({"device": "tpu9"}, "device"), ({"port": 70000}, "port")],
+     ({"device": "tpu9"}, "device"), ({"port": 70000}, "port"), ({"target_fidelity": 1.5}, "target_fidelity")],
 )
 def test_bad_settings_stop_start_up(kwargs, field):
     with pytest.raises(ValidationError, match=field):

@@ -32,8 +32,11 @@ def server(tmp_path_factory):
         yield base
 
 
-@pytest.fixture(scope="module")
-def inference_client(server):
+@pytest.fixture
+def inference_client(server, monkeypatch):
+    # tests/models sets HF_HUB_OFFLINE=1 for the whole session (nothing there may reach a hub),
+    # and the client refuses every URL in offline mode, ours on the loopback too.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     return huggingface_hub.InferenceClient(model=server, token=KEY, timeout=120)
 
 
