@@ -55,7 +55,7 @@ def post(http: httpx.Client, texts: list[str], attention: dict | None) -> tuple[
 def measure(http: httpx.Client, texts: list[str], repeats: int) -> list[dict]:
     times: dict[str, list[float]] = {label: [] for label, _ in VARIANTS}
     ran: dict[str, str] = {}
-    for label, attention in VARIANTS:  # untimed: first-batch costs
+    for _, attention in VARIANTS:  # untimed: first-batch costs
         post(http, texts, attention)
     for _ in range(repeats):
         for label, attention in VARIANTS:
