@@ -41,7 +41,29 @@ def test_auto_resolves_by_length():
     assert long.spec.method == "smyrf" and long.spec.cluster_size == spec.cluster_size
     assert long.echo == long.spec.used_knobs()
     concrete = AttentionSpec(method="clustered")
-    assert resolve_auto(concrete, 10).spec is concrete
+    assert resolve_auto(concrete, 1000).spec is concrete
+
+
+@pytest.mark.parametrize(
+    "spec, tokens, exact",
+    [
+        (AttentionSpec(method="clustered", clusters=100), 100, True),  # every query its own cluster
+        (AttentionSpec(method="clustered", clusters=100), 101, False),
+        (AttentionSpec(method="i-clustered", clusters=10, topk=64), 64, True),  # every key recomputed
+        (AttentionSpec(method="i-clustered", clusters=10, topk=64), 65, False),
+        (AttentionSpec(method="smyrf", cluster_size=64), 64, True),  # one cluster
+        (AttentionSpec(method="smyrf", cluster_size=64), 65, False),
+        (AttentionSpec(method="auto", auto_threshold=10, clusters=100), 50, True),  # auto's i-clustered
+    ],
+)
+def test_a_method_exact_by_its_knobs_runs_exact_attention_and_the_echo_says_what_was_asked(spec, tokens, exact):
+    resolved = resolve_auto(spec, tokens)
+    asked = resolve_auto(spec, tokens, shortcut_exact=False)
+    if not exact:
+        assert resolved == asked and resolved.spec.method != "full"
+        return
+    assert resolved.spec == dataclasses.replace(asked.spec, method="full")
+    assert resolved.echo == {"method": "full", "exact_by_knobs": asked.spec.used_knobs()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +88,7 @@ class OneChoiceTable:
 def test_auto_with_a_target_runs_what_the_table_chooses():
     table = OneChoiceTable(AttentionSpec(method="smyrf", hash_rounds=2))
     spec = AttentionSpec(method="auto", auto_threshold=10, seed=5)
-    resolved = resolve_auto(spec, 3, table=table, target=0.95)  # below the threshold: the table still decides
+    resolved = resolve_auto(spec, 3, table=table, target=0.95, shortcut_exact=False)  # below the threshold too
     assert table.asked == [(3, 0.95, 5)]
     assert resolved.spec.method == "smyrf" and resolved.spec.seed == 5
     assert resolved.echo["target_fidelity"] == 0.95 and resolved.echo["calibrated_fidelity"] == 0.97
@@ -74,11 +96,11 @@ def test_auto_with_a_target_runs_what_the_table_chooses():
 
 def test_a_target_without_a_table_falls_back_to_the_threshold_and_says_so():
     spec = AttentionSpec(method="auto", auto_threshold=10)
-    resolved = resolve_auto(spec, 30, target=0.9)
+    resolved = resolve_auto(spec, 300, target=0.9)
     assert resolved.spec.method == spec.auto_method
     assert resolved.echo == {**resolved.spec.used_knobs(), "target_fidelity": 0.9, "calibrated_fidelity": None}
     table = OneChoiceTable(AttentionSpec(method="smyrf"))
-    assert resolve_auto(spec, 30, table=table).spec.method == spec.auto_method  # no target: no table
+    assert resolve_auto(spec, 300, table=table).spec.method == spec.auto_method  # no target: no table
     assert table.asked == []
 
 
