@@ -15,6 +15,7 @@ Prints a table, writes bench/results/http_latency.json and bench/results/http_la
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 
@@ -54,6 +56,27 @@ def start_server(port: int, log_path: Path) -> subprocess.Popen:
                "--request-timeout-s", "3600", "--log-level", "warning"]
     with open(log_path, "w") as log:
         return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+@contextlib.contextmanager
+def serving(url: str | None) -> Iterator[str]:
+    """The base URL of a ready server: `url` as given, or a `python -m service` started on a
+    free loopback port for the block and stopped after it."""
+    process = None
+    if url is None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        process = start_server(port, Path("/tmp") / f"clusterserve-bench-{port}.log")
+        url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, process)
+        yield url
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(60)
 
 
 def wait_ready(url: str, process: subprocess.Popen | None, timeout_s: float = 300) -> None:
@@ -151,17 +174,7 @@ def main() -> None:
     parser.add_argument("--name", default="http_latency")
     args = parser.parse_args()
 
-    process = None
-    url = args.url
-    if url is None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        process = start_server(port, Path("/tmp") / f"clusterserve-bench-{port}.log")
-        url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, process)
+    with serving(args.url) as url:
         rows = []
         with httpx.Client(base_url=url, timeout=3600) as http:
             info = http.get("/info").json()
@@ -194,10 +207,6 @@ def main() -> None:
         path = write_results(args.name, rows, meta)
         plot(rows, path.with_suffix(".png"))
         print(f"\nwrote {path}")
-    finally:
-        if process is not None:
-            process.terminate()
-            process.wait(60)
 
 
 if __name__ == "__main__":

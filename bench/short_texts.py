@@ -15,15 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
-from pathlib import Path
 
 import httpx
 
-from .common import RESULTS_DIR, print_table, write_results
-from .http_latency import corpus, start_server, wait_ready
+from .common import print_table, write_results
+from .http_latency import corpus, serving
 
 # (label, the request's attention object; None = the server's default)
 VARIANTS = [
@@ -81,16 +79,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args()
 
-    process, url = None, args.url
-    if url is None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        process = start_server(port, Path("/tmp") / f"clusterserve-bench-{port}.log")
-        url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, process)
+    with serving(args.url) as url:
         with httpx.Client(base_url=url, timeout=3600) as http:
             info = http.get("/info").json()
             texts = sentences(args.sentences)
@@ -109,10 +98,6 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
         print(f"\nwrote {write_results('short_texts', rows, meta)}")
-    finally:
-        if process is not None:
-            process.terminate()
-            process.wait(60)
 
 
 if __name__ == "__main__":
