@@ -43,6 +43,7 @@ GRID = [
     AttentionSpec(method="i-clustered", clusters=100, topk=32, iterations=5, refine=3),
     AttentionSpec(method="i-clustered", clusters=200, topk=32, iterations=5, refine=3),
     AttentionSpec(method="i-clustered", clusters=400, topk=64, iterations=5, refine=3),
+    AttentionSpec(method="clustered", clusters=200, iterations=3, refine=2),
     AttentionSpec(method="clustered", clusters=200, iterations=5, refine=3),
     AttentionSpec(method="clustered", clusters=400, iterations=5, refine=3),
     AttentionSpec(method="clustered", clusters=800, iterations=5, refine=3),

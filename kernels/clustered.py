@@ -156,13 +156,7 @@ def _select(per_cluster: Tensor, cluster: Tensor) -> Tensor:
 
 
 REFERENCE = ClusteredStages(
-    name="reference",
-    compute=float32_or_64,
-    hash=hash_queries,
-    cluster=cluster_codes,
-    refine=refine_assignments,
-    centroids=cluster_means,
-    centroid_attention=centroid_attention,
-    sparse=improved_sparse,
-    broadcast=broadcast,
+    name="reference", compute=float32_or_64, hash=hash_queries, cluster=cluster_codes,
+    refine=refine_assignments, centroids=cluster_means, centroid_attention=centroid_attention,
+    sparse=improved_sparse, broadcast=broadcast,
 )

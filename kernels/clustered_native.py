@@ -56,13 +56,7 @@ def improved_sparse(
 
 
 NATIVE = ClusteredStages(
-    name="native",
-    compute=lambda dtype: torch.float32,
-    hash=hash_queries,
-    cluster=cluster_codes,
-    refine=refine_assignments,
-    centroids=cluster_means,
-    centroid_attention=centroid_attention,
-    sparse=improved_sparse,
-    broadcast=broadcast,
+    name="native", compute=lambda dtype: torch.float32, hash=hash_queries, cluster=cluster_codes,
+    refine=refine_assignments, centroids=cluster_means, centroid_attention=centroid_attention,
+    sparse=improved_sparse, broadcast=broadcast,
 )

@@ -437,16 +437,13 @@ def improved_sparse_triton(
     return out
 
 
+# the kernels read float32, float16, bfloat16 and compute in float32
+# The kernels read float32, float16 and bfloat16 and compute in float32; the K-means kernels
+# write the exact case's ranks themselves.
 TRITON = ClusteredStages(
-    name="triton",
-    compute=lambda dtype: dtype,  # the kernels read float32, float16, bfloat16 and compute in float32
-    hash=hash_queries_triton,
-    cluster=cluster_codes_triton,
-    refine=refine_assignments_triton,
-    centroids=centroids_triton,
-    centroid_attention=centroid_attention_triton,
-    sparse=improved_sparse_triton,
-    broadcast=broadcast_triton,
-    exact_case=applied_by_stages,  # the K-means kernels write the exact case's ranks
+    name="triton", compute=lambda dtype: dtype, hash=hash_queries_triton, cluster=cluster_codes_triton,
+    refine=refine_assignments_triton, centroids=centroids_triton,
+    centroid_attention=centroid_attention_triton, sparse=improved_sparse_triton, broadcast=broadcast_triton,
+    exact_case=applied_by_stages,
 )
 

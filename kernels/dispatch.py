@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 
@@ -62,34 +63,24 @@ def backend_for(device: torch.device | str, dtype: torch.dtype, requested: str =
     return requested
 
 
+# Where each backend's stage tables live: imported on demand, so triton stays optional.
+_STAGE_TABLES = {
+    "reference": (".clustered", ".smyrf", "REFERENCE"),
+    "native": (".clustered_native", ".smyrf_native", "NATIVE"),
+    "triton": (".clustered_triton", ".smyrf_triton", "TRITON"),
+}
+
+
 def clustered_stages(backend: str) -> ClusteredStages:
-    """The clustered pipeline of a concrete backend (imported on demand: triton is optional)."""
-    if backend == "triton":
-        from .clustered_triton import TRITON
-
-        return TRITON
-    if backend == "native":
-        from .clustered_native import NATIVE
-
-        return NATIVE
-    from .clustered import REFERENCE
-
-    return REFERENCE
+    """The clustered pipeline of a concrete backend."""
+    module, _, table = _STAGE_TABLES[backend]
+    return getattr(importlib.import_module(module, __package__), table)
 
 
 def smyrf_stages(backend: str) -> SmyrfStages:
-    """The SMYRF pipeline of a concrete backend (imported on demand: triton is optional)."""
-    if backend == "triton":
-        from .smyrf_triton import TRITON
-
-        return TRITON
-    if backend == "native":
-        from .smyrf_native import NATIVE
-
-        return NATIVE
-    from .smyrf import REFERENCE
-
-    return REFERENCE
+    """The SMYRF pipeline of a concrete backend."""
+    _, module, table = _STAGE_TABLES[backend]
+    return getattr(importlib.import_module(module, __package__), table)
 
 
 def attention(

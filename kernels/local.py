@@ -19,12 +19,7 @@ _QUERIES_PER_STEP = 4096
 
 
 def local_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    window: int,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
+    q: Tensor, k: Tensor, v: Tensor, window: int, key_padding_mask: Tensor | None = None, scale: float | None = None,
 ) -> Tensor:
     """Exact banded self-attention. q, k: (B, H, N, D), v: (B, H, N, Dv) -> (B, H, N, Dv).
 
@@ -80,12 +75,7 @@ def local_attention(
 
 
 def local_attention_dense(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    window: int,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
+    q: Tensor, k: Tensor, v: Tensor, window: int, key_padding_mask: Tensor | None = None, scale: float | None = None,
 ) -> Tensor:
     """The reference: the same attention through an N x N banded mask (small N only)."""
     _check(q, k, v, window, key_padding_mask)

@@ -99,15 +99,8 @@ def cluster_counts(query_mask: Tensor, key_mask: Tensor, cluster_size: int) -> t
 
 
 def cluster_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_orders: Tensor,
-    k_orders: Tensor,
-    key_padding_mask: Tensor | None,
-    spec: AttentionSpec,
-    scale: float,
-    dtype: torch.dtype,
+    q: Tensor, k: Tensor, v: Tensor, q_orders: Tensor, k_orders: Tensor,
+    key_padding_mask: Tensor | None, spec: AttentionSpec, scale: float, dtype: torch.dtype,
 ) -> Tensor:
     """The cluster-attention stage: per round, cut the sorted queries and keys into the same
     number of balanced clusters, attend inside each, and merge the rounds by softmax mass.
@@ -169,5 +162,6 @@ def merge_by_mass(out: Tensor, lse: Tensor, round_out: Tensor, round_lse: Tensor
 
 
 REFERENCE = SmyrfStages(
-    name="reference", compute=float32_or_64, hash=hash_tokens, sort=sort_by_hash, cluster_attention=cluster_attention
+
+    name="reference", compute=float32_or_64, hash=hash_tokens, sort=sort_by_hash, cluster_attention=cluster_attention,
 )

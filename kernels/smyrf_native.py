@@ -41,15 +41,8 @@ def sort_by_hash(q_hashes: Tensor, k_hashes: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def cluster_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_orders: Tensor,
-    k_orders: Tensor,
-    key_padding_mask: Tensor | None,
-    spec: AttentionSpec,
-    scale: float,
-    dtype: torch.dtype,
+    q: Tensor, k: Tensor, v: Tensor, q_orders: Tensor, k_orders: Tensor,
+    key_padding_mask: Tensor | None, spec: AttentionSpec, scale: float, dtype: torch.dtype,
 ) -> Tensor:
     """smyrf.cluster_attention in native.c: (B, H, N, D), (B, H, M, D), (B, H, M, Dv) float32
     and the sort orders (R, B, H, N), (R, B, H, M) -> (B, H, N, Dv) in dtype, padded queries 0."""
@@ -60,9 +53,6 @@ def cluster_attention(
 
 
 NATIVE = SmyrfStages(
-    name="native",
-    compute=lambda dtype: torch.float32,
-    hash=hash_tokens,
-    sort=sort_by_hash,
+    name="native", compute=lambda dtype: torch.float32, hash=hash_tokens, sort=sort_by_hash,
     cluster_attention=cluster_attention,
 )

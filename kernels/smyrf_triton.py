@@ -384,10 +384,8 @@ def cluster_attention_triton(
     return out.to(dtype)
 
 
+# The kernels read float32, float16 and bfloat16 and accumulate in float32.
 TRITON = SmyrfStages(
-    name="triton",
-    compute=lambda dtype: dtype,  # the kernels read float32, float16, bfloat16 and accumulate in float32
-    hash=hash_tokens_triton,
-    sort=sort_by_hash,
+    name="triton", compute=lambda dtype: dtype, hash=hash_tokens_triton, sort=sort_by_hash,
     cluster_attention=cluster_attention_triton,
 )

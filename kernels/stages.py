@@ -91,14 +91,8 @@ def float32_or_64(dtype: torch.dtype) -> torch.dtype:
 
 
 def run_clustered(
-    stages: ClusteredStages,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    spec: AttentionSpec,
-    key_padding_mask: Tensor | None,
-    scale: float,
-    observe: Observe = call,
+    stages: ClusteredStages, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec,
+    key_padding_mask: Tensor | None, scale: float, observe: Observe = call,
 ) -> Tensor:
     """Clustered or improved clustered attention (spec.method) through `stages`.
 
@@ -137,14 +131,8 @@ def applied_by_stages(assign: Tensor, query_mask: Tensor, clusters: int) -> Tens
 
 
 def run_smyrf(
-    stages: SmyrfStages,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    spec: AttentionSpec,
-    key_padding_mask: Tensor | None,
-    scale: float,
-    observe: Observe = call,
+    stages: SmyrfStages, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec,
+    key_padding_mask: Tensor | None, scale: float, observe: Observe = call,
 ) -> Tensor:
     """SMYRF attention through `stages`: (B, H, N, D), (B, H, M, D), (B, H, M, Dv) -> (B, H, N, Dv)."""
     compute = stages.compute(q.dtype)

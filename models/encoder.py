@@ -40,21 +40,9 @@ class Encoder:
     """
 
     def __init__(
-        self,
-        model: nn.Module,
-        tokenizer: TextTokenizer,
-        pooling: PoolingConfig,
-        *,
-        name: str,
-        architecture: str,
-        native_positions: int,
-        max_input_tokens: int,
-        position_extension: str | None,
-        pad_token_id: int,
-        vocab_size: int,
-        folder: Path | None = None,
-        adapters: tuple[str, ...] = (),
-        prompts: Prompts | None = None,
+        self, model: nn.Module, tokenizer: TextTokenizer, pooling: PoolingConfig, *, name: str, architecture: str,
+        native_positions: int, max_input_tokens: int, position_extension: str | None, pad_token_id: int,
+        vocab_size: int, folder: Path | None = None, adapters: tuple[str, ...] = (), prompts: Prompts | None = None,
         backend: str = "auto",
     ):
         if backend not in BACKENDS:
@@ -107,11 +95,8 @@ class Encoder:
         return self.tokenizer.count(_check_texts(texts))
 
     def prepare(
-        self,
-        inputs: Sequence[str] | Sequence[Sequence[int]],
-        truncate: bool = False,
-        truncation_direction: str = "right",
-        prompt_name: str | None = None,
+        self, inputs: Sequence[str] | Sequence[Sequence[int]], truncate: bool = False,
+        truncation_direction: str = "right", prompt_name: str | None = None,
     ) -> list[list[int]]:
         """Token ids per input, within `max_input_tokens` (see `models.inputs.prepare_inputs`;
         raises its EmptyInput, InvalidTokenIds, InputTooLong). Texts get the prompt
@@ -140,16 +125,9 @@ class Encoder:
         )
 
     def embed(
-        self,
-        inputs: Sequence[str] | Sequence[Sequence[int]],
-        spec: AttentionSpec,
-        truncate: bool = False,
-        normalize: bool = True,
-        dimensions: int | None = None,
-        truncation_direction: str = "right",
-        max_batch_tokens: int = 16384,
-        adapter: str | None = None,
-        prompt_name: str | None = None,
+        self, inputs: Sequence[str] | Sequence[Sequence[int]], spec: AttentionSpec, truncate: bool = False,
+        normalize: bool = True, dimensions: int | None = None, truncation_direction: str = "right",
+        max_batch_tokens: int = 16384, adapter: str | None = None, prompt_name: str | None = None,
     ) -> Tensor:
         """Embed texts or token-id lists -> (n, dimensions or dim) float32 on the CPU, in input order.
 
@@ -183,11 +161,7 @@ class Encoder:
         return vectors
 
     def embed_batch(
-        self,
-        sequences: list[list[int]],
-        spec: AttentionSpec,
-        normalize: bool = True,
-        dimensions: int | None = None,
+        self, sequences: list[list[int]], spec: AttentionSpec, normalize: bool = True, dimensions: int | None = None,
         adapter: str | None = None,
     ) -> Tensor:
         """One forward pass over prepared token ids (`prepare`'s output), in the order given

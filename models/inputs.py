@@ -53,13 +53,8 @@ class Tokenizer(Protocol):
 
 
 def prepare_inputs(
-    tokenizer: Tokenizer,
-    inputs: Sequence[str] | Sequence[Sequence[int]],
-    *,
-    vocab_size: int,
-    limit: int,
-    truncate: bool = False,
-    truncation_direction: str = "right",
+    tokenizer: Tokenizer, inputs: Sequence[str] | Sequence[Sequence[int]], *, vocab_size: int, limit: int,
+    truncate: bool = False, truncation_direction: str = "right",
 ) -> list[list[int]]:
     """Token ids per input, each at most `limit` long (special tokens included).
 

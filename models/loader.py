@@ -37,11 +37,8 @@ _PARAMETRIZATION_NAMES = (
 
 
 def load_encoder(
-    path: str | Path | None,
-    max_input_tokens: int | None = None,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    backend: str = "auto",
+    path: str | Path | None, max_input_tokens: int | None = None, device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None, backend: str = "auto",
 ) -> Encoder:
     """Load an encoder.
 

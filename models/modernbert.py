@@ -44,11 +44,7 @@ class ModernBertAttention(nn.Module):
         self.Wo = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
 
     def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None,
-        spec: AttentionSpec,
-        rotary: tuple[Tensor, Tensor],
+        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor],
         backend: str = "auto",
     ) -> Tensor:
         b, n, c = x.shape
@@ -89,11 +85,7 @@ class ModernBertLayer(nn.Module):
         self.mlp = ModernBertMLP(config)
 
     def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None,
-        spec: AttentionSpec,
-        rotary: tuple[Tensor, Tensor],
+        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor],
         backend: str = "auto",
     ) -> Tensor:
         x = x + self.attn(self.attn_norm(x), mask, spec, rotary, backend)

@@ -23,12 +23,7 @@ ROPE_TYPES = ("default", "linear", "dynamic", "ntk")
 
 
 def inverse_frequencies(
-    n: int,
-    head_dim: int,
-    theta: float,
-    device: torch.device,
-    rope_type: str = "default",
-    factor: float = 1.0,
+    n: int, head_dim: int, theta: float, device: torch.device, rope_type: str = "default", factor: float = 1.0,
     original: int = 0,
 ) -> Tensor:
     """(D/2,) float32 angular frequency per rotated pair, for a sequence of n tokens."""
@@ -44,14 +39,8 @@ def inverse_frequencies(
 
 
 def rotary_tables(
-    n: int,
-    head_dim: int,
-    theta: float,
-    device: torch.device,
-    rope_type: str = "default",
-    factor: float = 1.0,
-    original: int = 0,
-    interleaved: bool = False,
+    n: int, head_dim: int, theta: float, device: torch.device, rope_type: str = "default", factor: float = 1.0,
+    original: int = 0, interleaved: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """cos, sin: (N, D) float32 for positions 0..n-1 in the layout `apply_rotary` expects."""
     inv_freq = inverse_frequencies(n, head_dim, theta, device, rope_type, factor, original)

@@ -80,13 +80,8 @@ class RotaryBertAttention(nn.Module):
         self.out = AdaptedLinear(c, c, bias, config)
 
     def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None,
-        spec: AttentionSpec,
-        rotary: tuple[Tensor, Tensor],
-        adapter: int | None,
-        backend: str = "auto",
+        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor],
+        adapter: int | None, backend: str = "auto",
     ) -> Tensor:
         b, n, c = x.shape
 
@@ -121,13 +116,8 @@ class RotaryBertLayer(nn.Module):
         return self.mlp_out(self.act(self.mlp_in(x, adapter)), adapter)
 
     def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None,
-        spec: AttentionSpec,
-        rotary: tuple[Tensor, Tensor],
-        adapter: int | None,
-        backend: str = "auto",
+        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor],
+        adapter: int | None, backend: str = "auto",
     ) -> Tensor:
         x = self.attn_norm(x + self.attn(x, mask, spec, rotary, adapter, backend))
         return self.mlp_norm(x + self.mlp(x, adapter))
@@ -143,11 +133,7 @@ class RotaryBertModel(nn.Module):
         self.layers = nn.ModuleList(RotaryBertLayer(config) for _ in range(config.num_layers))
 
     def forward(
-        self,
-        input_ids: Tensor,
-        mask: Tensor | None,
-        spec: AttentionSpec,
-        adapter: int | None = None,
+        self, input_ids: Tensor, mask: Tensor | None, spec: AttentionSpec, adapter: int | None = None,
         backend: str = "auto",
     ) -> Tensor:
         """input_ids: (B, N) long, mask: (B, N) bool True = real token (None: no padding),
