@@ -25,7 +25,7 @@ import kernels
 from kernels import APPROXIMATE_METHODS
 from models.calibration import Calibration, CalibrationError, find_calibration, load_calibration
 
-from . import __version__
+from . import __version__, openapi
 from .batching import Batcher
 from .errors import install_error_handlers
 from .metrics import Metrics
@@ -120,6 +120,7 @@ def create_app(settings: Settings | None = None, load: Callable[[Settings], Any]
     )
     app.state.service = state
     app.state.metrics = metrics_
+    openapi.install(app, state)
     install_error_handlers(app)
     for module in (openai, tei, tokenize, info, health, metrics):
         app.include_router(module.router)

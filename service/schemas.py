@@ -9,14 +9,31 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, StrictBool, StrictFloat, StrictInt
 
 from kernels import KNOB_RANGES, METHODS
 
 
-def _knob(name: str, description: str) -> Any:
+def _integral(value: Any) -> Any:
+    """JSON has one number type: 8.0 is the integer 8 (as JSON Schema's "integer" says); 8.5,
+    true and "8" are not integers and stay as they are, for the strict check to refuse."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def json_int(**bounds: int) -> Any:
+    """An integer field within `bounds` (ge, le): a JSON integer, written 8 or 8.0; never a bool
+    or a string. The bounds sit on the inner type, so the OpenAPI document states them."""
+    return Annotated[Annotated[StrictInt, Field(**bounds)], BeforeValidator(_integral)]
+
+
+def _knob(name: str) -> Any:
     low, high = KNOB_RANGES[name]
-    return Field(None, ge=low, le=high, description=f"{description} [{low}, {high}]")
+    return json_int(ge=low, le=high)
+
+
+def _knob_field(name: str, description: str) -> Any:
+    low, high = KNOB_RANGES[name]
+    return Field(None, description=f"{description} [{low}, {high}]")
 
 
 # Knobs a calibrated choice sets: a request that names target_fidelity leaves them out (422).
@@ -39,14 +56,14 @@ class AttentionRequest(BaseModel):
     method: Literal[METHODS] | None = Field(  # type: ignore[valid-type]
         None, description="full | clustered | i-clustered | smyrf | auto"
     )
-    clusters: StrictInt | None = _knob("clusters", "query clusters (clustered, i-clustered)")
-    topk: StrictInt | None = _knob("topk", "keys per cluster recomputed exactly (i-clustered)")
-    bits: StrictInt | None = _knob("bits", "LSH bits of the query codes (clustered, i-clustered)")
-    iterations: StrictInt | None = _knob("iterations", "Hamming K-means iterations")
-    refine: StrictInt | None = _knob("refine", "Lloyd iterations on the real query vectors")
-    hash_rounds: StrictInt | None = _knob("hash_rounds", "SMYRF hashing rounds")
-    cluster_size: StrictInt | None = _knob("cluster_size", "SMYRF queries per cluster")
-    seed: StrictInt | None = _knob("seed", "seed of the random planes and initial centroids")
+    clusters: _knob("clusters") | None = _knob_field("clusters", "query clusters (clustered, i-clustered)")
+    topk: _knob("topk") | None = _knob_field("topk", "keys per cluster recomputed exactly (i-clustered)")
+    bits: _knob("bits") | None = _knob_field("bits", "LSH bits of the query codes (clustered, i-clustered)")
+    iterations: _knob("iterations") | None = _knob_field("iterations", "Hamming K-means iterations")
+    refine: _knob("refine") | None = _knob_field("refine", "Lloyd iterations on the real query vectors")
+    hash_rounds: _knob("hash_rounds") | None = _knob_field("hash_rounds", "SMYRF hashing rounds")
+    cluster_size: _knob("cluster_size") | None = _knob_field("cluster_size", "SMYRF queries per cluster")
+    seed: _knob("seed") | None = _knob_field("seed", "seed of the random planes and initial centroids")
     target_fidelity: StrictFloat | None = Field(
         None,
         gt=0,
@@ -80,16 +97,18 @@ def _check_input(value: Any) -> str | list[str] | list[int] | list[list[int]]:
     if isinstance(value, list):
         if all(isinstance(v, str) for v in value):
             return value
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return value
-        if all(
-            isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
-            for v in value
-        ):
-            return value
+        if all(_is_id(v) for v in value):
+            return [int(v) for v in value]
+        if all(isinstance(v, list) and all(_is_id(t) for t in v) for v in value):
+            return [[int(t) for t in v] for v in value]
     raise ValueError(
         "must be a string, a list of strings, a list of token ids or a list of token-id lists"
     )
+
+
+def _is_id(value: Any) -> bool:
+    """A token id as JSON writes an integer (7 or 7.0); never a bool."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
 
 
 def _check_text_inputs(value: Any) -> str | list[str]:
@@ -139,9 +158,7 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: little-endian float32 bytes, as OpenAI"
     )
-    dimensions: StrictInt | None = Field(
-        None, ge=1, description="keep the first n dimensions, then re-normalise"
-    )
+    dimensions: json_int(ge=1) | None = Field(None, description="keep the first n dimensions, then re-normalise")
     user: str | None = Field(None, description="accepted and ignored (never logged)")
     attention: AttentionRequest | None = None
     truncate: StrictBool = Field(False, description="cut inputs longer than the limit instead of 413")
@@ -182,7 +199,7 @@ class EmbedRequest(BaseModel):
     truncate: StrictBool = False
     truncation_direction: Literal["right", "left", "Right", "Left"] = "right"
     normalize: StrictBool = True
-    dimensions: StrictInt | None = Field(None, ge=1)
+    dimensions: json_int(ge=1) | None = None
     prompt_name: str | None = Field(None, description=PROMPT_NAME_DESCRIPTION)
     adapter: str | None = Field(None, description=ADAPTER_DESCRIPTION)
     attention: AttentionRequest | None = None

@@ -259,3 +259,19 @@ def test_vectors_are_float32_exact_in_json(client):
     row = response.json()["data"][0]["embedding"]
     # Every JSON number is a float32 value printed exactly: the round trip loses nothing.
     assert torch.tensor(row, dtype=torch.float32).double().tolist() == row
+
+
+def test_the_openapi_document_states_what_the_loaded_model_allows(client):
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    request = schemas["EmbeddingRequest"]
+    # The default model has no prompts and no task adapters: only null is allowed.
+    assert request["properties"]["prompt_name"]["type"] == "null"
+    assert schemas["EmbedRequest"]["properties"]["adapter"]["type"] == "null"
+    dimensions = [arm for arm in request["properties"]["dimensions"]["anyOf"] if arm.get("type") == "integer"]
+    assert dimensions == [{"type": "integer", "minimum": 1, "maximum": 384}]
+    assert '"maximum": 30521' in json.dumps(request["properties"]["input"])  # token ids < the vocabulary
+    assert client.post("/v1/embeddings", json={"input": "x", "dimensions": 385}).status_code == 422
+    assert client.post("/v1/embeddings", json={"input": [30522]}).status_code == 422
+    # JSON integers may be written 8.0; the server agrees with the document.
+    ok = client.post("/v1/embeddings", json={"input": [101.0, 2023.0, 102], "dimensions": 16.0})
+    assert ok.status_code == 200, ok.text

@@ -1,0 +1,78 @@
+"""The OpenAPI document, completed with what only the loaded model knows.
+
+Which `prompt_name` and `adapter` values a request may name, how many `dimensions` it may
+keep and which token ids exist depend on the checkpoint, so the static schemas say only "a
+string" or "an integer". Once the model is loaded the document lists the names (an enum, or
+null alone when the model has none), bounds `dimensions` by the model's width and token ids
+by its vocabulary, and states that prompts apply to texts only, so that a request the
+document allows is never refused as invalid. Until then it is built without them and not
+cached.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from .state import ServiceState
+
+# Request schema -> the field holding its inputs (texts or token ids).
+_INPUT_FIELDS = {"EmbeddingRequest": "input", "EmbedRequest": "inputs"}
+_TEXTS = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+
+
+def install(app: FastAPI, state: ServiceState) -> None:
+    """Replace `app.openapi` with one that adds the loaded model's prompts and adapters."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        if state.encoder is None:
+            return schema
+        encoder = state.encoder
+        _name_the_model_choices(schema, list(encoder.prompts.prompts), list(encoder.adapters))
+        _bound_the_integers(schema, {"dimensions": encoder.dim, "input": encoder.vocab_size - 1})
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi
+
+
+def _one_of(names: list[str]) -> dict[str, Any]:
+    return {"anyOf": [{"type": "string", "enum": names}, {"type": "null"}]} if names else {"type": "null"}
+
+
+def _name_the_model_choices(schema: dict[str, Any], prompts: list[str], adapters: list[str]) -> None:
+    for name, model in schema.get("components", {}).get("schemas", {}).items():
+        properties = model.get("properties", {})
+        if name not in _INPUT_FIELDS:
+            continue
+        for field, names in (("prompt_name", prompts), ("adapter", adapters)):
+            if field in properties:
+                properties[field] = {**_one_of(names), "description": properties[field].get("description", "")}
+        # A prompt is prepended to texts; token-id inputs are used as given (422 otherwise).
+        rule = {"anyOf": [{"properties": {"prompt_name": {"type": "null"}}}, {"properties": {_INPUT_FIELDS[name]: _TEXTS}}]}
+        model["allOf"] = [*model.get("allOf", []), rule]
+
+
+def _bound_the_integers(schema: dict[str, Any], maxima: dict[str, int]) -> None:
+    """Give every integer inside the named request fields its model-given maximum."""
+
+    def bound(node: Any, maximum: int) -> None:
+        if isinstance(node, dict):
+            if node.get("type") == "integer":
+                node["maximum"] = maximum
+            for child in node.values():
+                bound(child, maximum)
+        elif isinstance(node, list):
+            for child in node:
+                bound(child, maximum)
+
+    for name in _INPUT_FIELDS:
+        properties = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {})
+        for field, maximum in maxima.items():
+            if field in properties:
+                bound(properties[field], maximum)
