@@ -10,7 +10,12 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from kernel_inputs import padding_mask, qkv  # noqa: E402
-from ties import assert_codes_agree, assert_refinement_agrees, assert_topk_agree  # noqa: E402
+from ties import (  # noqa: E402
+    assert_codes_agree,
+    assert_exact_ties_go_to_the_lowest_cluster,
+    assert_refinement_agrees,
+    assert_topk_agree,
+)
 
 from kernels import AttentionSpec, attention  # noqa: E402
 from kernels.clustered import REFERENCE, _centroid_attention  # noqa: E402
@@ -100,16 +105,8 @@ def test_refinement_equals_the_reference(n, lengths, clusters, duplicates):
 
 @pytest.mark.parametrize("first, second", [(5, 18), (3, 35)])
 def test_refinement_ties_go_to_the_lowest_cluster_within_and_across_blocks(first, second):
-    # Queries `first` and `second` are the same vector, each alone in its cluster: both
-    # clusters are equally near to both, and the lower index wins (the kernel scans clusters
-    # in blocks of 32: 5 and 18 share one, 3 and 35 do not).
-    q = torch.randn(1, 1, 40, 16, generator=torch.Generator().manual_seed(0))
-    q[0, 0, second] = q[0, 0, first]
-    start = torch.arange(40).reshape(1, 1, 40)
-    mask = torch.ones(1, 40, dtype=torch.bool)
-    expected = refine_clusters(q, start, mask, 40, 1)
-    assert expected[0, 0, second] == first and expected[0, 0, first] == first
-    assert torch.equal(refine_clusters_triton(q, start, mask, 40, 1), expected)
+    # The kernel scans clusters in blocks of 32: 5 and 18 share one, 3 and 35 do not.
+    assert_exact_ties_go_to_the_lowest_cluster(refine_clusters_triton, first, second, 40)
 
 
 def test_cluster_means_equal_the_reference():

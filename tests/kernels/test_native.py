@@ -6,13 +6,18 @@ import logging
 import pytest
 import torch
 from kernel_inputs import padding_mask, qkv
-from ties import assert_codes_agree, assert_refinement_agrees, assert_topk_agree
+from ties import (
+    assert_codes_agree,
+    assert_exact_ties_go_to_the_lowest_cluster,
+    assert_refinement_agrees,
+    assert_topk_agree,
+)
 
 from kernels import AttentionSpec, attention, backend_for, native
 from kernels.clustered import REFERENCE, _centroid_attention
 from kernels.clustered_native import NATIVE
 from kernels.hashing import hash_codes, hash_planes, hash_signs
-from kernels.kmeans import hamming_kmeans, initial_centroid_positions, initial_offsets, refine_clusters
+from kernels.kmeans import hamming_kmeans, initial_centroid_positions, initial_offsets
 from kernels.masks import token_masks
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native loops were not built (no C compiler)")
@@ -73,16 +78,9 @@ def test_refinement_equals_the_reference(n, lengths, clusters, iterations, copie
 
 @pytest.mark.parametrize("first, second", [(5, 18), (3, 19)])
 def test_refinement_ties_go_to_the_lowest_cluster_across_lanes_and_blocks(first, second):
-    # Queries `first` and `second` are the same vector, each alone in its cluster: both
-    # clusters are equally near to both queries, and the lower index wins. Clusters 5 and 18
-    # sit in different lanes of different blocks of 16; 3 and 19 in the same lane of two blocks.
-    q = torch.randn(1, 1, 24, 16, generator=torch.Generator().manual_seed(0))
-    q[0, 0, second] = q[0, 0, first]
-    start = torch.arange(24).reshape(1, 1, 24)
-    mask = torch.ones(1, 24, dtype=torch.bool)
-    expected = refine_clusters(q, start, mask, 24, 1)
-    assert expected[0, 0, second] == first and expected[0, 0, first] == first
-    assert torch.equal(native.refine_clusters(q, start, mask, 24, 1), expected)
+    # Clusters 5 and 18 sit in different lanes of different blocks of 16; 3 and 19 in the same
+    # lane of two blocks.
+    assert_exact_ties_go_to_the_lowest_cluster(native.refine_clusters, first, second, 24)
 
 
 def test_every_stage_equals_the_reference_given_the_same_inputs():

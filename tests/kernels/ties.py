@@ -118,3 +118,17 @@ def assert_topk_agree(got_index: Tensor, want_index: Tensor, probs: Tensor, tole
     assert gap <= tolerance, f"top-k sets differ by a probability of {float(gap):.2e} (not a tie)"
     same = got_index.sort(dim=-1).values == want_index.sort(dim=-1).values
     return int((~same.all(-1)).sum())
+
+
+def assert_exact_ties_go_to_the_lowest_cluster(refine, first: int, second: int, n: int) -> None:
+    """Queries `first` and `second` of n are the same vector, each alone in its cluster: both
+    clusters are exactly as near to both queries (identical arithmetic on identical numbers),
+    and `refine(q, assign, query_mask, clusters, iterations)` must give both to `first`, as
+    the reference does."""
+    q = torch.randn(1, 1, n, 16, generator=torch.Generator().manual_seed(0))
+    q[0, 0, second] = q[0, 0, first]
+    start = torch.arange(n).reshape(1, 1, n)
+    mask = torch.ones(1, n, dtype=torch.bool)
+    expected = refine_clusters(q, start, mask, n, 1)
+    assert expected[0, 0, second] == first and expected[0, 0, first] == first
+    assert torch.equal(refine(q, start, mask, n, 1), expected)
