@@ -181,10 +181,6 @@ class Compiled:
     atomics: dict = field(default_factory=dict)  # PTX instruction -> static count
     ptx_mma: int = 0  # mma / wgmma instructions in the PTX
 
-    @property
-    def tensor_core_dots(self) -> int:
-        return sum(d["tensor_cores"] for d in self.dots)
-
 
 def compile_launch(launch: Launch, capability: int, head_dim: int, dtype: str) -> Compiled:
     """Compile one recorded launch for sm_<capability> and read what it became."""

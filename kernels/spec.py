@@ -107,15 +107,15 @@ class AutoTable(Protocol):
     def choose(self, tokens: int, target: float, seed: int = 0) -> Any: ...
 
 
-def exact_by_knobs(spec: AttentionSpec, queries: int, keys: int) -> bool:
-    """Whether a concrete approximate spec computes exact attention for `queries` x `keys`:
-    clusters >= queries (every query its own cluster), top-k >= keys (i-clustered recomputes
-    every key), or one SMYRF cluster (cluster_size >= both)."""
-    if spec.method in ("clustered", "i-clustered") and spec.clusters >= queries:
+def exact_by_knobs(spec: AttentionSpec, tokens: int) -> bool:
+    """Whether a concrete approximate spec computes exact self-attention over `tokens` tokens:
+    clusters >= tokens (every query its own cluster), top-k >= tokens (i-clustered recomputes
+    every key), or one SMYRF cluster (cluster_size >= tokens)."""
+    if spec.method in ("clustered", "i-clustered") and spec.clusters >= tokens:
         return True
-    if spec.method == "i-clustered" and spec.topk >= keys:
+    if spec.method == "i-clustered" and spec.topk >= tokens:
         return True
-    return spec.method == "smyrf" and spec.cluster_size >= max(queries, keys)
+    return spec.method == "smyrf" and spec.cluster_size >= tokens
 
 
 def resolve_auto(
@@ -123,11 +123,9 @@ def resolve_auto(
     tokens: int,
     table: AutoTable | None = None,
     target: float | None = None,
-    queries: int | None = None,
     shortcut_exact: bool = True,
 ) -> Resolved:
-    """The one place "auto" is decided, for an input of `tokens` tokens (keys; `queries`
-    defaults to the same, as in self-attention).
+    """The one place "auto" is decided, for an input of `tokens` tokens.
 
     A concrete method stays as it is. "auto" with a `target` fidelity and a `table` runs what
     the table chooses (the fastest configuration measured to meet the target at that length);
@@ -154,11 +152,11 @@ def resolve_auto(
         resolved = Resolved(concrete, echo)
     if not shortcut_exact:
         return resolved
-    return _exact_if_exact(resolved, tokens if queries is None else queries, tokens)
+    return _exact_if_exact(resolved, tokens)
 
 
-def _exact_if_exact(resolved: Resolved, queries: int, keys: int) -> Resolved:
-    if resolved.spec.method not in APPROXIMATE_METHODS or not exact_by_knobs(resolved.spec, queries, keys):
+def _exact_if_exact(resolved: Resolved, tokens: int) -> Resolved:
+    if resolved.spec.method not in APPROXIMATE_METHODS or not exact_by_knobs(resolved.spec, tokens):
         return resolved
     asked = {name: value for name, value in resolved.echo.items() if name != "method"}
     exact = dataclasses.replace(resolved.spec, method="full")

@@ -143,6 +143,17 @@ class EncoderConfig:
             return cls.from_dict(json.load(f))
 
 
+def _sizes(raw: dict[str, Any]) -> dict[str, int]:
+    """The model's sizes under the names transformers saves them."""
+    return {
+        "vocab_size": int(raw["vocab_size"]),
+        "hidden_size": int(raw["hidden_size"]),
+        "num_layers": int(raw["num_hidden_layers"]),
+        "num_heads": int(raw["num_attention_heads"]),
+        "intermediate_size": int(raw["intermediate_size"]),
+    }
+
+
 def _bert_config(raw: dict[str, Any], model_type: str) -> EncoderConfig:
     position_type = raw.get("position_embedding_type", "absolute")
     if position_type != "absolute":
@@ -152,11 +163,7 @@ def _bert_config(raw: dict[str, Any], model_type: str) -> EncoderConfig:
     pad = int(raw.get("pad_token_id") if raw.get("pad_token_id") is not None else 0)
     return EncoderConfig(
         model_type=model_type,
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=int(raw["hidden_size"]),
-        num_layers=int(raw["num_hidden_layers"]),
-        num_heads=int(raw["num_attention_heads"]),
-        intermediate_size=int(raw["intermediate_size"]),
+        **_sizes(raw),
         activation=str(raw.get("hidden_act", "gelu")),
         norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 512)),
@@ -257,11 +264,7 @@ def _rotary_bert_config(raw: dict[str, Any], model_type: str) -> EncoderConfig:
     pad = raw.get("pad_token_id")
     return EncoderConfig(
         model_type=model_type,
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=int(raw["hidden_size"]),
-        num_layers=int(raw["num_hidden_layers"]),
-        num_heads=int(raw["num_attention_heads"]),
-        intermediate_size=int(raw["intermediate_size"]),
+        **_sizes(raw),
         activation=str(raw.get("hidden_act", "silu" if nomic else "gelu")),
         norm_eps=float(raw.get("layer_norm_eps", 1e-5 if jina else 1e-12)),
         max_position_embeddings=positions,

@@ -141,12 +141,11 @@ def resolve_request_attention(
     the knob), and the target fidelity "auto" aims at: the request's, else the server's
     `default_target` when the request runs "auto" and names no knob a calibration sets."""
     knobs = requested.model_dump(exclude_none=True) if requested is not None else {}
-    if "target_fidelity" not in knobs and not any(name in knobs for name in CALIBRATED_KNOBS):
-        if knobs.get("method", default.method) == "auto" and default_target is not None:
-            knobs["target_fidelity"] = default_target
-            knobs.setdefault("method", "auto")
     target = knobs.pop("target_fidelity", None)
-    if target is not None:
+    named_knobs = any(name in knobs for name in CALIBRATED_KNOBS)
+    if target is None and knobs.get("method", default.method) == "auto" and not named_knobs:
+        target = default_target
+    elif target is not None:
         method = knobs.setdefault("method", "auto")
         if method != "auto":
             raise errors.invalid_field(
