@@ -3,7 +3,8 @@ with the hashing, the K-means, the refinement, the centroid softmax with its top
 per-query sparse part in the C loops of native.c (native.py), on float32 CPU tensors.
 
 They do the reference's work without its (N, C) score matrices, (C, M) probability tiles and
-(T, tile, k) logits; cluster means and the products with V stay PyTorch matmuls.
+(T, tile, k) logits; cluster means and the products with V stay PyTorch matmuls, and the
+centroid pass of clustered attention (no top-k) is PyTorch's SDPA with the centroids as queries.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import Tensor
 
 from . import native
 from .clustered import broadcast, gather_rows
+from .full import attend
 from .hashing import hash_planes
 from .kmeans import cluster_means, initial_centroid_positions, initial_offsets
 from .spec import AttentionSpec
@@ -35,6 +37,8 @@ def refine_assignments(q: Tensor, assign: Tensor, query_mask: Tensor, spec: Atte
 
 
 def centroid_attention(centroids: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, scale: float, topk: int) -> CentroidAttention:
+    if not topk:  # V^c alone: SDPA's blocked kernel never holds the (C, M) probabilities
+        return CentroidAttention(attend(centroids, k, v, None if bool(key_mask.all()) else key_mask, scale))
     logits = (centroids @ k.transpose(-1, -2)).mul_(scale)
     probs, top_index, top_probs, top_real = native.softmax_topk(logits, key_mask, topk)  # softmax in place
     values = probs @ v  # (B, H, C, Dv)

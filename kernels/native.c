@@ -63,29 +63,36 @@ typedef struct {
     int64_t pos;
 } ranked;
 
-/* Farthest first, lower position first among equals (a stable descending sort). */
-static int farthest_first(const void *a_, const void *b_) {
-    const ranked *a = a_, *b = b_;
-    if (a->dist != b->dist) return a->dist > b->dist ? -1 : 1;
-    return (a->pos > b->pos) - (a->pos < b->pos);
-}
+/* Farthest first, lower position first among equals. */
+static inline int ranks_before(ranked a, ranked b) { return a.dist > b.dist || (a.dist == b.dist && a.pos < b.pos); }
 
 /* kmeans._reseed_empty's rule: the e-th empty cluster (members 0) takes the e-th query in
  * the order real queries farthest from their centroid first (dist), then padded queries by
- * position; past the end, the last one. Sets donor[j] for the empty clusters j only. */
+ * position; past the end, the last one. Sets donor[j] for the empty clusters j only. Only
+ * the first `empty` places of that order are needed, so they are kept by insertion in one
+ * pass instead of sorting every query. */
 static void pick_donors(const float *dist, const uint8_t *real, int64_t n, const int64_t *members, int64_t c,
                         int64_t *donor) {
-    ranked *order = malloc(n * sizeof *order);
-    int64_t n_real = 0, pos = 0;
-    for (int64_t i = 0; i < n; i++)
-        if (real[i]) order[n_real++] = (ranked){dist[i], i};
-    qsort(order, n_real, sizeof *order, farthest_first);
-    for (int64_t i = 0; i < n; i++)
-        if (!real[i]) order[n_real + pos++] = (ranked){0.0f, i};
+    int64_t empty = 0;
+    for (int64_t j = 0; j < c; j++) empty += members[j] == 0;
+    if (empty == 0 || n == 0) return;
+    const int64_t places = empty < n ? empty : n; /* places e >= n read place n - 1 */
+    ranked *order = malloc(places * sizeof *order);
+    int64_t kept = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (!real[i]) continue;
+        const ranked r = {dist[i], i};
+        if (kept == places && !ranks_before(r, order[places - 1])) continue;
+        int64_t at = kept < places ? kept++ : places - 1;
+        for (; at > 0 && ranks_before(r, order[at - 1]); at--) order[at] = order[at - 1];
+        order[at] = r;
+    }
+    for (int64_t i = 0; i < n && kept < places; i++) /* then padded queries by position */
+        if (!real[i]) order[kept++] = (ranked){0.0f, i};
     int64_t e = 0;
     for (int64_t j = 0; j < c; j++)
         if (members[j] == 0) {
-            donor[j] = order[e < n ? e : n - 1].pos;
+            donor[j] = order[e < places ? e : places - 1].pos;
             e++;
         }
     free(order);
@@ -93,10 +100,30 @@ static void pick_donors(const float *dist, const uint8_t *real, int64_t n, const
 
 /* ---- Hamming K-means ---------------------------------------------------------------- */
 
+/* WORDS 64-bit codes per vector. */
+#define WORDS 8
+typedef uint64_t words __attribute__((vector_size(8 * WORDS)));
+
+/* Bits set in each lane, by the shift-and-add reduction: no popcount instruction needed. */
+static inline words popcount_words(words v) {
+    v -= (v >> 1) & 0x5555555555555555ULL;
+    v = (v & 0x3333333333333333ULL) + ((v >> 2) & 0x3333333333333333ULL);
+    v = (v + (v >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
+    v += v >> 8;
+    v += v >> 16;
+    v += v >> 32;
+    return v & 0x7F;
+}
+
 /* Nearest centroid of every real query, ties to the lowest index; padded queries -> c.
- * dist[i] is the Hamming distance to that centroid. keys: 256 scratch slots. */
+ * dist[i] is the Hamming distance to that centroid. Each lane keeps the least key
+ * distance << 16 | index over the centroids it sees, so one minimum gives both and the lower
+ * index wins a tie. */
 static void hamming_nearest(const uint64_t *codes, const uint8_t *real, int64_t n, const uint64_t *cent, int64_t c,
-                            int64_t *assign, float *dist, uint16_t *keys) {
+                            int64_t *assign, float *dist) {
+    const int64_t full = c - c % WORDS;
+    words lane = {0};
+    for (int l = 0; l < WORDS; l++) lane[l] = (uint64_t)l;
     for (int64_t i = 0; i < n; i++) {
         if (!real[i]) {
             assign[i] = c;
@@ -104,39 +131,36 @@ static void hamming_nearest(const uint64_t *codes, const uint8_t *real, int64_t 
             continue;
         }
         const uint64_t x = codes[i];
-        int32_t best_d = 1 << 30;
-        int64_t best = 0;
-        /* (distance << 8 | offset) in blocks of 256 centroids: one min gives both, and the
-         * lower offset wins a tie. */
-        for (int64_t base = 0; base < c; base += 256) {
-            const int64_t len = c - base < 256 ? c - base : 256;
-            for (int64_t j = 0; j < len; j++)
-                keys[j] = (uint16_t)((__builtin_popcountll(x ^ cent[base + j]) << 8) | j);
-            uint16_t low = 0xFFFF;
-            for (int64_t j = 0; j < len; j++) low = keys[j] < low ? keys[j] : low;
-            if ((low >> 8) < best_d) {
-                best_d = low >> 8;
-                best = base + (low & 0xFF);
-            }
+        words least = ~(words){0};
+        for (int64_t j = 0; j < full; j += WORDS) {
+            words block;
+            memcpy(&block, cent + j, sizeof block);
+            const words key = popcount_words(block ^ x) << 16 | (lane + (uint64_t)j);
+            const words less = (words)(key < least);
+            least = (key & less) | (least & ~less);
         }
-        assign[i] = best;
-        dist[i] = (float)best_d;
+        uint64_t best = ~0ULL;
+        for (int l = 0; l < WORDS; l++) best = least[l] < best ? least[l] : best;
+        for (int64_t j = full; j < c; j++) {
+            const uint64_t key = (uint64_t)__builtin_popcountll(x ^ cent[j]) << 16 | (uint64_t)j;
+            best = key < best ? key : best;
+        }
+        assign[i] = (int64_t)(best & 0xFFFF);
+        dist[i] = (float)(best >> 16);
     }
 }
-
 
 /* One (batch, head) slice of kmeans.hamming_kmeans, from the initial centroid codes. */
 static void hamming_kmeans_one(const uint64_t *codes, const uint8_t *real, int64_t n, int64_t bits, uint64_t *cent,
                                int64_t c, int64_t iterations, int64_t *assign) {
     if (n == 0) return;
     float *dist = malloc(n * sizeof *dist);
-    uint16_t *keys = malloc(256 * sizeof *keys);
     int64_t *members = malloc(c * sizeof *members);
     int32_t *ones = malloc(c * 64 * sizeof *ones);
     uint64_t *updated = malloc(c * sizeof *updated);
     int64_t *donor = malloc(c * sizeof *donor);
     for (int64_t it = 0; it < iterations; it++) {
-        hamming_nearest(codes, real, n, cent, c, assign, dist, keys);
+        hamming_nearest(codes, real, n, cent, c, assign, dist);
         memset(members, 0, c * sizeof *members);
         memset(ones, 0, c * 64 * sizeof *ones);
         for (int64_t i = 0; i < n; i++) {
@@ -162,8 +186,8 @@ static void hamming_kmeans_one(const uint64_t *codes, const uint8_t *real, int64
         memcpy(cent, updated, c * sizeof *cent);
         if (same) break;
     }
-    hamming_nearest(codes, real, n, cent, c, assign, dist, keys);
-    free(dist), free(keys), free(members), free(ones), free(updated), free(donor);
+    hamming_nearest(codes, real, n, cent, c, assign, dist);
+    free(dist), free(members), free(ones), free(updated), free(donor);
 }
 
 /* kmeans.hamming_kmeans for slices [bh0, bh1): codes (BH, N), real (B, N), centroids

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from kernels import AttentionSpec, attention
 
 from .config import ACTIVATIONS, EncoderConfig
+from .rows import by_rows
 
 # (HF name pattern, our name) for the base model, after the loader strips the checkpoint's
 # prefix ("bert.", "roberta.", ...) and maps legacy LayerNorm gamma/beta to weight/bias.
@@ -93,7 +94,10 @@ class BertLayer(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, backend: str = "auto") -> Tensor:
         # Post-norm: normalise after each residual sum, as BERT was trained.
         x = self.attn_norm(x + self.attn(x, mask, spec, backend))
-        return self.mlp_norm(x + self.mlp_out(self.act(self.mlp_in(x))))
+        return self.mlp_norm(x + by_rows(self.mlp, x))
+
+    def mlp(self, x: Tensor) -> Tensor:
+        return self.mlp_out(self.act(self.mlp_in(x)))
 
 
 class BertModel(nn.Module):

@@ -15,6 +15,7 @@ from kernels import AttentionSpec, attention
 
 from .config import ACTIVATIONS, EncoderConfig
 from .rotary import apply_rotary, rotary_tables
+from .rows import by_rows
 
 HF_NAMES: list[tuple[str, str]] = []
 HF_IGNORED = (r"inv_freq$",)
@@ -85,7 +86,7 @@ class EuroBertLayer(nn.Module):
         self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor], backend: str = "auto"
     ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), mask, spec, rotary, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + by_rows(self.mlp, self.post_attention_layernorm(x))
 
 
 class EuroBertModel(nn.Module):

@@ -17,6 +17,7 @@ from kernels.local import local_attention
 
 from .config import ACTIVATIONS, EncoderConfig
 from .rotary import apply_rotary, rotary_tables
+from .rows import by_rows
 
 HF_NAMES: list[tuple[str, str]] = []
 HF_IGNORED: tuple[str, ...] = ()
@@ -89,7 +90,7 @@ class ModernBertLayer(nn.Module):
         backend: str = "auto",
     ) -> Tensor:
         x = x + self.attn(self.attn_norm(x), mask, spec, rotary, backend)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + by_rows(self.mlp, self.mlp_norm(x))
 
 
 class ModernBertModel(nn.Module):

@@ -25,6 +25,7 @@ from kernels import AttentionSpec, attention
 from .config import ACTIVATIONS, EncoderConfig
 from .lora import AdaptedEmbedding, AdaptedLinear
 from .rotary import apply_rotary, rotary_tables
+from .rows import by_rows
 
 _LAYER = r"^(?:encoder\.layers?|layers)\.(\d+)\."
 HF_NAMES: list[tuple[str, str]] = [
@@ -120,7 +121,7 @@ class RotaryBertLayer(nn.Module):
         adapter: int | None, backend: str = "auto",
     ) -> Tensor:
         x = self.attn_norm(x + self.attn(x, mask, spec, rotary, adapter, backend))
-        return self.mlp_norm(x + self.mlp(x, adapter))
+        return self.mlp_norm(x + by_rows(lambda rows: self.mlp(rows, adapter), x))
 
 
 class RotaryBertModel(nn.Module):

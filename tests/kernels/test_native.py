@@ -45,6 +45,7 @@ def test_hash_codes_equal_the_reference(n, d, bits):
         (64, [64, 64], 5, 10, 63, 0),
         (64, [64, 37], 8, 3, 63, 0),
         (50, [50, 9], 12, 10, 16, 20),  # more clusters than real queries; duplicate codes
+        (50, [50, 2], 12, 3, 63, 0),  # more empty clusters than real queries: padded donors
         (40, [40, 40], 6, 0, 63, 0),  # no iteration: the nearest initial centroid
         (300, [300, 280], 270, 4, 63, 0),  # more than 256 clusters: several blocks of them
         (64, [64, 64], 4, 10, 2, 0),  # 2 bits: many equal distances, ties to the lowest index
@@ -64,7 +65,10 @@ def test_hamming_kmeans_equals_the_reference(n, lengths, clusters, iterations, b
 
 @pytest.mark.parametrize(
     "n, lengths, clusters, iterations, copies",
-    [(64, [64, 64], 5, 3, 0), (64, [64, 30], 7, 5, 0), (48, [48, 11], 9, 3, 12), (70, [70, 70], 20, 10, 40)],
+    [
+        (64, [64, 64], 5, 3, 0), (64, [64, 30], 7, 5, 0), (48, [48, 11], 9, 3, 12), (70, [70, 70], 20, 10, 40),
+        (48, [48, 2], 9, 3, 0),  # more empty clusters than real queries: padded donors
+    ],
 )
 def test_refinement_equals_the_reference(n, lengths, clusters, iterations, copies):
     q, _, _ = qkv(n=n)
