@@ -14,7 +14,7 @@ from setuptools.command.build_ext import build_ext
 
 # -ffast-math at compile time only (vectorised expf, reassociated sums): linking with it would
 # add crtfastmath.o, which switches on flush-to-zero for the whole process when it loads.
-COMPILE = ["-O3", "-ffast-math", "-fPIC", "-std=gnu11"]
+COMPILE = ["-O3", "-ffast-math", "-fPIC", "-std=gnu11", "-Wno-psabi"]
 # x86-64 micro-architecture levels: baseline (SSE2), v3 (AVX2 + FMA), v4 (AVX-512).
 X86_LEVELS = {"x86_64": "x86-64", "x86_64_v3": "x86-64-v3", "x86_64_v4": "x86-64-v4"}
 

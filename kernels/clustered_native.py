@@ -39,11 +39,7 @@ def refine_assignments(q: Tensor, assign: Tensor, query_mask: Tensor, spec: Atte
 def centroid_attention(centroids: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, scale: float, topk: int) -> CentroidAttention:
     if not topk:  # V^c alone: SDPA's blocked kernel never holds the (C, M) probabilities
         return CentroidAttention(attend(centroids, k, v, None if bool(key_mask.all()) else key_mask, scale))
-    logits = (centroids @ k.transpose(-1, -2)).mul_(scale)
-    probs, top_index, top_probs, top_real = native.softmax_topk(logits, key_mask, topk)  # softmax in place
-    values = probs @ v  # (B, H, C, Dv)
-    if not topk:
-        return CentroidAttention(values)
+    values, top_index, top_probs, top_real = native.centroid_attention(centroids, k, v, key_mask, scale, topk)
     return CentroidAttention(values, top_index, top_probs, top_real)
 
 

@@ -21,6 +21,37 @@
 typedef float floats __attribute__((vector_size(4 * LANES)));
 typedef int32_t ints __attribute__((vector_size(4 * LANES)));
 
+/* expf of every lane (a loop of LANES the compiler hands to the vector expf of -ffast-math). */
+static inline floats exp_lanes(floats x) {
+    float in[LANES], out[LANES];
+    memcpy(in, &x, sizeof in);
+    for (int l = 0; l < LANES; l++) out[l] = expf(in[l]);
+    memcpy(&x, out, sizeof out);
+    return x;
+}
+
+static inline floats larger(floats a, floats b) {
+    const ints wins = a > b;
+    return (floats)(((ints)a & wins) | ((ints)b & ~wins));
+}
+
+/* The largest lane, by halving. */
+static inline float max_lanes(floats x) {
+    const ints half = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+    const ints quarter = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+    const ints pair = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    const ints lane = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    floats y = __builtin_shuffle(x, half);
+    x = larger(x, y);
+    y = __builtin_shuffle(x, quarter);
+    x = larger(x, y);
+    y = __builtin_shuffle(x, pair);
+    x = larger(x, y);
+    y = __builtin_shuffle(x, lane);
+    x = larger(x, y);
+    return x[0];
+}
+
 /* ---- Hashing ------------------------------------------------------------------------ */
 
 /* Queries hashed together: independent FMA chains hide their latency. */
@@ -327,53 +358,116 @@ static void topk_insert(float *vals, int64_t *idx, int64_t *count, int64_t k, fl
     idx[pos] = index;
 }
 
-/* Rows of logits (R, M) become softmax probabilities over the real keys (rows of 0 when no
- * key is real), in place; top_index / top_prob (R, K) get each row's K most probable real
- * keys, highest first, and top_valid (R, K) marks them (index 0, probability 0 and not
- * valid where fewer than K keys are real).
- * keymask (B, M); a row's batch is row / rows_per_batch. Rows [r0, r1). */
-void softmax_topk(float *logits, const uint8_t *keymask, int64_t rows_per_batch, int64_t m, int64_t k,
-                  int64_t *top_index, float *top_prob, uint8_t *top_valid, int64_t r0, int64_t r1) {
-    float *vals = malloc(k * sizeof *vals);
-    for (int64_t r = r0; r < r1; r++) {
-        float *row = logits + r * m;
-        const uint8_t *real = keymask + (r / rows_per_batch) * m;
-        /* No infinities anywhere: the file is built with -ffast-math. */
-        int64_t n_real = 0;
-        float top = 0.0f;
-        for (int64_t j = 0; j < m; j++)
-            if (real[j]) top = n_real++ == 0 || row[j] > top ? row[j] : top;
-        int64_t *idx = top_index + r * k;
-        float *prob = top_prob + r * k;
-        int64_t count = 0;
-        if (n_real == 0) {
-            memset(row, 0, m * sizeof *row);
-        } else {
+/* Centroid rows scored together by centroid_attention. */
+#define CROWS 16
+
+/* CROWS rows' running state: the largest real logit so far, the softmax denominator and the
+ * unnormalised A^c V row relative to that maximum, and the k best logits with their keys. */
+typedef struct {
+    float top;
+    floats total; /* per lane, summed at the end */
+    int64_t count;
+} running;
+
+/* The centroid pass of improved clustered attention in one sweep over the keys (the online
+ * softmax of flash attention): for each centroid row, A^c = softmax(scale * c . k_j) over the
+ * real keys, values = A^c V, and the k most probable real keys, highest first, their indices,
+ * probabilities and validity (index 0, probability 0 and not valid where fewer than k keys are
+ * real; rows of 0 where none is). A key's rank by probability is its rank by logit, so the
+ * top k are kept as logits and turned into probabilities at the end; the (C, M) matrix of
+ * probabilities is never formed.
+ *
+ * cent (BH, C, D); kt (BH, D, MP) the keys transposed, MP a multiple of LANES, 64-byte
+ * aligned rows; v (BH, M, DV); keymask (B, M); values (BH, C, DV), top_* (BH, C, K) out.
+ * Rows [r0, r1) of the flattened (BH, C). */
+void centroid_attention(const float *cent, const float *kt, const float *v, const uint8_t *keymask, int64_t heads,
+                        int64_t c, int64_t d, int64_t m, int64_t mp, int64_t dv, float scale, int64_t k, float *values,
+                        int64_t *top_index, float *top_prob, uint8_t *top_valid, int64_t r0, int64_t r1) {
+    const int64_t dvp = (dv + LANES - 1) / LANES * LANES; /* acc_v rows in whole vectors */
+    float *best = malloc(CROWS * (k > 0 ? k : 1) * sizeof *best);
+    int64_t *best_j = malloc(CROWS * (k > 0 ? k : 1) * sizeof *best_j);
+    float *acc_v = malloc(CROWS * dvp * sizeof *acc_v);
+    float *vtail = calloc(LANES * dvp, sizeof *vtail); /* the last block's value rows, padded */
+    const floats lowest = (floats){0} - FLT_MAX;
+    for (int64_t r = r0; r < r1;) {
+        const int64_t bh = r / c, rows = r1 - r < CROWS ? r1 - r : CROWS;
+        const int64_t g_end = (bh + 1) * c - r < rows ? (bh + 1) * c - r : rows; /* stay in one (b, h) */
+        const float *ktb = kt + bh * d * mp, *vb = v + bh * m * dv;
+        const uint8_t *real = keymask + (bh / heads) * m;
+        const float *row[CROWS];
+        running run[CROWS];
+        for (int g = 0; g < CROWS; g++) {
+            row[g] = cent + (r + (g < g_end ? g : g_end - 1)) * d; /* a short group repeats its last row */
+            run[g] = (running){-FLT_MAX, (floats){0}, 0};
+        }
+        memset(acc_v, 0, CROWS * dvp * sizeof *acc_v);
+        for (int64_t jb = 0; jb < m; jb += LANES) {
+            const int64_t len = m - jb < LANES ? m - jb : LANES;
+            ints live = {0};
+            int any = 0;
+            for (int l = 0; l < len; l++) any |= live[l] = real[jb + l] ? -1 : 0;
+            if (!any) continue;
+            floats acc[CROWS], p[CROWS];
+            for (int g = 0; g < CROWS; g++) acc[g] = (floats){0};
+            for (int64_t t = 0; t < d; t++) {
+                const floats col = *(const floats *)(ktb + t * mp + jb);
+                for (int g = 0; g < CROWS; g++) acc[g] += row[g][t] * col;
+            }
+            for (int g = 0; g < CROWS; g++) {
+                p[g] = (floats){0};
+                if (g >= g_end) continue;
+                const floats logit = acc[g] * scale;
+                const float block = max_lanes((floats)(((ints)logit & live) | ((ints)lowest & ~live)));
+                if (block > run[g].top) { /* a new maximum: rescale what was summed so far */
+                    const float shrink = expf(run[g].top - block);
+                    run[g].total *= shrink;
+                    for (int64_t e = 0; e < dvp; e++) acc_v[g * dvp + e] *= shrink;
+                    run[g].top = block;
+                }
+                p[g] = (floats)((ints)exp_lanes(logit - run[g].top) & live);
+                run[g].total += p[g];
+                float *vals = best + g * k;
+                int64_t *idx = best_j + g * k;
+                if (k == 0 || (run[g].count == k && block <= vals[k - 1])) continue;
+                for (int l = 0; l < len; l++)
+                    if (live[l] && (run[g].count < k || logit[l] > vals[k - 1]))
+                        topk_insert(vals, idx, &run[g].count, k, logit[l], jb + l);
+            }
+            /* acc_v += p V for the block: one vector of value columns at a time, every row's
+             * sum in its own register. */
+            const float *vblock = vb + jb * dv;
+            if (len < LANES || dv != dvp) { /* a short last block, or rows not in whole vectors */
+                memset(vtail, 0, LANES * dvp * sizeof *vtail);
+                for (int l = 0; l < len; l++) memcpy(vtail + l * dvp, vblock + l * dv, dv * sizeof *vtail);
+                vblock = vtail;
+            }
+            const int64_t vstride = vblock == vtail ? dvp : dv;
+            for (int64_t w = 0; w < dvp; w += LANES) {
+                floats sum[CROWS];
+                for (int g = 0; g < CROWS; g++) memcpy(&sum[g], acc_v + g * dvp + w, sizeof sum[g]);
+                for (int l = 0; l < LANES; l++) {
+                    floats vrow;
+                    memcpy(&vrow, vblock + l * vstride + w, sizeof vrow);
+                    for (int g = 0; g < CROWS; g++) sum[g] += p[g][l] * vrow;
+                }
+                for (int g = 0; g < CROWS; g++) memcpy(acc_v + g * dvp + w, &sum[g], sizeof sum[g]);
+            }
+        }
+        for (int g = 0; g < g_end; g++) {
             float total = 0.0f;
-            for (int64_t j = 0; j < m; j++) {
-                row[j] = real[j] ? expf(row[j] - top) : 0.0f;
-                total += row[j];
-            }
-            const float inv = 1.0f / total;
-            for (int64_t j = 0; j < m; j++) row[j] *= inv;
-            /* Blocks of 16: only a block whose maximum beats the current k-th best is scanned. */
-            for (int64_t base = 0; k > 0 && base < m; base += 16) {
-                const int64_t len = m - base < 16 ? m - base : 16;
-                float block = -1.0f;
-                for (int64_t j = 0; j < len; j++) block = row[base + j] > block ? row[base + j] : block;
-                if (count == k && block <= vals[k - 1]) continue;
-                for (int64_t j = 0; j < len; j++)
-                    if (real[base + j] && (count < k || row[base + j] > vals[k - 1]))
-                        topk_insert(vals, idx, &count, k, row[base + j], base + j);
+            for (int l = 0; l < LANES; l++) total += run[g].total[l];
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+            for (int64_t e = 0; e < dv; e++) values[(r + g) * dv + e] = acc_v[g * dvp + e] * inv;
+            for (int64_t t = 0; t < k; t++) {
+                const int kept = t < run[g].count;
+                top_prob[(r + g) * k + t] = kept ? expf(best[g * k + t] - run[g].top) * inv : 0.0f;
+                top_index[(r + g) * k + t] = kept ? best_j[g * k + t] : 0;
+                top_valid[(r + g) * k + t] = kept;
             }
         }
-        for (int64_t t = 0; t < k; t++) {
-            prob[t] = t < count ? vals[t] : 0.0f;
-            idx[t] = t < count ? idx[t] : 0;
-            top_valid[r * k + t] = t < count;
-        }
+        r += g_end;
     }
-    free(vals);
+    free(best), free(best_j), free(acc_v), free(vtail);
 }
 
 /* ---- Improved clustered attention: the per-query sparse part (eq. 15) --------------- */

@@ -47,7 +47,7 @@ _SIGNATURES = {
     "hash_codes": (_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64),
     "hamming_kmeans": (_PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64),
     "refine_clusters": (_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64),
-    "softmax_topk": (_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64),
+    "centroid_attention": (_PTR,) * 4 + (_I64,) * 6 + (ctypes.c_float, _I64) + (_PTR,) * 4 + (_I64, _I64),
     "improved_sparse": (_PTR,) * 7 + (_I64,) * 5 + (ctypes.c_float, _PTR, _I64, _I64),
     "smyrf_attention": (_PTR,) * 8 + (_I64,) * 7 + (ctypes.c_float,) + (_PTR,) * 3 + (_I64, _I64),
     "smyrf_hashes": (_PTR,) * 5 + (_I64,) * 6 + (_PTR, _PTR, _I64, _I64),
@@ -178,18 +178,29 @@ def refine_clusters(q: Tensor, assign: Tensor, query_mask: Tensor, clusters: int
     return refined
 
 
-def softmax_topk(logits: Tensor, key_mask: Tensor, topk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Softmax over the real keys of logits (B, H, C, M), in place, and each row's `topk`
-    most probable real keys: (probs, top_index (B, H, C, k), top_probs, top_valid bool)."""
-    b, h, c, m = logits.shape
-    assert logits.is_contiguous()
+def centroid_attention(
+    centroids: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, scale: float, topk: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The centroid pass of clustered.centroid_attention without its (C, M) probabilities:
+    centroids (B, H, C, D), k (B, H, M, D), v (B, H, M, Dv) float32, key_mask (B, M) ->
+    (values (B, H, C, Dv), top_index (B, H, C, k), top_probs, top_valid bool)."""
+    b, h, c, d = centroids.shape
+    m, dv = k.shape[2], v.shape[-1]
+    mp = -(-m // 16) * 16  # whole vectors of keys
+    keys_t = _aligned_zeros(b, h, d, mp)
+    keys_t[..., :m] = k.transpose(-1, -2)
+    centroids, v = centroids.contiguous(), v.contiguous()
     real = key_mask.to(torch.uint8).contiguous()
+    values = torch.empty(b, h, c, dv, dtype=torch.float32)
     index = torch.empty(b, h, c, topk, dtype=torch.int64)
     probs = torch.empty(b, h, c, topk, dtype=torch.float32)
     valid = torch.empty(b, h, c, topk, dtype=torch.uint8)
-    rows = b * h * c
-    _split(library().softmax_topk, rows, _ptr(logits), _ptr(real), h * c, m, topk, _ptr(index), _ptr(probs), _ptr(valid))
-    return logits, index, probs, valid.bool()
+    lib = library()
+    _split(
+        lib.centroid_attention, b * h * c, _ptr(centroids), _ptr(keys_t), _ptr(v), _ptr(real), h, c, d, m, mp, dv,
+        scale, topk, _ptr(values), _ptr(index), _ptr(probs), _ptr(valid),
+    )
+    return values, index, probs, valid.bool()
 
 
 def improved_sparse(

@@ -109,23 +109,31 @@ def test_every_stage_equals_the_reference_given_the_same_inputs():
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("m, lengths, topk", [(80, [80, 80], 8), (80, [80, 5], 8), (20, [20, 0], 4), (33, [33, 33], 33)])
-def test_softmax_and_top_k_equal_the_reference(m, lengths, topk):
-    _, k, _ = qkv(m=m, n=m)
-    centroids = torch.randn(2, 2, 6, 16, generator=torch.Generator().manual_seed(0)) * 0.5
+@pytest.mark.parametrize(
+    "m, lengths, topk, clusters, spread",
+    [
+        (80, [80, 80], 8, 6, 0.5),
+        (80, [80, 5], 8, 11, 0.5),  # groups of 8 rows that cross (batch, head) boundaries
+        (20, [20, 0], 4, 6, 0.5),  # a batch row without real keys: rows of 0
+        (33, [33, 33], 33, 9, 0.5),  # every key in the top k
+        (70, [70, 61], 5, 10, 6.0),  # logits of +-50: the running maximum moves and rescales
+    ],
+)
+def test_centroid_pass_equals_the_reference(m, lengths, topk, clusters, spread):
+    _, k, v = qkv(m=m, n=m, dv=24)
+    centroids = torch.randn(2, 2, clusters, 16, generator=torch.Generator().manual_seed(0)) * spread
     key_mask = padding_mask(2, m, lengths)
-    expected = _centroid_attention(centroids, k, key_mask, 0.25)
-    logits = (centroids @ k.transpose(-1, -2)).mul_(0.25)
-    probs, index, top_probs, valid = native.softmax_topk(logits, key_mask, topk)
-    torch.testing.assert_close(probs, expected, rtol=1e-5, atol=1e-7)
-    want_probs, want_index = expected.topk(topk, dim=-1)
+    probs = _centroid_attention(centroids, k, key_mask, 0.25)
+    values, index, top_probs, valid = native.centroid_attention(centroids, k, v, key_mask, 0.25, topk)
+    torch.testing.assert_close(values, probs @ v, rtol=1e-5, atol=1e-6)
+    want_probs, want_index = probs.topk(topk, dim=-1)
     real = key_mask.sum(-1).clamp(max=topk)  # per batch row: how many of the k are real keys
     for b in range(2):
         r = int(real[b])
         assert valid[b, :, :, :r].all() and not valid[b, :, :, r:].any()
-        assert_topk_agree(index[b, ..., :r], want_index[b, ..., :r], expected[b])
+        assert_topk_agree(index[b, ..., :r], want_index[b, ..., :r], probs[b])
         torch.testing.assert_close(top_probs[b, ..., :r], want_probs[b, ..., :r], rtol=1e-5, atol=1e-7)
-        assert (top_probs[b, ..., r:] == 0).all()
+        assert (top_probs[b, ..., r:] == 0).all() and (index[b, ..., r:] == 0).all()
 
 
 @pytest.mark.parametrize("method", ["clustered", "i-clustered"])
