@@ -361,8 +361,9 @@ static void topk_insert(float *vals, int64_t *idx, int64_t *count, int64_t k, fl
 /* Centroid rows scored together by centroid_attention. */
 #define CROWS 16
 
-/* CROWS rows' running state: the largest real logit so far, the softmax denominator and the
- * unnormalised A^c V row relative to that maximum, and the k best logits with their keys. */
+/* One row's running state in centroid_attention: the largest real logit so far, the softmax
+ * denominator relative to it and how many of the k best logits are kept (the unnormalised
+ * A^c V row and those logits live in the function's acc_v and best). */
 typedef struct {
     float top;
     floats total; /* per lane, summed at the end */
@@ -419,7 +420,7 @@ void centroid_attention(const float *cent, const float *kt, const float *v, cons
                 const floats logit = acc[g] * scale;
                 const float block = max_lanes((floats)(((ints)logit & live) | ((ints)lowest & ~live)));
                 if (block > run[g].top) { /* a new maximum: rescale what was summed so far */
-                    const float shrink = expf(run[g].top - block);
+                    const float shrink = run[g].top == -FLT_MAX ? 0.0f : expf(run[g].top - block);
                     run[g].total *= shrink;
                     for (int64_t e = 0; e < dvp; e++) acc_v[g * dvp + e] *= shrink;
                     run[g].top = block;
