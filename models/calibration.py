@@ -15,7 +15,8 @@ Fidelity is the cosine of a document's embedding to its exact-attention embeddin
 checked against. `Calibration.choose(tokens, target)` picks, from the bucket that covers
 the input (the smallest bucket at least as long, else the longest), the fastest
 configuration whose `fidelity_min` meets the target, or exact attention when none does or
-when exact is faster. The table is only as good as the texts and device it was measured on:
+none is at least MIN_SPEEDUP times faster than exact: a gain inside one measurement's timing
+noise does not pay for the fidelity it costs. The table is only as good as the texts and device it was measured on:
 a table measured on a CPU says little about a GPU's times.
 """
 
@@ -33,6 +34,8 @@ from kernels import APPROXIMATE_METHODS, AttentionSpec
 FORMAT = "clusterserve-calibration/1"
 SHIPPED_DIR = Path(__file__).resolve().parent / "calibrations"
 EXACT = AttentionSpec(method="full")
+# An approximation is chosen only where its measured time beats exact by this factor.
+MIN_SPEEDUP = 1.1
 
 
 class CalibrationError(ValueError):
@@ -112,11 +115,13 @@ class Calibration:
 
     def choose(self, tokens: int, target: float, seed: int = 0) -> Choice:
         """The fastest calibrated configuration for an input of `tokens` tokens whose worst
-        measured fidelity is >= target; exact attention when none is, or when exact is faster."""
+        measured fidelity is >= target; exact attention when none is, or when none is at least
+        MIN_SPEEDUP times faster than exact."""
         bucket = self.bucket_for(tokens)
         best = bucket.exact()
         for entry in bucket.configs:
-            if entry.fidelity_min >= target and entry.ms < best.ms:
+            pays = entry.ms * MIN_SPEEDUP <= bucket.exact_ms
+            if entry.fidelity_min >= target and pays and entry.ms < best.ms:
                 best = entry
         spec = best.spec if best.spec.method == "full" else dataclasses.replace(best.spec, seed=seed)
         return Choice(spec, bucket.tokens, best.fidelity_min, bucket.exact_ms / best.ms)

@@ -57,6 +57,14 @@ def test_choose_fastest_meeting_target_per_bucket():
     assert table.choose(500, 0.9).fidelity == 1.0
 
 
+def test_an_approximation_within_a_tenth_of_exact_is_not_chosen():
+    near = {**TABLE, "buckets": [{"tokens": 1024, "exact_ms": 100.0, "configs": [config("clustered", 0.99, 95.0)]}]}
+    assert parse_calibration(near, "test").choose(1000, 0.98).spec.method == "full"
+    pays = {**TABLE, "buckets": [{"tokens": 1024, "exact_ms": 100.0, "configs": [config("clustered", 0.99, 90.0)]}]}
+    chosen = parse_calibration(pays, "test").choose(1000, 0.98)
+    assert chosen.spec.method == "clustered" and chosen.speedup == 100.0 / 90.0
+
+
 def test_bucket_is_the_next_longer_one_and_the_longest_beyond():
     table = parse_calibration(TABLE, "test")
     assert [table.bucket_for(n).tokens for n in (1, 1024, 1025, 8192, 100_000)] == [1024, 1024, 8192, 8192, 8192]
