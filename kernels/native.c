@@ -131,16 +131,12 @@ static void pick_donors(const float *dist, const uint8_t *real, int64_t n, const
 
 /* ---- Hamming K-means ---------------------------------------------------------------- */
 
-/* Nearest centroid of every real query, ties to the lowest index; padded queries -> c.
- * dist[i] is the Hamming distance to that centroid. keys: 256 scratch slots. */
+/* Nearest centroid of every real query, ties to the lowest index (padded queries are left
+ * alone). dist[i] is the Hamming distance to that centroid. keys: 256 scratch slots. */
 static void hamming_nearest_portable(const uint64_t *codes, const uint8_t *real, int64_t n, const uint64_t *cent,
                                      int64_t c, int64_t *assign, float *dist, uint16_t *keys) {
     for (int64_t i = 0; i < n; i++) {
-        if (!real[i]) {
-            assign[i] = c;
-            dist[i] = 0.0f;
-            continue;
-        }
+        if (!real[i]) continue; /* hamming_nearest sets padded queries */
         const uint64_t x = codes[i];
         int32_t best_d = 1 << 30;
         int64_t best = 0;
@@ -178,11 +174,7 @@ __attribute__((target("avx512vpopcntdq"))) static void hamming_nearest_vpopcnt(
     const int64_t full = c - c % 8;
     const words lane = {0, 1, 2, 3, 4, 5, 6, 7};
     for (int64_t i = 0; i < n; i++) {
-        if (!real[i]) {
-            assign[i] = c;
-            dist[i] = 0.0f;
-            continue;
-        }
+        if (!real[i]) continue; /* hamming_nearest sets padded queries */
         const uint64_t x = codes[i];
         words least = ~(words){0};
         for (int64_t j = 0; j < full; j += 8) {
@@ -206,6 +198,11 @@ __attribute__((target("avx512vpopcntdq"))) static void hamming_nearest_vpopcnt(
 
 static void hamming_nearest(const uint64_t *codes, const uint8_t *real, int64_t n, const uint64_t *cent, int64_t c,
                             int64_t *assign, float *dist, uint16_t *keys) {
+    for (int64_t i = 0; i < n; i++) {
+        if (real[i]) continue;
+        assign[i] = c; /* padded queries: no cluster, distance 0 */
+        dist[i] = 0.0f;
+    }
 #if defined(__AVX512F__)
     if (__builtin_cpu_supports("avx512vpopcntdq")) {
         hamming_nearest_vpopcnt(codes, real, n, cent, c, assign, dist);
