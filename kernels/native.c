@@ -30,26 +30,13 @@ static inline floats exp_lanes(floats x) {
     return x;
 }
 
-static inline floats larger(floats a, floats b) {
-    const ints wins = a > b;
-    return (floats)(((ints)a & wins) | ((ints)b & ~wins));
-}
-
-/* The largest lane, by halving. */
+/* The largest lane, by halving (plain loops: any compiler with vector extensions). */
 static inline float max_lanes(floats x) {
-    const ints half = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-    const ints quarter = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-    const ints pair = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-    const ints lane = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-    floats y = __builtin_shuffle(x, half);
-    x = larger(x, y);
-    y = __builtin_shuffle(x, quarter);
-    x = larger(x, y);
-    y = __builtin_shuffle(x, pair);
-    x = larger(x, y);
-    y = __builtin_shuffle(x, lane);
-    x = larger(x, y);
-    return x[0];
+    float m[LANES];
+    memcpy(m, &x, sizeof m);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) m[l] = m[l] > m[l + width] ? m[l] : m[l + width];
+    return m[0];
 }
 
 /* ---- Hashing ------------------------------------------------------------------------ */
