@@ -492,6 +492,11 @@ void centroid_attention(const float *cent, const float *kt, const float *v, cons
 
 /* ---- Improved clustered attention: the per-query sparse part (eq. 15) --------------- */
 
+/* Queries of improved_sparse worked on together: each one's sums over D and over the top k
+ * run through its own rows of memory, so the queries' chains of loads, FMAs and stores
+ * overlap instead of each waiting on its previous store. */
+#define SPARSE_GROUP 4
+
 /* For every real query i of cluster j = assign[i]:
  *   out_i = mass_j * softmax(scale * q_i . keys_j[t], valid t) @ values_j + bottom_j
  * keys_t (BH, C, D, K): each cluster's top-k keys, transposed; values (BH, C, K, Dv);
@@ -500,42 +505,56 @@ void centroid_attention(const float *cent, const float *kt, const float *v, cons
 void improved_sparse(const float *q, const int64_t *assign, const float *keys_t, const float *values, const uint8_t *valid,
                      const float *mass, const float *bottom, int64_t n, int64_t d, int64_t dv, int64_t c, int64_t k,
                      float scale, float *out, int64_t bh0, int64_t bh1) {
-    float *logit = malloc(k * sizeof *logit);
+    float *logits = malloc(SPARSE_GROUP * k * sizeof *logits);
     for (int64_t bh = bh0; bh < bh1; bh++) {
-        for (int64_t i = 0; i < n; i++) {
-            const int64_t j = assign[bh * n + i];
-            float *o = out + (bh * n + i) * dv;
-            if (j == c) {
-                memset(o, 0, dv * sizeof *o);
-                continue;
+        for (int64_t i0 = 0; i0 < n; i0 += SPARSE_GROUP) {
+            /* The group's real queries: their cluster, query row and output row. */
+            int64_t cj[SPARSE_GROUP];
+            const float *qi[SPARSE_GROUP];
+            float *o[SPARSE_GROUP];
+            int count = 0;
+            for (int64_t i = i0; i < n && i < i0 + SPARSE_GROUP; i++) {
+                const int64_t j = assign[bh * n + i];
+                if (j == c) {
+                    memset(out + (bh * n + i) * dv, 0, dv * sizeof *out);
+                    continue;
+                }
+                cj[count] = bh * c + j;
+                qi[count] = q + (bh * n + i) * d;
+                o[count++] = out + (bh * n + i) * dv;
             }
-            const int64_t cj = bh * c + j;
-            const float *kt = keys_t + cj * d * k;
-            const float *qi = q + (bh * n + i) * d;
-            const uint8_t *ok = valid + cj * k;
-            for (int64_t t = 0; t < k; t++) logit[t] = 0.0f;
+            for (int64_t t = 0; t < count * k; t++) logits[t] = 0.0f;
             for (int64_t s = 0; s < d; s++)
-                for (int64_t t = 0; t < k; t++) logit[t] += qi[s] * kt[s * k + t];
-            float top = -FLT_MAX;
-            for (int64_t t = 0; t < k; t++) {
-                logit[t] = ok[t] ? logit[t] * scale : -FLT_MAX;
-                top = logit[t] > top ? logit[t] : top;
+                for (int g = 0; g < count; g++) {
+                    const float x = qi[g][s], *kt = keys_t + cj[g] * d * k + s * k;
+                    float *logit = logits + g * k;
+                    for (int64_t t = 0; t < k; t++) logit[t] += x * kt[t];
+                }
+            for (int g = 0; g < count; g++) {
+                float *logit = logits + g * k;
+                const uint8_t *ok = valid + cj[g] * k;
+                float top = -FLT_MAX;
+                for (int64_t t = 0; t < k; t++) {
+                    logit[t] = ok[t] ? logit[t] * scale : -FLT_MAX;
+                    top = logit[t] > top ? logit[t] : top;
+                }
+                float total = 0.0f;
+                for (int64_t t = 0; t < k; t++) {
+                    logit[t] = ok[t] ? expf(logit[t] - top) : 0.0f;
+                    total += logit[t];
+                }
+                const float weight = total > 0.0f ? mass[cj[g]] / total : 0.0f;
+                for (int64_t t = 0; t < k; t++) logit[t] *= weight; /* now the probability */
+                for (int64_t e = 0; e < dv; e++) o[g][e] = bottom[cj[g] * dv + e];
             }
-            float total = 0.0f;
-            for (int64_t t = 0; t < k; t++) {
-                logit[t] = ok[t] ? expf(logit[t] - top) : 0.0f;
-                total += logit[t];
-            }
-            const float weight = total > 0.0f ? mass[cj] / total : 0.0f;
-            const float *vj = values + cj * k * dv;
-            for (int64_t e = 0; e < dv; e++) o[e] = bottom[cj * dv + e];
-            for (int64_t t = 0; t < k; t++) {
-                const float p = logit[t] * weight;
-                for (int64_t e = 0; e < dv; e++) o[e] += p * vj[t * dv + e];
-            }
+            for (int64_t t = 0; t < k; t++)
+                for (int g = 0; g < count; g++) {
+                    const float p = logits[g * k + t], *vj = values + (cj[g] * k + t) * dv;
+                    for (int64_t e = 0; e < dv; e++) o[g][e] += p * vj[e];
+                }
         }
     }
-    free(logit);
+    free(logits);
 }
 
 /* ---- SMYRF: attention inside balanced clusters, rounds merged by softmax mass ------- */
