@@ -1,10 +1,12 @@
 """The native backend of clustered and improved clustered attention: the reference's stages
-with the hashing, the K-means, the refinement, the centroid softmax with its top-k and the
-per-query sparse part in the C loops of native.c (native.py), on float32 CPU tensors.
+with the hashing, the K-means, the refinement, i-clustered's centroid pass (A^c V and the
+top-k in one sweep over the keys) and the per-query sparse part in the C loops of native.c
+(native.py), on float32 CPU tensors.
 
-They do the reference's work without its (N, C) score matrices, (C, M) probability tiles and
-(T, tile, k) logits; cluster means and the products with V stay PyTorch matmuls, and the
-centroid pass of clustered attention (no top-k) is PyTorch's SDPA with the centroids as queries.
+They do the reference's work without its (N, C) score matrices, (C, M) probabilities and
+(T, tile, k) logits. Cluster means and the gathers of the top-k rows stay PyTorch ops, and
+the centroid pass of clustered attention (no top-k) is PyTorch's SDPA with the centroids as
+queries.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
  *
  * The PyTorch reference in clustered.py, kmeans.py and smyrf.py defines what every function
  * here computes; these loops do the same work without materialising the (N, C) score
- * matrices and per-round cluster tensors that make the reference slow on a CPU. native.py compiles this file on first use and calls
- * it through ctypes (which releases the GIL), one range of (batch, head) slices per thread.
+ * matrices, (C, M) probabilities and per-round cluster tensors that make the reference slow on
+ * a CPU. setup.py builds this file once per x86-64 level at install; native.py loads the best
+ * level the CPU runs and calls it through ctypes (which releases the GIL), one range of
+ * (batch, head) slices, or of rows, per thread.
  *
  * Layouts: every tensor is contiguous; "bh" indexes the flattened (batch, head) dimension,
  * and masks are per batch row (bh / heads). Assignments are int64 in [0, C], C = padded.
