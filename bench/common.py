@@ -58,8 +58,8 @@ def capture_qkv(encoder, ids: list[int], layer: int = 0) -> tuple[torch.Tensor, 
 
     def keep(name):
         def hook(_module, _inputs, output):
-            b, n, c = output.shape
-            captured[name] = output.view(b, n, attn.num_heads, -1).transpose(1, 2).contiguous()
+            n, c = output.shape  # packed: (T, C), one sequence
+            captured[name] = output.view(1, n, attn.num_heads, -1).transpose(1, 2).contiguous()
             if len(captured) == 3:
                 raise Stop
 
@@ -67,8 +67,7 @@ def capture_qkv(encoder, ids: list[int], layer: int = 0) -> tuple[torch.Tensor, 
 
     handles = [getattr(attn, name).register_forward_hook(keep(name)) for name in ("q", "k", "v")]
     try:
-        with torch.inference_mode():
-            encoder.model(torch.tensor([ids], device=encoder.device), None, AttentionSpec(method="full"))
+        encoder.run([ids], [AttentionSpec(method="full")])
     except Stop:
         pass
     finally:

@@ -100,6 +100,8 @@ def attention(
         and their output rows are 0.
     scale: logit scale, default 1 / sqrt(D).
     backend: "auto" | "reference" | "native" | "triton" (see `backend_for`).
+    spec "auto" is resolved per batch row by that row's real key count (the length threshold;
+    calibration tables are the caller's: see `resolve_auto`).
     """
     _check_inputs(q, k, v, key_padding_mask)
     chosen = backend_for(q.device, q.dtype, backend)
@@ -107,12 +109,34 @@ def attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
-    spec = resolve_auto(spec, k.shape[2], shortcut_exact=False).spec
+    if spec.method == "auto":
+        return _auto_by_rows(q, k, v, spec, key_padding_mask, scale, chosen)
     if spec.method == "full":
         return full_attention(q, k, v, key_padding_mask, scale)
     if spec.method == "smyrf":
         return run_smyrf(smyrf_stages(chosen), q, k, v, spec, key_padding_mask, scale)
     return run_clustered(clustered_stages(chosen), q, k, v, spec, key_padding_mask, scale)
+
+
+def _auto_by_rows(
+    q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, key_padding_mask: Tensor | None, scale: float, backend: str
+) -> Tensor:
+    """"auto" decided per batch row by that row's own real keys (`resolve_auto`, no table), so
+    that a row's output never depends on how long the rows padded beside it are; rows that
+    resolve alike run together."""
+    b, m = k.shape[0], k.shape[2]
+    real_keys = [m] * b if key_padding_mask is None else key_padding_mask.sum(dim=1).tolist()
+    rows_by_spec: dict[AttentionSpec, list[int]] = {}
+    for row, keys in enumerate(real_keys):
+        rows_by_spec.setdefault(resolve_auto(spec, int(keys), shortcut_exact=False).spec, []).append(row)
+    if len(rows_by_spec) == 1:
+        return attention(q, k, v, next(iter(rows_by_spec)), key_padding_mask, scale, backend)
+    out = q.new_empty(*q.shape[:3], v.shape[-1])
+    for concrete, rows in rows_by_spec.items():
+        index = torch.tensor(rows, device=q.device)
+        mask = None if key_padding_mask is None else key_padding_mask[index]
+        out[index] = attention(q[index], k[index], v[index], concrete, mask, scale, backend)
+    return out
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> None:

@@ -8,12 +8,12 @@ exact softmax. `HF_NAMES` maps HuggingFace checkpoint names onto this module's p
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from kernels import AttentionSpec, attention
 
 from .config import ACTIVATIONS, EncoderConfig
+from .packing import Packed
 from .rows import by_rows
 
 # (HF name pattern, our name) for the base model, after the loader strips the checkpoint's
@@ -51,11 +51,9 @@ class BertEmbeddings(nn.Module):
         )
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        """input_ids: (B, N) -> (B, N, C). Sequences are right-padded, so position = index."""
-        n = input_ids.shape[1]
-        positions = torch.arange(self.position_offset, self.position_offset + n, device=input_ids.device)
-        x = self.word(input_ids) + self.position(positions)
+    def forward(self, input_ids: Tensor, packed: Packed) -> Tensor:
+        """input_ids: (T,) packed -> (T, C)."""
+        x = self.word(input_ids) + self.position(packed.positions + self.position_offset)
         if self.token_type is not None:
             x = x + self.token_type.weight[0]
         return self.norm(x)
@@ -70,15 +68,18 @@ class BertAttention(nn.Module):
         self.v = nn.Linear(config.hidden_size, config.hidden_size)
         self.out = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, backend: str = "auto") -> Tensor:
-        """x: (B, N, C), mask: (B, N) bool True = real, or None when nothing is padded."""
-        b, n, c = x.shape
+    def forward(self, x: Tensor, packed: Packed, backend: str = "auto") -> Tensor:
+        """x: (T, C) packed -> (T, C)."""
+        t, c = x.shape
 
-        def heads(t: Tensor) -> Tensor:
-            return t.view(b, n, self.num_heads, -1).transpose(1, 2)  # (B, H, N, D)
+        def heads(y: Tensor) -> Tensor:
+            return y.view(t, self.num_heads, -1)  # (T, H, D)
 
-        o = attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), spec, key_padding_mask=mask, backend=backend)
-        return self.out(o.transpose(1, 2).reshape(b, n, c))  # (B, H, N, D) -> (B, N, C)
+        def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
+            return attention(q, k, v, spec, backend=backend)
+
+        o = packed.attend(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), attend)
+        return self.out(o.reshape(t, c))
 
 
 class BertLayer(nn.Module):
@@ -91,9 +92,9 @@ class BertLayer(nn.Module):
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.act = ACTIVATIONS[config.activation]
 
-    def forward(self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, backend: str = "auto") -> Tensor:
+    def forward(self, x: Tensor, packed: Packed, backend: str = "auto") -> Tensor:
         # Post-norm: normalise after each residual sum, as BERT was trained.
-        x = self.attn_norm(x + self.attn(x, mask, spec, backend))
+        x = self.attn_norm(x + self.attn(x, packed, backend))
         return self.mlp_norm(x + by_rows(self.mlp, x))
 
     def mlp(self, x: Tensor) -> Tensor:
@@ -109,12 +110,11 @@ class BertModel(nn.Module):
         self.embeddings = BertEmbeddings(config)
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_layers))
 
-    def forward(
-        self, input_ids: Tensor, mask: Tensor | None, spec: AttentionSpec, backend: str = "auto"
-    ) -> Tensor:
-        """input_ids: (B, N) long, mask: (B, N) bool True = real token (None: no padding)
-        -> last hidden states (B, N, C). backend: `kernels.attention`'s, for every layer."""
-        x = self.embeddings(input_ids)
+    def forward(self, input_ids: Tensor, packed: Packed, backend: str = "auto") -> Tensor:
+        """input_ids: (T,) long, the batch's sequences end to end as `packed` lays them out
+        -> last hidden states (T, C). backend: `kernels.attention`'s, for every layer; each
+        sequence attends by its group's spec."""
+        x = self.embeddings(input_ids, packed)
         for layer in self.layers:
-            x = layer(x, mask, spec, backend)
+            x = layer(x, packed, backend)
         return x

@@ -1,12 +1,13 @@
 """Encoder: a loaded checkpoint with its tokenizer and pooling; texts or token ids in, vectors out.
 
 Two levels:
-- `Encoder.embed(inputs, spec)`: the Python API. Prepares the inputs (models.inputs: tokenize,
-  check, truncate or refuse what is too long), sorts them by length, runs them in batches
-  under a padded-token budget and returns the vectors in input order.
-- `Encoder.embed_batch(sequences, spec)`: one forward pass over prepared token ids, as given:
-  right-padded with a key padding mask (B, N), pooled, cut to Matryoshka `dimensions` and
-  normalised. The service's scheduler, which forms its own batches, calls this.
+- `Encoder.embed(inputs, spec)`: the Python API. Plans the call (models.plan: prompt, tokens,
+  limits, each input's attention by its own length), runs the plan's packed batches and
+  returns the vectors in input order.
+- `Encoder.run(sequences, specs)`: one packed forward pass over prepared token ids, as given
+  (models.packing: the token-wise layers on real tokens only, attention per sequence by its
+  own spec), pooled. The service's scheduler, which forms its own batches, calls this, and
+  `finish` cuts and normalises what it returns.
 Build one with `models.load_encoder`.
 """
 
@@ -21,12 +22,15 @@ from torch import Tensor, nn
 
 from kernels import BACKENDS, AttentionSpec
 
+from .calibration import Calibration
 from .inputs import InputTooLong, is_int, prepare_inputs
+from .packing import Packed, pack
+from .plan import UnknownAdapter, plan
 from .pooling import PoolingConfig, pool
 from .prompts import Prompts
 from .tokenization import TextTokenizer, Tokens
 
-__all__ = ["Encoder", "InputTooLong"]
+__all__ = ["Encoder", "InputTooLong", "finish"]
 
 
 class Encoder:
@@ -36,14 +40,15 @@ class Encoder:
     (special tokens included); native_positions: the longest input the checkpoint was
     trained on; device, dtype: where and in what precision the weights live; folder: the
     checkpoint folder it was loaded from; backend: the `kernels.attention` backend every
-    attention layer is called with.
+    attention layer is called with; calibration: the table "auto" picks from for a target
+    fidelity (None: auto goes by its length threshold).
     """
 
     def __init__(
         self, model: nn.Module, tokenizer: TextTokenizer, pooling: PoolingConfig, *, name: str, architecture: str,
         native_positions: int, max_input_tokens: int, position_extension: str | None, pad_token_id: int,
         vocab_size: int, folder: Path | None = None, adapters: tuple[str, ...] = (), prompts: Prompts | None = None,
-        backend: str = "auto",
+        backend: str = "auto", calibration: Calibration | None = None,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -61,6 +66,7 @@ class Encoder:
         self.adapters = adapters
         self.prompts = prompts or Prompts()
         self.backend = backend
+        self.calibration = calibration
         first = next(model.parameters())
         self.device = first.device
         self.dtype = first.dtype
@@ -128,94 +134,95 @@ class Encoder:
         self, inputs: Sequence[str] | Sequence[Sequence[int]], spec: AttentionSpec, truncate: bool = False,
         normalize: bool = True, dimensions: int | None = None, truncation_direction: str = "right",
         max_batch_tokens: int = 16384, adapter: str | None = None, prompt_name: str | None = None,
+        target_fidelity: float | None = None,
     ) -> Tensor:
         """Embed texts or token-id lists -> (n, dimensions or dim) float32 on the CPU, in input order.
 
         inputs: a list of strings (tokenized here, special tokens added) or a list of token-id
             lists, used exactly as given: no special tokens are added to raw ids, as the
             OpenAI API expects ids to be the model's input.
-        spec: the attention method for every layer that attends globally.
+        spec: the attention method for every layer that attends globally. "auto" is resolved
+            per input by its own length (`models.plan`).
+        target_fidelity: with spec "auto", the least calibrated cosine to exact attention: the
+            fastest configuration of `calibration` that keeps it at each input's length.
         truncate: cut inputs longer than `max_input_tokens` (texts keep their special
             tokens) instead of raising InputTooLong.
         normalize: L2-normalise the output vectors (after the `dimensions` cut).
         dimensions: keep the first `dimensions` components (Matryoshka embeddings).
         truncation_direction: "right" keeps the start of an input, "left" its end.
-        max_batch_tokens: at most this many tokens, padding included, per forward pass;
-            a longer input runs alone.
+        max_batch_tokens: at most this many tokens per packed forward pass (no padding is
+            computed); a longer input runs alone.
         adapter: a task adapter of the checkpoint (`adapters`, e.g. Jina v3's
-            "retrieval.query"); None runs the base weights.
+            "retrieval.query"); None runs the adapter named like the prompt, if any, else the
+            base weights.
         prompt_name: a prompt of the checkpoint (`prompts`), prepended to every text; None
             prepends the default prompt where the checkpoint names one. Its tokens count toward
             `max_input_tokens`. Token-id inputs are used as given: naming a prompt for them is
             an error. An unknown name raises UnknownPrompt (a ValueError) naming it.
         """
-        self._check_options(spec, dimensions)
+        self.check_dimensions(dimensions)
         if not (is_int(max_batch_tokens) and max_batch_tokens >= 1):
             raise ValueError(f"max_batch_tokens: must be a positive integer, got {max_batch_tokens!r}")
-        self._adapter_index(adapter)  # an unknown adapter fails before any work
-        sequences = self.prepare(inputs, truncate, truncation_direction, prompt_name)
+        call = plan(
+            self, inputs, spec, target_fidelity=target_fidelity, truncate=truncate,
+            truncation_direction=truncation_direction, prompt_name=prompt_name, adapter=adapter,
+        )  # fmt: skip
         width = dimensions if dimensions is not None else self.dim
-        vectors = torch.empty(len(sequences), width, dtype=torch.float32)
-        for batch in _length_batches(sequences, max_batch_tokens):
-            vectors[batch] = self.embed_batch([sequences[i] for i in batch], spec, normalize, dimensions, adapter)
+        vectors = torch.empty(len(call.inputs), width, dtype=torch.float32)
+        for batch in call.batches(max_batch_tokens):
+            planned = [call.inputs[i] for i in batch]
+            pooled = self.run([p.ids for p in planned], [p.spec for p in planned], call.adapter)
+            vectors[batch] = finish(pooled, normalize, dimensions)
         return vectors
 
-    def embed_batch(
-        self, sequences: list[list[int]], spec: AttentionSpec, normalize: bool = True, dimensions: int | None = None,
-        adapter: str | None = None,
-    ) -> Tensor:
-        """One forward pass over prepared token ids (`prepare`'s output), in the order given
-        -> (len(sequences), dimensions or dim) float32 on the CPU. No re-batching: the caller
-        chose the batch."""
-        self._check_options(spec, dimensions)
-        adapter_index = self._adapter_index(adapter)
-        with torch.inference_mode():
-            pooled = self._forward(sequences, spec, adapter_index).float().cpu()
-        vectors = pooled[:, :dimensions] if dimensions is not None else pooled
-        return F.normalize(vectors, dim=-1) if normalize else vectors
+    def run(self, sequences: Sequence[Sequence[int]], specs: Sequence[AttentionSpec], adapter: str | None = None) -> Tensor:
+        """One packed forward pass over prepared token ids (`prepare`'s output), each sequence
+        attending by its own concrete spec -> (len(sequences), dim) pooled float32 on the CPU,
+        not normalised (`finish` does that). No re-batching: the caller chose the batch."""
+        hidden, packed = self._hidden(sequences, specs, adapter)
+        return pool(hidden, packed, self.pooling.mode).cpu()
+
+    def token_states(
+        self, sequences: Sequence[Sequence[int]], specs: Sequence[AttentionSpec], adapter: str | None = None
+    ) -> list[Tensor]:
+        """One packed forward pass -> each sequence's last hidden states (n_i, dim) float32 on
+        the CPU, in the order given."""
+        hidden, packed = self._hidden(sequences, specs, adapter)
+        return [part.float().cpu() for part in packed.split(hidden)]
+
+    def check_dimensions(self, dimensions: int | None) -> None:
+        """ValueError naming `dimensions` unless it is None or in [1, dim]."""
+        if dimensions is not None and not (is_int(dimensions) and 1 <= dimensions <= self.dim):
+            raise ValueError(f"dimensions: must be an integer in [1, {self.dim}], got {dimensions!r}")
 
     def _adapter_index(self, adapter: str | None) -> int | None:
         """The index of a task adapter of the checkpoint (None: the base weights)."""
         if adapter is None:
             return None
         if adapter not in self.adapters:
-            known = ", ".join(self.adapters) if self.adapters else "none: this checkpoint has no adapters"
-            raise ValueError(f"adapter: unknown adapter {adapter!r}; known: {known}")
+            raise UnknownAdapter(adapter, self.adapters)
         return self.adapters.index(adapter)
 
-    def _check_options(self, spec: AttentionSpec, dimensions: int | None) -> None:
-        if not isinstance(spec, AttentionSpec):
-            raise ValueError(f"spec: must be a kernels.AttentionSpec, got {type(spec).__name__}")
-        if dimensions is not None and not (is_int(dimensions) and 1 <= dimensions <= self.dim):
-            raise ValueError(f"dimensions: must be an integer in [1, {self.dim}], got {dimensions!r}")
-
-    def _forward(self, sequences: list[list[int]], spec: AttentionSpec, adapter: int | None = None) -> Tensor:
-        """Right-pad a batch, run the model and pool -> (B, dim) float32."""
-        lengths = [len(s) for s in sequences]
-        n = max(lengths)
-        input_ids = torch.full((len(sequences), n), self.pad_token_id, dtype=torch.long)
-        for row, ids in enumerate(sequences):
-            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        mask = torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]  # (B, N) True = real
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        # Without padding the mask says nothing; leaving it out lets SDPA take its fused path.
+    def _hidden(
+        self, sequences: Sequence[Sequence[int]], specs: Sequence[AttentionSpec], adapter: str | None
+    ) -> tuple[Tensor, Packed]:
+        """The model over a packed batch -> (T, dim) last hidden states and the layout."""
+        for spec in specs:
+            if not isinstance(spec, AttentionSpec) or spec.method == "auto":
+                raise ValueError(f"specs: each must be a concrete kernels.AttentionSpec (plan resolves auto), got {spec!r}")
+        adapter_index = self._adapter_index(adapter)
+        input_ids, packed = pack(sequences, specs, self.device)
         # Only models with task adapters take the argument.
-        extra = {} if adapter is None else {"adapter": adapter}
-        hidden = self.model(input_ids, None if min(lengths) == n else mask, spec, backend=self.backend, **extra)
-        return pool(hidden, mask, self.pooling.mode)
+        extra = {} if adapter_index is None else {"adapter": adapter_index}
+        with torch.inference_mode():
+            return self.model(input_ids, packed, backend=self.backend, **extra), packed
 
 
-def _length_batches(sequences: list[list[int]], max_batch_tokens: int) -> list[list[int]]:
-    """Indices grouped longest first so each batch's rows x longest length <= the budget."""
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]), reverse=True)
-    batches: list[list[int]] = []
-    for i in order:
-        # Sorted descending: the first member of a batch is its longest.
-        if batches and (len(batches[-1]) + 1) * len(sequences[batches[-1][0]]) <= max_batch_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
+def finish(pooled: Tensor, normalize: bool = True, dimensions: int | None = None) -> Tensor:
+    """Pooled vectors (B, dim) -> the first `dimensions` components (Matryoshka), L2-normalised
+    when asked."""
+    vectors = pooled[:, :dimensions] if dimensions is not None else pooled
+    return F.normalize(vectors, dim=-1) if normalize else vectors
 
 
 def _check_texts(texts: Sequence[str]) -> list[str]:

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 from kernels import AttentionSpec, attention
 
 from .config import ACTIVATIONS, EncoderConfig
-from .rotary import apply_rotary, rotary_tables
+from .packing import Packed
+from .rotary import apply_rotary, packed_rotary
 from .rows import by_rows
 
 HF_NAMES: list[tuple[str, str]] = []
@@ -46,19 +47,21 @@ class EuroBertAttention(nn.Module):
         self.v_proj = nn.Linear(c, kv, bias=bias)
         self.o_proj = nn.Linear(c, c, bias=bias)
 
-    def forward(
-        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor], backend: str = "auto"
-    ) -> Tensor:
-        b, n, c = x.shape
-        q = self.q_proj(x).view(b, n, self.num_heads, -1).transpose(1, 2)  # (B, H, N, D)
-        k = self.k_proj(x).view(b, n, self.num_kv_heads, -1).transpose(1, 2)  # (B, Hkv, N, D)
-        v = self.v_proj(x).view(b, n, self.num_kv_heads, -1).transpose(1, 2)
+    def forward(self, x: Tensor, packed: Packed, rotary: tuple[Tensor, Tensor], backend: str = "auto") -> Tensor:
+        """x: (T, C) packed; rotary: cos, sin (T, 1, D) -> (T, C)."""
+        t, c = x.shape
+        q = self.q_proj(x).view(t, self.num_heads, -1)  # (T, H, D)
+        k = self.k_proj(x).view(t, self.num_kv_heads, -1)  # (T, Hkv, D)
+        v = self.v_proj(x).view(t, self.num_kv_heads, -1)
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        # Query head h reads key / value head h // group: repeat to one layout, (B, H, N, D).
+        # Query head h reads key / value head h // group: repeat to one layout, (T, H, D).
         group = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        o = attention(q, k, v, spec, key_padding_mask=mask, backend=backend)
-        return self.o_proj(o.transpose(1, 2).reshape(b, n, c))  # (B, H, N, D) -> (B, N, C)
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
+            return attention(q, k, v, spec, backend=backend)
+
+        return self.o_proj(packed.attend(q, k, v, attend).reshape(t, c))
 
 
 class EuroBertMLP(nn.Module):
@@ -82,10 +85,8 @@ class EuroBertLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = EuroBertMLP(config)
 
-    def forward(
-        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor], backend: str = "auto"
-    ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), mask, spec, rotary, backend)
+    def forward(self, x: Tensor, packed: Packed, rotary: tuple[Tensor, Tensor], backend: str = "auto") -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), packed, rotary, backend)
         return x + by_rows(self.mlp, self.post_attention_layernorm(x))
 
 
@@ -99,15 +100,15 @@ class EuroBertModel(nn.Module):
         self.layers = nn.ModuleList(EuroBertLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
-    def forward(self, input_ids: Tensor, mask: Tensor | None, spec: AttentionSpec, backend: str = "auto") -> Tensor:
-        """input_ids: (B, N) long, mask: (B, N) bool True = real token (None: no padding)
-        -> last hidden states (B, N, C)."""
+    def forward(self, input_ids: Tensor, packed: Packed, backend: str = "auto") -> Tensor:
+        """input_ids: (T,) long, the batch's sequences end to end as `packed` lays them out
+        -> last hidden states (T, C)."""
         cfg = self.config
-        rotary = rotary_tables(
-            input_ids.shape[1], cfg.head_dim, cfg.rope_theta, input_ids.device,
+        rotary = packed_rotary(
+            packed, cfg.head_dim, cfg.rope_theta, input_ids.device,
             cfg.rope_type, cfg.rope_factor, cfg.rope_original_positions,
         )  # fmt: skip
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, mask, spec, rotary, backend)
+            x = layer(x, packed, rotary, backend)
         return self.norm(x)

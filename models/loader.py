@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from . import bert, eurobert, modernbert, rotary_bert
+from .calibration import CalibrationError, find_calibration, load_calibration
 from .config import BERT_FAMILY, ROTARY_BERT_FAMILY, EncoderConfig
 from .encoder import Encoder
 from .pooling import read_pooling
@@ -38,7 +39,7 @@ _PARAMETRIZATION_NAMES = (
 
 def load_encoder(
     path: str | Path | None, max_input_tokens: int | None = None, device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None, backend: str = "auto",
+    dtype: torch.dtype | None = None, backend: str = "auto", calibration: str | Path | None = None,
 ) -> Encoder:
     """Load an encoder.
 
@@ -50,6 +51,8 @@ def load_encoder(
     device, dtype: where the weights live and their precision (default float32).
     backend: the `kernels.attention` backend every attention layer runs ("auto" lets the
         kernels choose by device and dtype; the service passes the concrete one it resolved).
+    calibration: the table "auto" picks from for a target fidelity; None = the folder's
+        calibration.<device kind>.json or the table shipped for the model, if any.
     Raises UnsupportedArchitecture for a model we do not implement, FileNotFoundError for a
     folder that lacks a needed file.
     """
@@ -93,6 +96,11 @@ def load_encoder(
             extension = "copied"
 
     model = _build_model(config, state, torch.device(device), dtype)
+    device_kind = torch.device(device).type
+    table_path = calibration if calibration is not None else find_calibration(name, folder, device_kind)
+    table = None if table_path is None else load_calibration(table_path)
+    if table is not None and table.model != name:
+        raise CalibrationError(f"calibration table {table_path} is for model {table.model!r}, not {name!r}")
     return Encoder(
         model,
         tokenizer,
@@ -108,6 +116,7 @@ def load_encoder(
         adapters=config.adapters,
         prompts=read_prompts(folder),
         backend=backend,
+        calibration=table,
     )
 
 

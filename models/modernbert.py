@@ -16,7 +16,8 @@ from kernels import AttentionSpec, attention
 from kernels.local import local_attention
 
 from .config import ACTIVATIONS, EncoderConfig
-from .rotary import apply_rotary, rotary_tables
+from .packing import Packed
+from .rotary import apply_rotary, packed_rotary
 from .rows import by_rows
 
 HF_NAMES: list[tuple[str, str]] = []
@@ -44,19 +45,18 @@ class ModernBertAttention(nn.Module):
         self.Wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.attention_bias)
         self.Wo = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
 
-    def forward(
-        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor],
-        backend: str = "auto",
-    ) -> Tensor:
-        b, n, c = x.shape
-        qkv = self.Wqkv(x).view(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
-        q, k, v = qkv.unbind(0)
+    def forward(self, x: Tensor, packed: Packed, rotary: tuple[Tensor, Tensor], backend: str = "auto") -> Tensor:
+        """x: (T, C) packed; rotary: cos, sin (T, 1, D) per token -> (T, C)."""
+        t, c = x.shape
+        q, k, v = self.Wqkv(x).view(t, 3, self.num_heads, -1).unbind(1)  # (T, H, D) each
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        if self.window is None:
-            o = attention(q, k, v, spec, key_padding_mask=mask, backend=backend)
-        else:
-            o = local_attention(q, k, v, self.window, key_padding_mask=mask)
-        return self.Wo(o.transpose(1, 2).reshape(b, n, c))  # (B, H, N, D) -> (B, N, C)
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
+            if self.window is None:
+                return attention(q, k, v, spec, backend=backend)
+            return local_attention(q, k, v, self.window)
+
+        return self.Wo(packed.attend(q, k, v, attend).reshape(t, c))
 
 
 class ModernBertMLP(nn.Module):
@@ -85,11 +85,8 @@ class ModernBertLayer(nn.Module):
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
         self.mlp = ModernBertMLP(config)
 
-    def forward(
-        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor],
-        backend: str = "auto",
-    ) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), mask, spec, rotary, backend)
+    def forward(self, x: Tensor, packed: Packed, rotary: tuple[Tensor, Tensor], backend: str = "auto") -> Tensor:
+        x = x + self.attn(self.attn_norm(x), packed, rotary, backend)
         return x + by_rows(self.mlp, self.mlp_norm(x))
 
 
@@ -103,16 +100,13 @@ class ModernBertModel(nn.Module):
         self.layers = nn.ModuleList(ModernBertLayer(config, i) for i in range(config.num_layers))
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
 
-    def forward(
-        self, input_ids: Tensor, mask: Tensor | None, spec: AttentionSpec, backend: str = "auto"
-    ) -> Tensor:
-        """input_ids: (B, N) long, mask: (B, N) bool True = real token (None: no padding)
-        -> last hidden states (B, N, C). backend: `kernels.attention`'s, for the global layers."""
+    def forward(self, input_ids: Tensor, packed: Packed, backend: str = "auto") -> Tensor:
+        """input_ids: (T,) long, the batch's sequences end to end as `packed` lays them out
+        -> last hidden states (T, C). backend: `kernels.attention`'s, for the global layers."""
         cfg = self.config
-        n = input_ids.shape[1]
-        global_rotary = rotary_tables(n, cfg.head_dim, cfg.global_rope_theta, input_ids.device)
-        local_rotary = rotary_tables(n, cfg.head_dim, cfg.local_rope_theta, input_ids.device)
+        global_rotary = packed_rotary(packed, cfg.head_dim, cfg.global_rope_theta, input_ids.device)
+        local_rotary = packed_rotary(packed, cfg.head_dim, cfg.local_rope_theta, input_ids.device)
         x = self.embeddings(input_ids)
         for layer in self.layers:
-            x = layer(x, mask, spec, global_rotary if layer.is_global else local_rotary, backend)
+            x = layer(x, packed, global_rotary if layer.is_global else local_rotary, backend)
         return self.final_norm(x)

@@ -2,7 +2,8 @@
 
 `read_pooling(folder)` reads `modules.json` and the Pooling module's `config.json` (both the
 legacy `pooling_mode_*_tokens` flags and the newer `pooling_mode` string); a folder without
-them gets mean pooling and no normalisation. `pool` reduces (B, N, C) states to (B, C).
+them gets mean pooling and no normalisation. `pool` reduces a packed batch's (T, C) token
+states to one (B, C) row per sequence.
 `include_prompt: false` (pool without the prompt's tokens) is read so that the encoder can
 refuse a prompt it would pool differently.
 """
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .config import UnsupportedArchitecture
+from .packing import Packed
 
 POOLING_MODES = ("mean", "cls", "lasttoken", "max")
 _LEGACY_FLAGS = {
@@ -70,17 +72,24 @@ def _pooling_mode(config: dict) -> str:
     return modes[0]
 
 
-def pool(hidden: Tensor, mask: Tensor, mode: str) -> Tensor:
-    """hidden: (B, N, C), mask: (B, N) bool True = real token (right-padded) -> (B, C) float32."""
+def pool(hidden: Tensor, packed: Packed, mode: str) -> Tensor:
+    """hidden: (T, C) token states of a packed batch -> (B, C) float32, one row per sequence
+    in the caller's order (`Packed.unsort`)."""
+    if mode not in POOLING_MODES:
+        raise ValueError(f"pooling mode: must be one of {', '.join(POOLING_MODES)}, got {mode!r}")
     hidden = hidden.float()
+    lengths = torch.tensor(packed.lengths, device=hidden.device)
+    starts = torch.cumsum(lengths, 0) - lengths  # (B,) first token of each sequence
     if mode == "cls":
-        return hidden[:, 0]
-    if mode == "lasttoken":
-        last = mask.sum(dim=1) - 1  # (B,) index of the last real token
-        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
-    if mode == "max":
-        return hidden.masked_fill(~mask[:, :, None], float("-inf")).amax(dim=1)
-    if mode == "mean":
-        weights = mask[:, :, None].to(hidden.dtype)
-        return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
-    raise ValueError(f"pooling mode: must be one of {', '.join(POOLING_MODES)}, got {mode!r}")
+        pooled = hidden[starts]
+    elif mode == "lasttoken":
+        pooled = hidden[starts + lengths - 1]
+    elif mode == "max":
+        pooled = torch.stack([part.amax(dim=0) for part in hidden.split(list(packed.lengths))])
+    else:  # mean
+        segment = torch.repeat_interleave(torch.arange(len(lengths), device=hidden.device), lengths)  # (T,)
+        sums = hidden.new_zeros(len(lengths), hidden.shape[1]).index_add_(0, segment, hidden)
+        pooled = sums / lengths[:, None].to(hidden.dtype)
+    result = torch.empty_like(pooled)
+    result[torch.tensor(packed.order, device=hidden.device)] = pooled
+    return result

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .packing import Packed
+
 ROPE_TYPES = ("default", "linear", "dynamic", "ntk")
 
 
@@ -52,8 +54,28 @@ def rotary_tables(
     return angles.cos(), angles.sin()
 
 
+def packed_rotary(
+    packed: Packed, head_dim: int, theta: float, device: torch.device, rope_type: str = "default",
+    factor: float = 1.0, original: int = 0, interleaved: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """cos, sin: (T, 1, D) for every token of a packed batch at its position in its own
+    sequence, broadcasting over the heads of (T, H, D) queries and keys. Dynamic NTK's angles
+    depend on the sequence's length, so each length gets its own table; every other schedule
+    reads one table by position."""
+    def table(n: int) -> Tensor:  # (n, 2, D): cos and sin
+        return torch.stack(rotary_tables(n, head_dim, theta, device, rope_type, factor, original, interleaved), dim=1)
+
+    if rope_type == "dynamic":
+        both = packed.per_sequence(table)
+    else:
+        both = table(packed.longest)[packed.positions]
+    return both[:, :1], both[:, 1:]
+
+
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
-    """Rotate x: (B, H, N, D) by the position angles (computed in float32, returned in x's dtype)."""
+    """Rotate x: (..., N, D) by the angles of its N positions, cos and sin broadcasting to x's
+    shape: (N, D) for (B, H, N, D), or (T, 1, D) for packed (T, H, D). Computed in float32,
+    returned in x's dtype."""
     xf = x.float()
     if interleaved:
         even, odd = xf[..., 0::2], xf[..., 1::2]

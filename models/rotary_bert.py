@@ -24,7 +24,8 @@ from kernels import AttentionSpec, attention
 
 from .config import ACTIVATIONS, EncoderConfig
 from .lora import AdaptedEmbedding, AdaptedLinear
-from .rotary import apply_rotary, rotary_tables
+from .packing import Packed
+from .rotary import apply_rotary, packed_rotary
 from .rows import by_rows
 
 _LAYER = r"^(?:encoder\.layers?|layers)\.(\d+)\."
@@ -65,7 +66,7 @@ class RotaryBertEmbeddings(nn.Module):
     def forward(self, input_ids: Tensor, adapter: int | None) -> Tensor:
         x = self.word(input_ids, adapter)
         if self.token_type is not None:
-            x = x + self.token_type(torch.zeros_like(input_ids[:, :1]), adapter)  # (B, 1, C)
+            x = x + self.token_type(torch.zeros_like(input_ids[:1]), adapter)  # (1, C)
         return self.norm(x)
 
 
@@ -81,18 +82,21 @@ class RotaryBertAttention(nn.Module):
         self.out = AdaptedLinear(c, c, bias, config)
 
     def forward(
-        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor],
-        adapter: int | None, backend: str = "auto",
+        self, x: Tensor, packed: Packed, rotary: tuple[Tensor, Tensor], adapter: int | None, backend: str = "auto"
     ) -> Tensor:
-        b, n, c = x.shape
+        """x: (T, C) packed; rotary: cos, sin (T, 1, D) -> (T, C)."""
+        t, c = x.shape
 
-        def heads(t: Tensor) -> Tensor:
-            return t.view(b, n, self.num_heads, -1).transpose(1, 2)  # (B, H, N, D)
+        def heads(y: Tensor) -> Tensor:
+            return y.view(t, self.num_heads, -1)  # (T, H, D)
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
+            return attention(q, k, v, spec, backend=backend)
 
         q = apply_rotary(heads(self.q(x, adapter)), *rotary, interleaved=self.interleaved)
         k = apply_rotary(heads(self.k(x, adapter)), *rotary, interleaved=self.interleaved)
-        o = attention(q, k, heads(self.v(x, adapter)), spec, key_padding_mask=mask, backend=backend)
-        return self.out(o.transpose(1, 2).reshape(b, n, c), adapter)  # (B, H, N, D) -> (B, N, C)
+        o = packed.attend(q, k, heads(self.v(x, adapter)), attend)
+        return self.out(o.reshape(t, c), adapter)
 
 
 class RotaryBertLayer(nn.Module):
@@ -117,10 +121,9 @@ class RotaryBertLayer(nn.Module):
         return self.mlp_out(self.act(self.mlp_in(x, adapter)), adapter)
 
     def forward(
-        self, x: Tensor, mask: Tensor | None, spec: AttentionSpec, rotary: tuple[Tensor, Tensor],
-        adapter: int | None, backend: str = "auto",
+        self, x: Tensor, packed: Packed, rotary: tuple[Tensor, Tensor], adapter: int | None, backend: str = "auto"
     ) -> Tensor:
-        x = self.attn_norm(x + self.attn(x, mask, spec, rotary, adapter, backend))
+        x = self.attn_norm(x + self.attn(x, packed, rotary, adapter, backend))
         return self.mlp_norm(x + by_rows(lambda rows: self.mlp(rows, adapter), x))
 
 
@@ -133,18 +136,15 @@ class RotaryBertModel(nn.Module):
         self.embeddings = RotaryBertEmbeddings(config)
         self.layers = nn.ModuleList(RotaryBertLayer(config) for _ in range(config.num_layers))
 
-    def forward(
-        self, input_ids: Tensor, mask: Tensor | None, spec: AttentionSpec, adapter: int | None = None,
-        backend: str = "auto",
-    ) -> Tensor:
-        """input_ids: (B, N) long, mask: (B, N) bool True = real token (None: no padding),
-        adapter: index into config.adapters (None: base weights) -> last hidden states (B, N, C)."""
+    def forward(self, input_ids: Tensor, packed: Packed, adapter: int | None = None, backend: str = "auto") -> Tensor:
+        """input_ids: (T,) long, the batch's sequences end to end as `packed` lays them out;
+        adapter: index into config.adapters (None: base weights) -> last hidden states (T, C)."""
         cfg = self.config
-        rotary = rotary_tables(
-            input_ids.shape[1], cfg.head_dim, cfg.rope_theta, input_ids.device,
+        rotary = packed_rotary(
+            packed, cfg.head_dim, cfg.rope_theta, input_ids.device,
             cfg.rope_type, cfg.rope_factor, cfg.rope_original_positions, cfg.rope_interleaved,
         )  # fmt: skip
         x = self.embeddings(input_ids, adapter)
         for layer in self.layers:
-            x = layer(x, mask, spec, rotary, adapter, backend)
+            x = layer(x, packed, rotary, adapter, backend)
         return x

@@ -15,7 +15,6 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
 import torch
 from fastapi import FastAPI
@@ -23,7 +22,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 import kernels
 from kernels import APPROXIMATE_METHODS
-from models.calibration import Calibration, CalibrationError, find_calibration, load_calibration
+from models import Encoder
 
 from . import __version__, openapi
 from .batching import Batcher
@@ -57,11 +56,14 @@ _WARMUP_TEXT = "Clustered attention groups queries and attends once per cluster.
 MODEL_DTYPE = torch.float32
 
 
-def load_model(settings: Settings) -> Any:
+def load_model(settings: Settings) -> Encoder:
     """The encoder the settings name (None = the embedded default), on the configured device,
     with the attention backend resolved once, here, for that device and dtype: the concrete
     one ("reference", "native" or "triton") that every attention call then names, and that
-    /info and clusterserve_build_info show. ValueError when the configured one cannot run."""
+    /info and clusterserve_build_info show; and with its calibration table (the configured
+    one, else one found for the model and device kind). ValueError when the configured
+    backend cannot run; CalibrationError for a configured table that is missing, a malformed
+    one, or one for another model."""
     from models import load_encoder
 
     device = settings.resolved_device()
@@ -72,29 +74,22 @@ def load_model(settings: Settings) -> Any:
         device=device,
         dtype=MODEL_DTYPE,
         backend=backend,
+        calibration=settings.calibration,
     )
 
 
-def load_calibration_for(encoder: Any, settings: Settings) -> Calibration | None:
-    """The calibration table for auto's `target_fidelity`: the configured one, else one found
-    for the model and device kind, else None (auto then falls back to its length threshold).
-    A configured table that is missing, a malformed one, or one for another model raises
-    CalibrationError, which fails start-up with its message."""
-    device = encoder.device.type
-    path = settings.calibration or find_calibration(encoder.name, getattr(encoder, "folder", None), device)
-    if path is None:
+def log_calibration(encoder: Encoder) -> None:
+    """Say which table auto's target_fidelity uses, and warn when it was measured elsewhere."""
+    table, device = encoder.calibration, encoder.device.type
+    if table is None:
         log.info("no calibration table for %s on %s: target_fidelity falls back to auto's threshold", encoder.name, device)
-        return None
-    table = load_calibration(path)
-    if table.model != encoder.name:
-        raise CalibrationError(f"calibration table {path} is for model {table.model!r}, not the served {encoder.name!r}")
+        return
     if table.device != device:
-        log.warning("calibration table %s was measured on %s, not %s: its times may mislead", path, table.device, device)
-    log.info("calibration table %s: buckets %s", path, [b.tokens for b in table.buckets])
-    return table
+        log.warning("calibration table %s was measured on %s, not %s: its times may mislead", table.source, table.device, device)
+    log.info("calibration table %s: buckets %s", table.source, [b.tokens for b in table.buckets])
 
 
-def create_app(settings: Settings | None = None, load: Callable[[Settings], Any] = load_model) -> FastAPI:
+def create_app(settings: Settings | None = None, load: Callable[[Settings], Encoder] = load_model) -> FastAPI:
     """Build the service. `load(settings) -> encoder` runs in the lifespan (tests pass their own)."""
     settings = settings or Settings()
     logging.getLogger("clusterserve").setLevel(settings.log_level.upper())
@@ -137,11 +132,11 @@ def create_app(settings: Settings | None = None, load: Callable[[Settings], Any]
     return app
 
 
-def _load_and_start(state: ServiceState, load: Callable[[Settings], Any]) -> None:
+def _load_and_start(state: ServiceState, load: Callable[[Settings], Encoder]) -> None:
     settings = state.settings
     try:
         encoder = load(settings)
-        calibration = load_calibration_for(encoder, settings)
+        log_calibration(encoder)
         if settings.warmup:
             _warm_up(encoder, state)
         batcher = Batcher(encoder, state.metrics, settings.max_batch_tokens, settings.max_concurrent_requests)
@@ -149,22 +144,19 @@ def _load_and_start(state: ServiceState, load: Callable[[Settings], Any]) -> Non
         log.exception("loading the model failed")
         state.load_error = f"{type(exc).__name__}: {exc}"
         return
-    backend = encoder.backend
     with state.lock:
         if state.draining:
             return
-        state.encoder, state.batcher, state.backend = encoder, batcher, backend
-        state.calibration = calibration
-        state.max_input_tokens = encoder.max_input_tokens
+        state.encoder, state.batcher = encoder, batcher
         batcher.start()
         state.ready = True
-    state.metrics.set_build_info(__version__, encoder.name, str(encoder.device), backend)
+    state.metrics.set_build_info(__version__, encoder.name, str(encoder.device), encoder.backend)
     log.info("ready: %s on %s, up to %d tokens per input", encoder.name, encoder.device, encoder.max_input_tokens)
 
 
-def _warm_up(encoder: Any, state: ServiceState) -> None:
+def _warm_up(encoder: Encoder, state: ServiceState) -> None:
     """Run every method once, the way requests run, so the first request of each pays no
     one-off costs (kernel compilation, the native loops' build, allocator growth)."""
     sequences = encoder.prepare([_WARMUP_TEXT])
     for method in ("full", *APPROXIMATE_METHODS):
-        encoder.embed_batch(sequences, dataclasses.replace(state.default_spec, method=method))
+        encoder.run(sequences, [dataclasses.replace(state.default_spec, method=method)])

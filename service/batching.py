@@ -1,11 +1,12 @@
 """The scheduler: embedding requests queue here and one worker thread runs them in batches.
 
-The pipeline (service.pipeline) prepares a request's inputs, resolves each input's attention
-spec and submits a `Job`. The job's inputs enter a FIFO queue as `Item`s. The worker takes
-the oldest item and joins to it every queued item with the same batch key (resolved spec,
-adapter, normalize, dimensions) while the padded batch stays within the token budget, and runs that
-batch as one forward pass (`encoder.embed_batch`: the encoder does not re-batch it). Each
-job gets its vectors when its last item is done. Inference never runs on the event loop, so
+The pipeline (service.pipeline) plans a request (models.plan: tokens, each input's attention
+spec) and submits a `Job`. The job's inputs enter a FIFO queue as `Item`s. The worker takes
+the oldest item and joins to it every queued item with the same batch key (the task adapter)
+while the batch's real tokens stay within the token budget (`models.plan.fits`, the rule
+`Encoder.embed` batches by), and runs that batch as one packed forward pass (`encoder.run`:
+each input attends by its own spec, no padding is computed). Each job gets its pooled
+vectors when its last item is done. Inference never runs on the event loop, so
 health checks and metrics answer while a 30k-token batch is running.
 
 Per request the worker records:
@@ -30,12 +31,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from kernels import AttentionSpec
+from models import Encoder
+from models.plan import fits
 
 from . import errors
 from .metrics import Metrics, PeakMemory
@@ -43,29 +46,15 @@ from .metrics import Metrics, PeakMemory
 log = logging.getLogger("clusterserve")
 
 
-class Encoder(Protocol):
-    """What the scheduler needs of `models.load_encoder(...)`: one forward pass per batch it forms."""
-
-    device: torch.device
-
-    def embed_batch(
-        self,
-        sequences: list[list[int]],
-        spec: AttentionSpec,
-        normalize: bool = True,
-        dimensions: int | None = None,
-        adapter: str | None = None,
-    ) -> Tensor: ...
-
-
 @dataclass(frozen=True)
 class BatchKey:
-    """Inputs batch together only when they are computed exactly the same way."""
+    """Inputs batch together only when one forward pass can run them: the same task adapter
+    (the weights). A request's exact re-runs ("fidelity": true) form batches of their own, so
+    that its approximate passes are timed alone. Specs may differ: each sequence of a packed
+    batch attends by its own."""
 
-    spec: AttentionSpec
-    normalize: bool
-    dimensions: int | None
-    adapter: str | None = None  # a task adapter (Jina v3); None: the base weights
+    adapter: str | None = None
+    exact_rerun: bool = False
 
 
 @dataclass
@@ -74,10 +63,9 @@ class Job:
 
     request_id: str
     inputs: list[list[int]]
-    specs: list[AttentionSpec]  # resolved per input: never "auto"
+    specs: list[AttentionSpec]  # resolved per input (models.plan): never "auto"
     adapter: str | None = None  # the task adapter every input runs with (None: the base weights)
-    normalize: bool = True
-    dimensions: int | None = None
+    exact_reruns: int = 0  # the last this many inputs are exact re-runs of others ("fidelity": true)
     deadline: float = float("inf")  # time.monotonic() by which it must be answered
     timeout_s: float = float("inf")  # the deadline's length, for the 504 message
 
@@ -96,7 +84,7 @@ class Job:
 
 @dataclass(frozen=True)
 class JobResult:
-    vectors: Tensor  # (n, dim) float32 on the CPU
+    vectors: Tensor  # (n, dim) pooled float32 on the CPU, not normalised (models.encoder.finish)
     queue_s: float
     inference_s: float
     peak_memory: int | None
@@ -116,6 +104,10 @@ class Item:
     @property
     def tokens(self) -> int:
         return len(self.job.inputs[self.index])
+
+    @property
+    def spec(self) -> AttentionSpec:
+        return self.job.specs[self.index]
 
 
 class Batcher:
@@ -171,9 +163,9 @@ class Batcher:
         with self._cond:
             self._waiting_jobs += 1
             self.metrics.queue_depth.set(self._waiting_jobs)
-            for index, spec in enumerate(job.specs):
-                key = BatchKey(spec, job.normalize, job.dimensions, job.adapter)
-                self._pending.append(Item(job, index, key))
+            first_rerun = len(job.inputs) - job.exact_reruns
+            for index in range(len(job.inputs)):
+                self._pending.append(Item(job, index, BatchKey(job.adapter, index >= first_rerun)))
             self._cond.notify()
         try:
             remaining = job.deadline - time.monotonic()
@@ -213,13 +205,11 @@ class Batcher:
                     return None
                 self._cond.wait()
             first = self._pending[0]
-            batch, longest, keep = [], 0, deque()
+            batch, used, keep = [], 0, deque()
             for item in self._pending:
-                longest_if_added = max(longest, item.tokens)
-                fits = (len(batch) + 1) * longest_if_added <= self.max_batch_tokens
-                if item.key == first.key and (not batch or fits):
+                if item.key == first.key and fits(used, item.tokens, self.max_batch_tokens):
                     batch.append(item)
-                    longest = longest_if_added
+                    used += item.tokens
                 else:
                     keep.append(item)
             self._pending = keep
@@ -245,8 +235,6 @@ class Batcher:
         self.metrics.queue_depth.set(self._waiting_jobs)
 
     def _run_batch(self, batch: list[Item]) -> None:
-        key = batch[0].key
-        method = key.spec.method
         started = time.monotonic()
         with self._cond:
             for item in batch:
@@ -254,8 +242,8 @@ class Batcher:
                     item.job.started_at = started
                     self._job_left_queue()
         for item in batch:
-            self.metrics.queue_duration.labels(method=method).observe(started - item.job.enqueued_at)
-            self.metrics.input_tokens.labels(method=method).observe(item.tokens)
+            self.metrics.queue_duration.labels(method=item.spec.method).observe(started - item.job.enqueued_at)
+            self.metrics.input_tokens.labels(method=item.spec.method).observe(item.tokens)
         self._run_or_split(batch)
 
     def _run_or_split(self, batch: list[Item]) -> None:
@@ -275,14 +263,9 @@ class Batcher:
     def _embed(self, batch: list[Item]) -> Tensor | None:
         """One forward pass over the batch as formed here -> (len(batch), dim) float32 on the
         CPU, or None when it ran out of memory (what the attempt held is freed first)."""
-        key = batch[0].key
         try:
-            vectors = self.encoder.embed_batch(
-                [item.job.inputs[item.index] for item in batch],
-                key.spec,
-                normalize=key.normalize,
-                dimensions=key.dimensions,
-                adapter=key.adapter,
+            vectors = self.encoder.run(
+                [item.job.inputs[item.index] for item in batch], [item.spec for item in batch], batch[0].key.adapter
             )
             return vectors.detach().float().cpu()
         except (torch.OutOfMemoryError, MemoryError):
@@ -304,7 +287,7 @@ class Batcher:
 
     def _deliver(self, batch: list[Item], vectors: Tensor, started: float, finished: float, peak: int | None) -> None:
         """Record the batch's metrics and hand each item its vector; finish jobs now complete."""
-        method = batch[0].key.spec.method
+        method = dominant_method(batch)
         self.metrics.inference_duration.labels(method=method).observe(finished - started)
         self.metrics.batch_size.labels(method=method).observe(len(batch))
         self.metrics.batch_tokens.labels(method=method).observe(sum(item.tokens for item in batch))
@@ -365,3 +348,12 @@ class Batcher:
         """Queue state for debugging and tests."""
         with self._cond:
             return {"pending_items": len(self._pending), "waiting_jobs": self._waiting_jobs, "admitted": self._admitted}
+
+
+def dominant_method(batch: list[Item]) -> str:
+    """The attention method that a batch's per-batch metrics are labelled with: the one that
+    runs the most of its tokens (a packed batch may mix methods)."""
+    tokens: dict[str, int] = {}
+    for item in batch:
+        tokens[item.spec.method] = tokens.get(item.spec.method, 0) + item.tokens
+    return max(tokens, key=lambda method: tokens[method])

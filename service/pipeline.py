@@ -3,11 +3,10 @@
     embed(request, raw inputs, options)
       -> resolve_request_attention   the request's knobs over the server defaults (422 naming a bad one)
       -> parse_inputs                the HTTP shape of `input(s)`: one or several, empty (400), too many (413)
-      -> choose_prompt_and_adapter   the prompt (sent or default) and task adapter (422 naming an unknown one)
-      -> prepare                     models: prompt, tokenize, check ids, truncate or refuse (413 / 422), off the loop
-      -> kernels.resolve_auto        each input's concrete spec and echo (threshold, or calibration table)
+      -> plan_request                models.plan, off the loop: prompt and adapter, tokens and limits, each
+                                     input's attention by its own length (413 / 422 / 400 naming the field)
       -> submit_unless_disconnected  one Job on the scheduler (service.batching), which batches and runs it
-      -> collect                     vectors, timings, the fidelity re-run's cosines -> Embedded
+      -> collect                     vectors (cut and normalised), timings, the fidelity re-run's cosines
     Embedded.headers() is the response's `x-*` headers, built from that one result.
 """
 
@@ -27,10 +26,12 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from torch import Tensor
 
-from kernels import AttentionSpec, Resolved, resolve_auto
+from kernels import AttentionSpec
+from models import Encoder, UnknownPrompt
 from models.calibration import EXACT
+from models.encoder import finish
 from models.inputs import EmptyInput, InputError, InputTooLong
-from models.prompts import UnknownPrompt
+from models.plan import Plan, UnknownAdapter, plan
 
 from . import errors
 from .batching import Batcher, Job, JobResult
@@ -104,34 +105,33 @@ async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Emb
     inputs, params = parse_inputs(raw_inputs, options.param, state.settings.max_client_batch_size)
     if options.dimensions is not None and options.dimensions > encoder.dim:
         raise errors.invalid_field("dimensions", f"must be in [1, {encoder.dim}], got {options.dimensions}")
-    prompt_name, adapter = choose_prompt_and_adapter(encoder, inputs, options)
-    sequences = await prepare(encoder, inputs, params, options)
-    plans = [resolve_auto(spec, len(ids), state.calibration, target) for ids in sequences]
+    call = await plan_request(encoder, inputs, params, spec, target, options)
     # With "fidelity": true the approximate inputs run a second time with exact attention, in
     # the same job: one admission, one deadline; the scheduler never batches the two together.
-    rerun = [i for i, plan in enumerate(plans) if plan.spec.method != "full"] if options.fidelity else []
+    rerun = [i for i, planned in enumerate(call.inputs) if planned.spec.method != "full"] if options.fidelity else []
     timeout = request_timeout_s(request, state.settings.request_timeout_s)
     job = Job(
         request_id=request.scope.get(REQUEST_ID_KEY, ""),
-        inputs=sequences + [sequences[i] for i in rerun],
-        specs=[plan.spec for plan in plans] + [EXACT] * len(rerun),
-        adapter=adapter,
-        normalize=options.normalize,
-        dimensions=options.dimensions,
+        inputs=[planned.ids for planned in call.inputs] + [call.inputs[i].ids for i in rerun],
+        specs=[planned.spec for planned in call.inputs] + [EXACT] * len(rerun),
+        adapter=call.adapter,
+        exact_reruns=len(rerun),
         deadline=request.scope.get(ARRIVAL_KEY, time.monotonic()) + timeout,
         timeout_s=timeout,
     )
     result = await submit_unless_disconnected(request, batcher, job)
+    n = len(call.inputs)
+    vectors = finish(result.vectors, options.normalize, options.dimensions)
     embedded = Embedded(
-        vectors=result.vectors[: len(sequences)],
-        tokens=[len(ids) for ids in sequences],
-        attention=echo_attention(plans, spec, target),
+        vectors=vectors[:n],
+        tokens=[planned.tokens for planned in call.inputs],
+        attention=call.echo(),
         result=result,
-        inference_s=result.run_seconds(list(range(len(sequences)))) if rerun else result.inference_s,
-        prompt_name=prompt_name,
-        adapter=adapter,
+        inference_s=result.run_seconds(list(range(n))) if rerun else result.inference_s,
+        prompt_name=call.prompt_name,
+        adapter=call.adapter,
     )
-    return with_fidelity(embedded, plans, rerun, state.metrics) if options.fidelity else embedded
+    return with_fidelity(embedded, call, rerun, vectors[n:], state.metrics) if options.fidelity else embedded
 
 
 def resolve_request_attention(
@@ -191,37 +191,21 @@ def parse_inputs(
     return inputs, params
 
 
-def choose_prompt_and_adapter(encoder: Any, inputs: list[Any], options: EmbedOptions) -> tuple[str | None, str | None]:
-    """The prompt the texts get and the task adapter that runs (None: none, the base weights).
-
-    The prompt is the one sent, else the model's default prompt; token-id inputs get none
-    (naming one for them is refused by `prepare`). The adapter is the one sent, else the
-    adapter named like the prompt in effect: Jina v3 names its prompts after its tasks, so a
-    TEI client's `prompt_name="retrieval.query"` selects both. 422 naming `prompt_name` or
-    `adapter` when the model has no such prompt or adapter, listing the ones it has."""
-    prompts, adapters = encoder.prompts, tuple(encoder.adapters)
-    if options.prompt_name is not None and options.prompt_name not in prompts.prompts:
-        raise errors.invalid_field("prompt_name", _detail(UnknownPrompt(options.prompt_name, tuple(prompts.prompts))))
-    if options.adapter is not None and options.adapter not in adapters:
-        known = ", ".join(adapters) if adapters else "none: this model has no task adapters"
-        raise errors.invalid_field("adapter", f"unknown adapter {options.adapter!r}; known: {known}")
-    texts = all(isinstance(one, str) for one in inputs)
-    sent = options.prompt_name
-    prompt_name = (sent if sent is not None else prompts.default_name) if texts else None
-    if options.adapter is not None:
-        return prompt_name, options.adapter
-    return prompt_name, prompt_name if prompt_name in adapters else None
-
-
-async def prepare(encoder: Any, inputs: list[Any], params: list[str], options: EmbedOptions) -> list[list[int]]:
-    """Token ids per input (models.inputs, via `encoder.prepare`, which prepends the prompt),
-    with its typed errors as statuses: too long 413 (the prompt's tokens count), empty 400,
-    anything else 422, each naming the input's param (or `prompt_name` for a prompt the
-    inputs cannot take)."""
+async def plan_request(
+    encoder: Encoder, inputs: list[Any], params: list[str], spec: AttentionSpec, target: float | None,
+    options: EmbedOptions,
+) -> Plan:
+    """`models.plan` off the event loop (tokenizing a 30k-token text takes milliseconds), with
+    its typed errors as statuses: too long 413 (the prompt's tokens count), empty 400, an
+    unknown prompt or adapter 422 naming `prompt_name` or `adapter`, anything else 422 naming
+    the input's param (or `prompt_name` for a prompt the inputs cannot take)."""
     try:
-        # Tokenizing a 30k-token text takes milliseconds: off the loop, in the thread pool.
         return await run_in_threadpool(
-            encoder.prepare, inputs, options.truncate, options.truncation_direction.lower(), options.prompt_name
+            lambda: plan(
+                encoder, inputs, spec, target_fidelity=target, truncate=options.truncate,
+                truncation_direction=options.truncation_direction.lower(), prompt_name=options.prompt_name,
+                adapter=options.adapter,
+            )  # fmt: skip
         )
     except InputError as exc:
         param = options.param if exc.index is None else params[exc.index]
@@ -230,6 +214,8 @@ async def prepare(encoder: Any, inputs: list[Any], params: list[str], options: E
         if isinstance(exc, EmptyInput):
             raise errors.empty_input(param) from None
         raise errors.invalid_field(param, exc.detail) from None
+    except (UnknownPrompt, UnknownAdapter) as exc:
+        raise errors.invalid_field("adapter" if isinstance(exc, UnknownAdapter) else "prompt_name", _detail(exc)) from None
     except ValueError as exc:  # the prompt: token-id inputs, or a pooling that excludes it
         if not str(exc).startswith("prompt_name: "):
             raise
@@ -239,19 +225,6 @@ async def prepare(encoder: Any, inputs: list[Any], params: list[str], options: E
 def _detail(exc: ValueError) -> str:
     """A models ValueError's message without its leading "field: " (the error names the param)."""
     return str(exc).partition(": ")[2] or str(exc)
-
-
-def echo_attention(plans: list[Resolved], requested: AttentionSpec, target: float | None) -> dict[str, Any]:
-    """What the response reports: the one resolved spec, or, where inputs resolved differently
-    (auto over mixed lengths, or a method exact by its knobs for the short inputs only), the
-    method asked for, what auto went by (threshold or target), and each input's resolved spec."""
-    distinct = {json.dumps(plan.echo, sort_keys=True) for plan in plans}
-    if len(distinct) == 1:
-        return plans[0].echo
-    if requested.method != "auto":
-        return {"method": requested.method, "inputs": [plan.echo for plan in plans]}
-    rule = {"target_fidelity": target} if target is not None else {"auto_threshold": requested.auto_threshold}
-    return {"method": "auto", **rule, "inputs": [plan.echo for plan in plans]}
 
 
 def request_timeout_s(request: Request, server_timeout_s: float) -> float:
@@ -293,14 +266,14 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-def with_fidelity(embedded: Embedded, plans: list[Resolved], rerun: list[int], metrics: Metrics) -> Embedded:
-    """`embedded` with each input's cosine to its exact-attention embedding (the job's extra
-    vectors after the first n), observed in the fidelity histogram, and the exact runs' time."""
-    n, result = len(plans), embedded.result
+def with_fidelity(embedded: Embedded, call: Plan, rerun: list[int], exact: Tensor, metrics: Metrics) -> Embedded:
+    """`embedded` with each input's cosine to its exact-attention embedding (`exact`: the
+    re-run inputs' vectors, finished alike), observed in the fidelity histogram, and the exact
+    runs' time."""
+    n, result = len(call.inputs), embedded.result
     cosines = [1.0] * n  # an input that ran exact attention is its own exact embedding
-    exact = result.vectors[n:]
     for i, cosine in zip(rerun, torch.nn.functional.cosine_similarity(embedded.vectors[rerun], exact, dim=-1).tolist()):
         cosines[i] = cosine
-        metrics.fidelity.labels(method=plans[i].spec.method).observe(cosine)
+        metrics.fidelity.labels(method=call.inputs[i].spec.method).observe(cosine)
     exact_s = result.run_seconds(list(range(n, n + len(rerun)))) if rerun else embedded.inference_s
     return dataclasses.replace(embedded, fidelity=cosines, exact_s=exact_s)

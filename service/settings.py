@@ -81,7 +81,7 @@ class Settings(BaseSettings):
         None, ge=1, description="longest input in tokens; unset = the model's limit"
     )
     max_batch_tokens: int = Field(
-        16384, ge=1, description="token budget of one forward pass (padded tokens)"
+        16384, ge=1, description="token budget of one packed forward pass (real tokens; a longer input runs alone)"
     )
     max_client_batch_size: int = Field(64, ge=1, description="most inputs in one request")
     max_concurrent_requests: int = Field(

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import Request
 
 from kernels import AttentionSpec
-from models.calibration import Calibration
+from models import Encoder
 
 from . import errors
 from .batching import Batcher
@@ -22,17 +21,14 @@ class ServiceState:
     settings: Settings
     metrics: Metrics
     default_spec: AttentionSpec
-    encoder: Any = None  # models.Encoder once loaded
-    calibration: Calibration | None = None  # auto's target_fidelity table, if one was found
+    encoder: Encoder | None = None  # once loaded; the one holder of the model's facts (limits, table, backend)
     batcher: Batcher | None = None
-    max_input_tokens: int = 0  # the effective limit: the setting, or the model's own
     ready: bool = False  # loaded, warmed up and not draining
     draining: bool = False
     load_error: str | None = None
-    backend: str = "reference"  # the concrete attention backend the encoder runs (kernels.backend_for)
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards the start/drain hand-over
 
-    def require_ready(self) -> tuple[Any, Batcher]:
+    def require_ready(self) -> tuple[Encoder, Batcher]:
         """The encoder and scheduler, or 503 while loading, after a failed load, or draining."""
         if self.draining:
             raise errors.not_ready("the server is shutting down")

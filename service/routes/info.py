@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from kernels import KNOB_RANGES, METHOD_KNOBS, METHODS
+from models import Encoder
 
 from .. import __version__, errors
 from ..schemas import ErrorResponse
@@ -38,15 +39,15 @@ async def info(request: Request) -> JSONResponse:
             "native_positions": encoder.native_positions,
             "extended_positions": encoder.max_input_tokens,
             "position_extension": model.get("position_extension"),
-            "max_input_tokens": state.max_input_tokens,
+            "max_input_tokens": encoder.max_input_tokens,
             # name -> text prepended to each text; requests without prompt_name get the default
             "prompts": model.get("prompts", {}),
             "default_prompt_name": model.get("default_prompt_name"),
             # task adapters (Jina v3); a prompt_name that names one selects it too
             "adapters": model.get("adapters", []),
-            "limits": _limits(state),
-            "attention": _attention(state),
-            "backend": state.backend,
+            "limits": _limits(state, encoder),
+            "attention": _attention(state, encoder),
+            "backend": encoder.backend,
             "device": str(encoder.device),
             "dtype": model.get("dtype"),
             "auth": state.settings.api_key is not None,
@@ -54,10 +55,10 @@ async def info(request: Request) -> JSONResponse:
     )
 
 
-def _limits(state: ServiceState) -> dict[str, Any]:
+def _limits(state: ServiceState, encoder: Encoder) -> dict[str, Any]:
     settings = state.settings
     return {
-        "max_input_tokens": state.max_input_tokens,
+        "max_input_tokens": encoder.max_input_tokens,
         "max_batch_tokens": settings.max_batch_tokens,
         "max_client_batch_size": settings.max_client_batch_size,
         "max_concurrent_requests": settings.max_concurrent_requests,
@@ -66,7 +67,7 @@ def _limits(state: ServiceState) -> dict[str, Any]:
     }
 
 
-def _attention(state: ServiceState) -> dict[str, Any]:
+def _attention(state: ServiceState, encoder: Encoder) -> dict[str, Any]:
     """The default method, how auto decides, and every method's knobs with defaults and ranges."""
     default = state.default_spec
     methods = {}
@@ -87,5 +88,5 @@ def _attention(state: ServiceState) -> dict[str, Any]:
         },
         "methods": methods,
         # auto with target_fidelity chooses from this; null = it falls back to the threshold
-        "calibration": state.calibration.info() if state.calibration is not None else None,
+        "calibration": encoder.calibration.info() if encoder.calibration is not None else None,
     }

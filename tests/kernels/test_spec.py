@@ -114,3 +114,23 @@ def test_used_knobs_echo_only_what_the_method_reads():
     smyrf = AttentionSpec(method="smyrf", hash_rounds=2, cluster_size=32, seed=7).used_knobs()
     assert smyrf == {"method": "smyrf", "hash_rounds": 2, "cluster_size": 32, "seed": 7}
     assert '"topk":32' in AttentionSpec(method="i-clustered").to_json()
+
+
+def test_attention_resolves_auto_per_row_by_its_real_keys():
+    import dataclasses
+
+    import torch
+
+    from kernels import attention
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 40, 8, generator=generator) for _ in range(3))
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, 10:] = False  # row 1 has 10 real tokens: below the threshold, exact
+    spec = AttentionSpec(method="auto", auto_threshold=20, auto_method="clustered", clusters=4, seed=1)
+    out = attention(q, k, v, spec, mask, backend="reference")
+    long = attention(q[:1], k[:1], v[:1], dataclasses.replace(spec, method="clustered"), mask[:1], backend="reference")
+    short = attention(q[1:], k[1:], v[1:], AttentionSpec(method="full"), mask[1:], backend="reference")
+    torch.testing.assert_close(out[:1], long)
+    torch.testing.assert_close(out[1:], short)
+    assert not torch.allclose(long, attention(q[:1], k[:1], v[:1], AttentionSpec(method="full"), mask[:1]))

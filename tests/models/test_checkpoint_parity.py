@@ -116,7 +116,7 @@ def test_tiny_checkpoint_matches_transformers(arch, tmp_path, tokenizer_json, fu
     assert encoder.native_positions == native and encoder.max_input_tokens == native
     assert encoder.info()["position_extension"] is None
 
-    # A right-padded batch of mixed lengths, as Encoder.embed builds it.
+    # A packed batch of mixed lengths, as Encoder.embed runs it; transformers pads it.
     ids = [t.ids for t in encoder.tokenize(TEXTS)]
     lengths = torch.tensor([len(x) for x in ids])
     if arch == "modernbert":
@@ -128,12 +128,12 @@ def test_tiny_checkpoint_matches_transformers(arch, tmp_path, tokenizer_json, fu
 
     with torch.inference_mode():
         expected = reference.base_model(input_ids=input_ids, attention_mask=mask.long()).last_hidden_state
-        ours = encoder.model(input_ids, mask, full_spec)
-        for row, length in enumerate(lengths.tolist()):
-            torch.testing.assert_close(ours[row, :length], expected[row, :length], atol=1e-4, rtol=1e-4)
-        # Unpadded: one sequence alone gives the same real outputs.
-        alone = encoder.model(input_ids[2:3, : lengths[2]], None, full_spec)
-        torch.testing.assert_close(alone[0], expected[2, : lengths[2]], atol=1e-4, rtol=1e-4)
+    ours = encoder.token_states(ids, [full_spec] * len(ids))
+    for row, length in enumerate(lengths.tolist()):
+        torch.testing.assert_close(ours[row], expected[row, :length], atol=1e-4, rtol=1e-4)
+    # One sequence alone gives the same outputs.
+    alone = encoder.token_states(ids[2:3], [full_spec])
+    torch.testing.assert_close(alone[0], expected[2, : lengths[2]], atol=1e-4, rtol=1e-4)
 
     # Pooled vectors: mean over real tokens (no modules.json -> mean, not normalised by default).
     weights = mask[:, :, None].float()
@@ -171,7 +171,10 @@ def test_modernbert_spec_replaces_global_layers_only(tmp_path, tokenizer_json, f
         return real_attention(q, k, v, spec, **kwargs)
 
     monkeypatch.setattr(models.modernbert, "attention", counting_attention)
-    spec = AttentionSpec(method="i-clustered", clusters=4, topk=128)  # top-k >= N: exact
-    vectors = encoder.embed(TEXTS, spec)
-    assert calls == ["i-clustered"] * 2  # layers 0 and 3 of 4 are global; 1 and 2 stay local
-    torch.testing.assert_close(vectors, encoder.embed(TEXTS, full_spec), atol=1e-5, rtol=0)
+    ids = [t.ids for t in encoder.tokenize(TEXTS)]
+    # Run as given (no plan, so no exact-by-knobs shortcut): top-k >= N makes it exact.
+    spec = AttentionSpec(method="i-clustered", clusters=4, topk=128)
+    vectors = encoder.run(ids, [spec] * len(ids))
+    # Layers 0 and 3 of 4 are global, once per group of same-length sequences; 1 and 2 stay local.
+    assert calls == ["i-clustered"] * 2 * len({len(x) for x in ids})
+    torch.testing.assert_close(vectors, encoder.run(ids, [full_spec] * len(ids)), atol=1e-5, rtol=0)

@@ -232,14 +232,18 @@ def test_bfloat16_weights_give_float32_vectors_close_to_float32(default_encoder,
     assert (cosine > 0.99).all(), cosine
 
 
-def test_embed_batch_runs_prepared_inputs_as_one_batch(default_encoder, full_spec, long_text):
+def test_run_is_one_packed_pass_over_prepared_inputs(default_encoder, full_spec, long_text):
+    from models.encoder import finish
+
     texts = ["short", long_text(60, seed=8)]
     sequences = default_encoder.prepare(texts)
     assert sequences == [t.ids for t in default_encoder.tokenize(texts)]
-    batch = default_encoder.embed_batch(sequences, full_spec, dimensions=32)
-    torch.testing.assert_close(batch, default_encoder.embed(texts, full_spec, dimensions=32), atol=2e-6, rtol=0)
-    raw = default_encoder.embed_batch(sequences, full_spec, normalize=False)
+    raw = default_encoder.run(sequences, [full_spec] * 2)
     assert raw.shape == (2, 384) and not torch.allclose(raw.norm(dim=-1), torch.ones(2))
+    cut = finish(raw, dimensions=32)
+    torch.testing.assert_close(cut, default_encoder.embed(texts, full_spec, dimensions=32), atol=2e-6, rtol=0)
+    with pytest.raises(ValueError, match="specs: each must be a concrete"):
+        default_encoder.run(sequences, [AttentionSpec(method="auto")] * 2)
 
 
 def test_prepare_raises_typed_errors_naming_the_input(short_encoder):

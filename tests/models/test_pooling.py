@@ -8,8 +8,10 @@ import torch
 from models import UnsupportedArchitecture
 from models.pooling import PoolingConfig, pool, read_pooling
 
-HIDDEN = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3)  # (B, N, C)
-MASK = torch.tensor([[True, True, True, True], [True, True, False, False]])
+from kernels import AttentionSpec
+from models.packing import pack
+
+HIDDEN = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3)  # (B, N, C); sequence 1 has 2 tokens
 
 
 @pytest.mark.parametrize(
@@ -21,8 +23,13 @@ MASK = torch.tensor([[True, True, True, True], [True, True, False, False]])
         ("max", torch.stack([HIDDEN[0].amax(0), HIDDEN[1, :2].amax(0)])),
     ],
 )
-def test_pool_modes_ignore_padding(mode, expected):
-    torch.testing.assert_close(pool(HIDDEN, MASK, mode), expected)
+def test_pool_modes_per_packed_sequence(mode, expected):
+    # The caller sends the 2-token sequence first; packing puts the longer one first, and
+    # pooling must give the rows back in the caller's order.
+    _, packed = pack([[1, 2], [1, 2, 3, 4]], [AttentionSpec(method="full")] * 2, torch.device("cpu"))
+    assert packed.order == (1, 0) and packed.lengths == (4, 2)
+    hidden = torch.cat([HIDDEN[0], HIDDEN[1, :2]])  # (T, C) in packed order
+    torch.testing.assert_close(pool(hidden, packed, mode), expected.flip(0))
 
 
 def _write(folder, modules, pooling=None):

@@ -97,9 +97,13 @@ def _batch(encoder, texts, pad):
     return input_ids, torch.arange(n)[None, :] < lengths[:, None], lengths
 
 
-def _assert_real_rows_close(ours, expected, lengths, atol=ATOL, rtol=RTOL):
+def _assert_real_rows_close(encoder, input_ids, lengths, expected, adapter=None, atol=ATOL, rtol=RTOL):
+    """The encoder's packed pass over the real tokens of `input_ids` matches transformers'
+    padded one (`expected`) on every real row."""
+    sequences = [row[:length].tolist() for row, length in zip(input_ids, lengths.tolist())]
+    ours = encoder.token_states(sequences, [AttentionSpec(method="full")] * len(sequences), adapter)
     for row, length in enumerate(lengths.tolist()):
-        torch.testing.assert_close(ours[row, :length], expected[row, :length], atol=atol, rtol=rtol)
+        torch.testing.assert_close(ours[row], expected[row, :length], atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("case", list(CHECKPOINTS))
@@ -118,9 +122,9 @@ def test_tiny_checkpoint_matches_transformers(case, tmp_path, tokenizer_json, te
     assert lengths.max() > 512
     with torch.inference_mode():
         expected = reference.base_model(input_ids=input_ids, attention_mask=mask.long()).last_hidden_state
-        _assert_real_rows_close(encoder.model(input_ids, mask, full_spec), expected, lengths)
-        alone = encoder.model(input_ids[:1], None, full_spec)  # the longest input, unpadded
-        torch.testing.assert_close(alone[0], expected[0], atol=ATOL, rtol=RTOL)
+    _assert_real_rows_close(encoder, input_ids, lengths, expected)
+    alone = encoder.token_states([input_ids[0].tolist()], [full_spec])  # the longest input, alone
+    torch.testing.assert_close(alone[0], expected[0], atol=ATOL, rtol=RTOL)
 
     weights = mask[:, :, None].float()
     pooled = (expected * weights).sum(1) / weights.sum(1)
@@ -304,12 +308,13 @@ def test_jina_v3_remote_checkpoint_and_its_task_adapters(tmp_path, tokenizer_jso
     input_ids, mask, lengths = _batch(encoder, texts, config["pad_token_id"])
     with torch.inference_mode():
         base = reference.base_model(input_ids=input_ids, attention_mask=mask.long()).last_hidden_state
-        _assert_real_rows_close(encoder.model(input_ids, mask, full_spec), base, lengths)
-        for task in (0, 3):
+    _assert_real_rows_close(encoder, input_ids, lengths, base)
+    for task in (0, 3):
+        with torch.inference_mode():
             reference.load_state_dict(merged[task], strict=False)
             expected = reference.base_model(input_ids=input_ids, attention_mask=mask.long()).last_hidden_state
-            assert (expected - base)[0, : lengths[0]].abs().max() > 1e-2  # the adapter matters
-            _assert_real_rows_close(encoder.model(input_ids, mask, full_spec, adapter=task), expected, lengths)
+        assert (expected - base)[0, : lengths[0]].abs().max() > 1e-2  # the adapter matters
+        _assert_real_rows_close(encoder, input_ids, lengths, expected, adapter=TASKS[task])
 
     by_name = encoder.embed(texts, full_spec, adapter=TASKS[3])
     weights = mask[:, :, None].float()
@@ -323,7 +328,7 @@ def test_jina_v3_remote_checkpoint_and_its_task_adapters(tmp_path, tokenizer_jso
 
 def test_adapter_on_a_checkpoint_without_adapters_is_refused(tmp_path, tokenizer_json, full_spec):
     _save(_gte(), tmp_path, tokenizer_json)
-    with pytest.raises(ValueError, match="'retrieval.query'.*no adapters"):
+    with pytest.raises(ValueError, match="'retrieval.query'.*has no task adapters"):
         load_encoder(tmp_path).embed(["text"], full_spec, adapter="retrieval.query")
 
 

@@ -1,6 +1,6 @@
 """Helpers of the service tests: real text, readiness polling, and a fake encoder.
 
-`FakeEncoder` has the real tokenizer but an arithmetic `embed_batch` that can block or fail on
+`FakeEncoder` has the real tokenizer but an arithmetic `run` that can block or fail on
 demand: for the scheduling, deadline, overload and fault paths, where a real forward pass
 would only cost time.
 """
@@ -69,13 +69,13 @@ def value(families, family: str, sample: str, **labels) -> float:
 
 
 class FakeEncoder:
-    """The real tokenizer and input preparation, and an `embed_batch` that returns
+    """The real tokenizer and input preparation, and a `run` that returns
     (tokens, first id, last id, 1) per input.
 
-    gate: when given, `embed_batch` waits for it (to hold the worker busy).
-    fail: when given, `embed_batch` raises it (to inject faults such as MemoryError).
-    fail_above_tokens: when given with `fail`, only batches whose padded size (inputs x
-        longest) is above it fail: out of memory for big batches, fine for small ones.
+    gate: when given, `run` waits for it (to hold the worker busy).
+    fail: when given, `run` raises it (to inject faults such as MemoryError).
+    fail_above_tokens: when given with `fail`, only batches of more tokens than this fail:
+        out of memory for big batches, fine for small ones.
     """
 
     name = "fake-encoder"
@@ -83,6 +83,7 @@ class FakeEncoder:
     native_positions = 512
     position_extension = None
     backend = "reference"
+    calibration = None
 
     def __init__(
         self,
@@ -100,7 +101,7 @@ class FakeEncoder:
         self.max_input_tokens = max_input_tokens
         self.device = torch.device("cpu")
         self.gate, self.fail, self.fail_above_tokens = gate, fail, fail_above_tokens
-        self.calls: list[dict[str, Any]] = []  # one per embed_batch call: what the scheduler batched
+        self.calls: list[dict[str, Any]] = []  # one per run call: what the scheduler batched
         self.prompts, self.adapters = Prompts(), ()  # no prompts, no task adapters
 
     def info(self) -> dict[str, Any]:
@@ -123,16 +124,14 @@ class FakeEncoder:
             truncation_direction=truncation_direction,
         )
 
-    def embed_batch(self, sequences, spec, normalize=True, dimensions=None, adapter=None):
-        self.calls.append({"inputs": [list(x) for x in sequences], "spec": spec, "normalize": normalize})
+    def run(self, sequences, specs, adapter=None):
+        self.calls.append({"inputs": [list(x) for x in sequences], "specs": list(specs), "adapter": adapter})
         if self.gate is not None and not self.gate.wait(timeout=300):
             raise TimeoutError("test gate never opened")
-        padded = len(sequences) * max(len(ids) for ids in sequences)
-        if self.fail is not None and (self.fail_above_tokens is None or padded > self.fail_above_tokens):
+        tokens = sum(len(ids) for ids in sequences)
+        if self.fail is not None and (self.fail_above_tokens is None or tokens > self.fail_above_tokens):
             raise self.fail
-        rows = [[float(len(ids)), float(ids[0]), float(ids[-1]), 1.0] for ids in sequences]
-        vectors = torch.tensor(rows)[:, :dimensions]
-        return torch.nn.functional.normalize(vectors, dim=-1) if normalize else vectors
+        return torch.tensor([[float(len(ids)), float(ids[0]), float(ids[-1]), 1.0] for ids in sequences])
 
 
 @asynccontextmanager

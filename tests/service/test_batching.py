@@ -1,4 +1,5 @@
-"""The scheduler: batching by resolved spec under the token budget, timings, liveness while busy."""
+"""The scheduler: packed batches under the token budget (specs mixed, adapters apart), timings,
+liveness while busy."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ async def wait_queued(app, items: int) -> None:
             await anyio.sleep(0.005)
 
 
-async def test_same_spec_batches_together_other_specs_apart():
+async def test_queued_inputs_batch_together_whatever_their_specs():
     gate = threading.Event()
     app, encoder = fake_app(FakeEncoder(gate=gate))
     responses = {}
@@ -51,9 +52,9 @@ async def test_same_spec_batches_together_other_specs_apart():
             await wait_queued(app, 4)
             gate.set()
     assert all(r.status_code == 200 for r in responses.values())
-    batches = [(call["spec"].method, call["spec"].seed, len(call["inputs"])) for call in encoder.calls]
-    # Queued behind the blocker: a and c share a spec and run together, b runs alone.
-    assert batches == [("full", 0, 1), ("smyrf", 1, 3), ("smyrf", 2, 1)]
+    batches = [[(spec.method, spec.seed) for spec in call["specs"]] for call in encoder.calls]
+    # Queued behind the blocker: one packed batch, each input with its own request's spec.
+    assert batches == [[("full", 0)], [("smyrf", 1), ("smyrf", 1), ("smyrf", 2), ("smyrf", 1)]]
     # They waited for the blocker: the queue time says so and the total covers it.
     queued = float(responses["a"].headers["x-queue-time-ms"])
     assert queued > 0
@@ -62,7 +63,7 @@ async def test_same_spec_batches_together_other_specs_apart():
 
 async def test_token_budget_splits_batches():
     gate = threading.Event()
-    # Each input below is 5 tokens; a budget of 10 padded tokens fits two of them.
+    # Each input below is 5 tokens; a budget of 10 tokens fits two of them.
     app, encoder = fake_app(FakeEncoder(gate=gate), max_batch_tokens=10)
     responses = {}
     async with running(app) as http:

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from service_helpers import FakeEncoder, fake_app, license_text, running, scrape, value
 
-from models.calibration import FORMAT
+from models.calibration import FORMAT, load_calibration
+from service.app import create_app
+from service.settings import Settings
 
 ICL = {"method": "i-clustered", "clusters": 8, "topk": 8, "iterations": 3, "refine": 1}
 
@@ -109,7 +111,9 @@ def _table(path, model="fake-encoder"):
 
 @pytest.mark.anyio
 async def test_target_fidelity_picks_exact_short_and_the_fastest_faithful_long(tmp_path):
-    app, encoder = fake_app(FakeEncoder(max_input_tokens=1024), calibration=_table(tmp_path / "t.json"))
+    encoder = FakeEncoder(max_input_tokens=1024)
+    encoder.calibration = load_calibration(_table(tmp_path / "t.json"))
+    app, encoder = fake_app(encoder)
     async with running(app) as http:
         info = (await http.get("/info")).json()["attention"]["calibration"]
         assert [b["tokens"] for b in info["frontier"]] == [64, 512]
@@ -123,7 +127,7 @@ async def test_target_fidelity_picks_exact_short_and_the_fastest_faithful_long(t
         assert short["method"] == "full" and short["calibration_bucket"] == 64
         assert long["method"] == "i-clustered" and long["clusters"] == 50 and long["seed"] == 3
         assert (long["calibrated_fidelity"], long["calibrated_speedup"], long["calibration_bucket"]) == (0.992, 5.0, 512)
-        assert [call["spec"].method for call in encoder.calls] == ["full", "i-clustered"]
+        assert [[spec.method for spec in call["specs"]] for call in encoder.calls] == [["full", "i-clustered"]]
 
         low = await http.post("/v1/embeddings", json={"input": texts[1], "attention": {"target_fidelity": 0.9}})
         assert low.json()["attention"]["method"] == "smyrf"
@@ -153,7 +157,8 @@ async def test_a_bad_configured_table_fails_start_up_clearly(tmp_path, problem):
         path.write_text(json.dumps({"format": FORMAT, "model": "fake-encoder", "device": "cpu", "buckets": [{}]}))
     elif problem == "other model":
         _table(path, model="another-model")
-    app, _ = fake_app(calibration=path)
+    # The real loader: it reads the configured table with the model.
+    app = create_app(Settings(warmup=False, max_input_tokens=512, calibration=path))
     async with running(app, ready=False) as http:
         with anyio.move_on_after(120):  # the load fails on the loader thread: wait for it, generously
             while "failed to load" not in (response := await http.get("/health/ready")).text:

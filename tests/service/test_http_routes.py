@@ -136,7 +136,8 @@ def test_a_method_exact_by_its_knobs_runs_exact_attention_and_says_so(client):
     assert short["method"] == "full" and short["exact_by_knobs"]["method"] == "i-clustered"
     assert short["exact_by_knobs"]["clusters"] == 100 and long["method"] == "i-clustered"
     full = client.post("/v1/embeddings", json={"input": SENTENCES[0], "attention": {"method": "full"}})
-    np.testing.assert_array_equal(vectors(mixed)[0], vectors(full)[0])
+    # The same exact attention; packed with a longer input, its GEMM rows may round differently.
+    np.testing.assert_allclose(vectors(mixed)[0], vectors(full)[0], atol=1e-6, rtol=0)
 
 
 def test_truncate_cuts_to_the_limit(client):

@@ -1,0 +1,126 @@
+"""A batch of sequences laid end to end: the token-wise layers run on real tokens only.
+
+An encoder's embeddings, projections, feed-forward blocks and norms treat every token alone,
+so a batch of sequences of different lengths runs them on one (T, C) tensor of all the
+batch's tokens, T = the sum of the lengths: no token of padding is ever computed. Only
+attention needs the sequences apart. `Packed.attend` runs it per group of consecutive
+sequences that share a length and an attention spec, each group as one (G, H, n, D) call
+that is a view of the packed tensor; `pack` orders the sequences so that such groups are as
+large as they can be, and `Packed.unsort` puts per-sequence results back in the caller's order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from kernels import AttentionSpec
+
+
+@dataclass(frozen=True)
+class Group:
+    """Sequences `first` .. `first + count - 1` of the packed order: all `length` tokens long,
+    all attending by `spec`; their tokens start at `start` in the packed tensor."""
+
+    first: int
+    count: int
+    length: int
+    start: int
+    spec: AttentionSpec
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.count * self.length
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Where each sequence's tokens are in a packed (T, ...) tensor.
+
+    lengths: tokens per sequence, in packed order; order: order[j] = the caller's index of
+    packed sequence j; positions: (T,) long, each token's position in its own sequence;
+    groups: the attention groups, covering the packed order in turn.
+    """
+
+    lengths: tuple[int, ...]
+    order: tuple[int, ...]
+    positions: Tensor
+    groups: tuple[Group, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def longest(self) -> int:
+        return max(self.lengths)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, attend: Callable[[Tensor, Tensor, Tensor, AttentionSpec], Tensor]
+    ) -> Tensor:
+        """Attention within each sequence. q, k: (T, H, D), v: (T, H, Dv) -> (T, H, Dv).
+
+        attend(q, k, v, spec) runs one group: (G, H, n, D) views in, (G, H, n, Dv) out.
+        """
+        outputs = []
+        for group in self.groups:
+            def heads(t: Tensor) -> Tensor:
+                return t[group.start : group.stop].view(group.count, group.length, *t.shape[1:]).transpose(1, 2)
+
+            out = attend(heads(q), heads(k), heads(v), group.spec)  # (G, H, n, Dv)
+            outputs.append(out.transpose(1, 2).reshape(group.count * group.length, *out.shape[1:2], out.shape[-1]))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def per_sequence(self, table: Callable[[int], Tensor]) -> Tensor:
+        """(T, ...): for each sequence of n tokens, the n rows of `table(n)` (a table that
+        depends on the sequence's length, as dynamic NTK's RoPE angles do)."""
+        tables = {n: table(n) for n in set(self.lengths)}
+        return torch.cat([tables[n] for n in self.lengths])
+
+    def split(self, x: Tensor) -> list[Tensor]:
+        """A packed (T, ...) tensor -> one (n_i, ...) view per sequence, in the caller's order."""
+        parts = x.split(list(self.lengths))
+        return self.unsort(list(parts))
+
+    def unsort(self, items: Sequence) -> list:
+        """Per-sequence items in packed order -> the caller's order."""
+        result = [None] * len(items)
+        for j, original in enumerate(self.order):
+            result[original] = items[j]
+        return result
+
+
+def pack(
+    sequences: Sequence[Sequence[int]], specs: Sequence[AttentionSpec], device: torch.device
+) -> tuple[Tensor, Packed]:
+    """Token ids of the sequences end to end, (T,) long on `device`, and their layout.
+
+    Sequences with the same spec and length are placed next to each other, so that each
+    such set is one attention call; otherwise the order is the caller's (stable).
+    """
+    if len(sequences) != len(specs) or not sequences:
+        raise ValueError(
+            f"sequences and specs: need one spec per sequence and at least one, got {len(sequences)} and {len(specs)}"
+        )
+    first_seen: dict[AttentionSpec, int] = {}
+    for spec in specs:
+        first_seen.setdefault(spec, len(first_seen))
+    order = sorted(range(len(sequences)), key=lambda i: (first_seen[specs[i]], -len(sequences[i])))
+    lengths = tuple(len(sequences[i]) for i in order)
+    if min(lengths) < 1:
+        raise ValueError("sequences: every sequence needs at least one token")
+    groups: list[Group] = []
+    start = 0
+    for j, i in enumerate(order):
+        last = groups[-1] if groups else None
+        if last is not None and last.spec == specs[i] and last.length == lengths[j]:
+            groups[-1] = Group(last.first, last.count + 1, last.length, last.start, last.spec)
+        else:
+            groups.append(Group(j, 1, lengths[j], start, specs[i]))
+        start += lengths[j]
+    ids = torch.tensor([t for i in order for t in sequences[i]], dtype=torch.long)
+    positions = torch.cat([torch.arange(n) for n in lengths]) if len(lengths) > 1 else torch.arange(lengths[0])
+    return ids.to(device), Packed(lengths, tuple(order), positions.to(device), tuple(groups))

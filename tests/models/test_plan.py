@@ -1,0 +1,121 @@
+"""The plan (one resolution per input, by its own length) and packed batches."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kernels import AttentionSpec
+from models.calibration import parse_calibration
+from models.packing import pack
+from models.plan import UnknownAdapter, fits, plan
+
+SMALL = dict(clusters=16, topk=16, iterations=5, refine=1, hash_rounds=2, cluster_size=32, seed=3)
+
+
+def _table(model: str):
+    """Exact attention up to 1024 tokens (nothing approximate pays there), clustered 100 above."""
+    config = {"attention": {"method": "clustered", "clusters": 100}, "fidelity_min": 0.99, "fidelity_mean": 0.99}
+    return parse_calibration(
+        {
+            "format": "clusterserve-calibration/1", "model": model, "device": "cpu",
+            "buckets": [
+                {"tokens": 1024, "exact_ms": 10.0, "configs": [{**config, "ms": 50.0}]},
+                {"tokens": 2048, "exact_ms": 100.0, "configs": [{**config, "ms": 20.0}]},
+            ],
+        },
+        "test",
+    )  # fmt: skip
+
+
+def test_pack_lays_sequences_end_to_end_grouped_by_spec_and_length():
+    a, b = AttentionSpec(method="full"), AttentionSpec(method="smyrf")
+    sequences = [[1, 2, 3], [4, 5], [6, 7, 8], [9, 10, 11], [12]]
+    ids, packed = pack(sequences, [a, a, b, a, b], torch.device("cpu"))
+    # Spec a first (its first input came first), longest first within it; stable otherwise.
+    assert packed.order == (0, 3, 1, 2, 4)
+    assert ids.tolist() == [1, 2, 3, 9, 10, 11, 4, 5, 6, 7, 8, 12]
+    assert packed.positions.tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 0, 1, 2, 0]
+    assert [(g.first, g.count, g.length, g.start, g.spec.method) for g in packed.groups] == [
+        (0, 2, 3, 0, "full"), (2, 1, 2, 6, "full"), (3, 1, 3, 8, "smyrf"), (4, 1, 1, 11, "smyrf"),
+    ]  # fmt: skip
+    hidden = torch.arange(12.0)[:, None]
+    assert [part.flatten().tolist() for part in packed.split(hidden)] == [
+        [0.0, 1.0, 2.0], [6.0, 7.0], [8.0, 9.0, 10.0], [3.0, 4.0, 5.0], [11.0],
+    ]  # fmt: skip
+
+
+def test_packed_attention_runs_each_group_as_one_call_on_its_own_tokens():
+    spec = AttentionSpec(method="full")
+    _, packed = pack([[1] * 4, [1] * 4, [1] * 2], [spec] * 3, torch.device("cpu"))
+    q = torch.randn(10, 2, 8)
+    shapes = []
+
+    def attend(q, k, v, spec):
+        shapes.append(tuple(q.shape))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    out = packed.attend(q, q, q, attend)
+    assert shapes == [(2, 2, 4, 8), (1, 2, 2, 8)]
+    for start, stop in ((0, 4), (4, 8), (8, 10)):
+        alone = q[start:stop].transpose(0, 1)[None]  # (1, H, n, D)
+        expected = torch.nn.functional.scaled_dot_product_attention(alone, alone, alone)[0].transpose(0, 1)
+        torch.testing.assert_close(out[start:stop], expected)
+
+
+def test_fits_is_a_budget_of_real_tokens():
+    assert fits(0, 50_000, 100)  # an empty batch takes anything: a long input runs alone
+    assert fits(60, 40, 100) and not fits(61, 40, 100)
+
+
+def test_auto_is_resolved_by_each_inputs_own_length(default_encoder, long_text):
+    encoder = copy.copy(default_encoder)
+    encoder.calibration = _table(encoder.name)
+    short, long = long_text(780, seed=1), long_text(1480, seed=2)
+    call = plan(encoder, [short, long], AttentionSpec(method="auto"), target_fidelity=0.98)
+    tokens = [p.tokens for p in call.inputs]
+    assert tokens[0] <= 1024 < tokens[1]
+    assert [p.spec.method for p in call.inputs] == ["full", "clustered"]
+    assert call.inputs[1].attention.echo["calibration_bucket"] == 2048
+    assert call.echo()["target_fidelity"] == 0.98 and len(call.echo()["inputs"]) == 2
+    # Alone, the short input plans the same; embedded together or alone, the same vector.
+    alone = plan(encoder, [short], AttentionSpec(method="auto"), target_fidelity=0.98)
+    assert alone.inputs[0].attention == call.inputs[0].attention
+    together = encoder.embed([short, long], AttentionSpec(method="auto"), target_fidelity=0.98)
+    by_itself = encoder.embed([short], AttentionSpec(method="auto"), target_fidelity=0.98)
+    assert torch.nn.functional.cosine_similarity(together[:1], by_itself).item() >= 1 - 1e-6
+
+
+@pytest.mark.parametrize("method", ["full", "clustered", "i-clustered", "smyrf"])
+def test_an_inputs_vector_does_not_depend_on_its_batch(default_encoder, long_text, method):
+    spec = AttentionSpec(method=method, **SMALL)
+    texts = [long_text(40, seed=4), long_text(300, seed=5), long_text(120, seed=6), long_text(300, seed=7)]
+    together = default_encoder.embed(texts, spec)
+    alone = torch.cat([default_encoder.embed([text], spec) for text in texts])
+    assert torch.nn.functional.cosine_similarity(together, alone).min() >= 1 - 1e-6
+    # Approximate methods: the same clusters, so the same vector to float rounding.
+    torch.testing.assert_close(together, alone, atol=1e-6, rtol=0)
+    # Batched by a budget that splits them differently: still the same.
+    torch.testing.assert_close(default_encoder.embed(texts, spec, max_batch_tokens=200), alone, atol=1e-6, rtol=0)
+
+
+def test_plan_names_what_is_wrong(default_encoder):
+    with pytest.raises(UnknownAdapter, match="adapter: unknown adapter 'x'; known: none"):
+        plan(default_encoder, ["a"], AttentionSpec(), adapter="x")
+    with pytest.raises(ValueError, match='target_fidelity: applies to method "auto" only'):
+        plan(default_encoder, ["a"], AttentionSpec(method="full"), target_fidelity=0.9)
+    with pytest.raises(ValueError, match=r"target_fidelity: must be a number in \(0, 1\]"):
+        plan(default_encoder, ["a"], AttentionSpec(method="auto"), target_fidelity=1.5)
+    with pytest.raises(ValueError, match="spec: must be a kernels.AttentionSpec"):
+        plan(default_encoder, ["a"], "full")
+
+
+def test_batches_pack_real_tokens_longest_first(default_encoder, long_text):
+    texts = [long_text(n, seed=n) for n in (10, 90, 50, 30)]
+    call = plan(default_encoder, texts, AttentionSpec(method="full"))
+    tokens = [p.tokens for p in call.inputs]
+    batches = call.batches(max_batch_tokens=tokens[1] + tokens[2])
+    assert batches == [[1, 2], [3, 0]]
+    assert all(sum(tokens[i] for i in b) <= tokens[1] + tokens[2] for b in batches)
