@@ -5,11 +5,10 @@ import json
 import pytest
 import torch
 
-from models import UnsupportedArchitecture
-from models.pooling import PoolingConfig, pool, read_pooling
-
 from kernels import AttentionSpec
+from models import UnsupportedArchitecture
 from models.packing import pack
+from models.pooling import PoolingConfig, pool, read_pooling
 
 HIDDEN = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3)  # (B, N, C); sequence 1 has 2 tokens
 
