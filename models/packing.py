@@ -65,14 +65,19 @@ class Packed:
 
         attend(q, k, v, spec) runs one group: (G, H, n, D) views in, (G, H, n, Dv) out.
         """
-        outputs = []
+        out = None
         for group in self.groups:
             def heads(t: Tensor) -> Tensor:
                 return t[group.start : group.stop].view(group.count, group.length, *t.shape[1:]).transpose(1, 2)
 
-            out = attend(heads(q), heads(k), heads(v), group.spec)  # (G, H, n, Dv)
-            outputs.append(out.transpose(1, 2).reshape(group.count * group.length, *out.shape[1:2], out.shape[-1]))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+            o = attend(heads(q), heads(k), heads(v), group.spec)  # (G, H, n, Dv)
+            heads_, value_dim = o.shape[1], o.shape[3]
+            if len(self.groups) == 1:
+                return o.transpose(1, 2).reshape(q.shape[0], heads_, value_dim)
+            if out is None:
+                out = o.new_empty(q.shape[0], heads_, value_dim)
+            out[group.start : group.stop].view(group.count, group.length, heads_, value_dim).copy_(o.transpose(1, 2))
+        return out
 
     def per_sequence(self, table: Callable[[int], Tensor]) -> Tensor:
         """(T, ...): for each sequence of n tokens, the n rows of `table(n)` (a table that

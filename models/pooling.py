@@ -78,18 +78,17 @@ def pool(hidden: Tensor, packed: Packed, mode: str) -> Tensor:
     if mode not in POOLING_MODES:
         raise ValueError(f"pooling mode: must be one of {', '.join(POOLING_MODES)}, got {mode!r}")
     hidden = hidden.float()
-    lengths = torch.tensor(packed.lengths, device=hidden.device)
-    starts = torch.cumsum(lengths, 0) - lengths  # (B,) first token of each sequence
+    parts = hidden.split(list(packed.lengths))
     if mode == "cls":
-        pooled = hidden[starts]
+        pooled = torch.stack([part[0] for part in parts])
     elif mode == "lasttoken":
-        pooled = hidden[starts + lengths - 1]
+        pooled = torch.stack([part[-1] for part in parts])
     elif mode == "max":
-        pooled = torch.stack([part.amax(dim=0) for part in hidden.split(list(packed.lengths))])
+        pooled = torch.stack([part.amax(dim=0) for part in parts])
     else:  # mean
-        segment = torch.repeat_interleave(torch.arange(len(lengths), device=hidden.device), lengths)  # (T,)
-        sums = hidden.new_zeros(len(lengths), hidden.shape[1]).index_add_(0, segment, hidden)
-        pooled = sums / lengths[:, None].to(hidden.dtype)
+        pooled = torch.stack([part.mean(dim=0) for part in parts])
+    if len(parts) == 1:
+        return pooled
     result = torch.empty_like(pooled)
     result[torch.tensor(packed.order, device=hidden.device)] = pooled
     return result
