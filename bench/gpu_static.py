@@ -212,7 +212,7 @@ def compile_launch(launch: Launch, capability: int, head_dim: int, dtype: str) -
     result.compiled = True
     result.shared_bytes = int(kernel.metadata.shared)
     result.num_warps = int(kernel.metadata.num_warps)
-    result.registers, result.spill_bytes, result.stack_bytes = _ptxas_usage(kernel.asm["ptx"], capability)
+    result.registers, result.spill_bytes, result.stack_bytes = ptxas_usage(kernel.asm["ptx"], capability)
     result.dots = _dots(kernel.asm["ttgir"])
     ptx = kernel.asm["ptx"]
     result.ptx_mma = len(re.findall(r"^\s*(?:@!?%p\d+\s+)?(?:mma\.sync|wgmma\.mma_async)", ptx, re.M))
@@ -221,7 +221,7 @@ def compile_launch(launch: Launch, capability: int, head_dim: int, dtype: str) -
     return result
 
 
-def _ptxas_usage(ptx: str, capability: int) -> tuple[int, int, int]:
+def ptxas_usage(ptx: str, capability: int) -> tuple[int, int, int]:
     """Registers, spill bytes (stores + loads) and stack frame bytes from `ptxas -v` with the
     flags Triton compiles with."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
@@ -291,7 +291,7 @@ def build_report(archs: list[int], lengths: list[int], head_dims: list[int], dty
                                       by_kernel))
                     for launch in launches:
                         for arch in archs:
-                            key = (launch.name, arch, head_dim, dtype, _key(launch))
+                            key = (launch.name, arch, head_dim, dtype, specialisation(launch))
                             if key not in compiled:
                                 compiled[key] = compile_launch(launch, arch, head_dim, dtype)
                             uses.setdefault(key, set()).add((label, n))
@@ -306,7 +306,7 @@ def build_report(archs: list[int], lengths: list[int], head_dims: list[int], dty
     return report
 
 
-def _key(launch: Launch) -> str:
+def specialisation(launch: Launch) -> str:
     """What Triton specialises a kernel on, near enough: argument types, constexprs, and which
     integers are 1 or divisible by 16."""
     def arg(a):
