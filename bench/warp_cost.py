@@ -41,7 +41,8 @@ TENSOR_FMA_PER_CLK = 512
 HMMA_RATE = 0.5
 # Units whose work overlaps under the dispatch; the others (tensor cores, special functions) add up.
 OVERLAPPED = ("fma", "alu", "shfl", "data")
-# The L1/shared-memory data path: 128 bytes per clock per SM, a quarter of it per SMSP.
+# The L1/shared-memory data path: 128 bytes per clock per SM (32 banks of 4 bytes), a quarter
+# of it per SMSP.
 DATA_BYTES_PER_CLK = 128 / SMSPS
 # Cycles from issue until a result can be read (round figures from microbenchmarks of Hopper:
 # Luo et al. 2024, arXiv:2402.13499; Chips and Cheese, "Nvidia's H100: Funny L2, and Tons of
