@@ -36,7 +36,7 @@ from kernels import AttentionSpec
 from . import sass, warp_cost
 from .common import RESULTS_DIR, print_table
 from .gpu_static import HEADS, Launch, compile_kernel, ptxas_usage, record_spec, specialisation
-from .trip_counts import bound_arguments, declared_bounds, loop_trips
+from .trip_counts import UnknownBound, bound_arguments, declared_bounds, loop_trips
 
 SMS = 132  # H100 SXM5 (NVIDIA H100 datasheet)
 HBM_BYTES_PER_S = 3.35e12  # HBM3, H100 SXM5 datasheet
@@ -136,8 +136,20 @@ def loop_trip_counts(launch: Launch, variant: Compiled) -> dict:
                 smallest[loop.location] = (size, id(loop))
         for loop in siblings:
             chosen = smallest[loop.location][1] == id(loop)
-            trips[id(loop)] = loop_trips(launch.kernel, arguments, declared, loop.location) if chosen else 0
+            trips[id(loop)] = _trips(loop) if chosen else 0
             visit(loop.children)
+
+    def _trips(loop) -> float:
+        try:
+            return loop_trips(launch.kernel, arguments, declared, loop.location)
+        except UnknownBound:
+            # An mbarrier wait (TMA, warp specialisation) spins until its data lands: its cost
+            # is a latency, taken once, not a loop of the source.
+            waits = any(ins.opcode.startswith("SYNCS") for b in loop.blocks
+                        for ins in variant.listing.instructions[slice(*blocks[b])])
+            if waits and not loop.children:
+                return 1
+            raise
 
     visit(variant.loops)
     return trips

@@ -134,14 +134,21 @@ def _counted_run(kernel, counts: dict[str, int], mode: _OpCounter, launch):
 
 
 def triton_kernels() -> list:
-    """Every Triton kernel of kernels/*_triton.py (the module-level `*_kernel` functions)."""
+    """Every Triton kernel of the kernels package: the module-level `*_kernel` functions of
+    each of its modules (found by walking the package, so a new kernel module is counted too)."""
+    import importlib
+    import pkgutil
+
     import triton
 
-    from kernels import clustered_triton, hashing_triton, kmeans_triton, smyrf_triton
+    import kernels
 
-    found = []
-    for module in (hashing_triton, kmeans_triton, clustered_triton, smyrf_triton):
+    found: dict[int, object] = {}
+    for info in pkgutil.iter_modules(kernels.__path__):
+        if info.name.startswith("_"):  # the native loops' shared libraries
+            continue
+        module = importlib.import_module(f"kernels.{info.name}")
         for name, value in vars(module).items():
             if name.endswith("_kernel") and isinstance(value, triton.runtime.KernelInterface):
-                found.append(value)
-    return found
+                found.setdefault(id(value), value)
+    return list(found.values())
