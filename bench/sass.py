@@ -161,24 +161,34 @@ def find_loops(listing: Listing) -> list[Loop]:
     return roots
 
 
+def reachable(listing: Listing) -> set[int]:
+    """Blocks the entry reaches (not the idle loop after the last EXIT)."""
+    return _reached(_successors(listing, basic_blocks(listing)))
+
+
+def _reached(successors: list[list[int]]) -> set[int]:
+    seen, stack = set(), [0]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(successors[node])
+    return seen
+
+
 def _dominators(successors: list[list[int]], predecessors: list[list[int]]) -> list[set | None]:
     """Each block's dominators (iterative data flow from the entry block 0); None for a block
     the entry never reaches (the idle loop after the last EXIT)."""
     everything = set(range(len(successors)))
-    reachable, stack = set(), [0]
-    while stack:
-        node = stack.pop()
-        if node not in reachable:
-            reachable.add(node)
-            stack.extend(successors[node])
+    live = _reached(successors)
     dominators = [set(everything) for _ in successors]
     dominators[0] = {0}
     changed = True
     while changed:
         changed = False
-        for b in sorted(reachable - {0}):
-            incoming = [dominators[p] for p in predecessors[b] if p in reachable]
+        for b in sorted(live - {0}):
+            incoming = [dominators[p] for p in predecessors[b] if p in live]
             new = set.intersection(*incoming) | {b} if incoming else {b}
             if new != dominators[b]:
                 dominators[b], changed = new, True
-    return [d if b in reachable else None for b, d in enumerate(dominators)]
+    return [d if b in live else None for b, d in enumerate(dominators)]

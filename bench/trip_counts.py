@@ -108,14 +108,14 @@ def _node_at(fn, line: int, kind):
 
 
 def _resolve(fn, func: ast.expr):
-    """The Triton JIT function a call names, from fn's module globals (None if it is not one)."""
-    from triton.runtime.jit import JITFunction
-
+    """The Python function of the Triton function a call names, from fn's module globals (None
+    if it names no Triton function; compiled and interpreted ones alike)."""
     parts = _name(func).split(".")
     value = fn.__globals__.get(parts[0])
     for part in parts[1:]:
         value = getattr(value, part, None)
-    return value.fn if isinstance(value, JITFunction) else None
+    inner = getattr(value, "fn", None)
+    return inner if inspect.isfunction(inner) else None
 
 
 def _name(node: ast.expr) -> str:

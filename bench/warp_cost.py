@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .sass import Instruction, Listing, Loop, basic_blocks
+from .sass import Instruction, Listing, Loop, basic_blocks, reachable
 
 CLOCK_HZ = 1.83e9  # H100 SXM5: the clock of NVIDIA's 989 TFLOP/s dense bf16 (132 SMs x 4096 FLOP/clk)
 SMSPS = 4  # sub-partitions per SM, each issuing one warp instruction per clock
@@ -196,7 +196,8 @@ class WarpCost:
 def warp_cost(listing: Listing, loops: list[Loop], trips) -> WarpCost:
     """One warp's cost of the whole kernel, each loop running trips(loop) times per entry."""
     blocks = basic_blocks(listing)
-    multiplier = [1.0] * len(blocks)
+    live = reachable(listing)
+    multiplier = [1.0 if b in live else 0.0 for b in range(len(blocks))]
 
     def scale(loop_list, factor):
         for loop in loop_list:
@@ -215,7 +216,7 @@ def warp_cost(listing: Listing, loops: list[Loop], trips) -> WarpCost:
             if unit(ins) == "global":
                 cost.global_bytes += times * access_bytes(ins)
     inside = set().union(*(loop.blocks for loop in loops)) if loops else set()
-    outside = [b for b in range(len(blocks)) if b not in inside]
+    outside = [b for b in sorted(live) if b not in inside]
     cost.latency = _simulate(listing, _sequence(blocks, outside, loops, listing, trips), passes=1)
     return cost
 
