@@ -35,8 +35,8 @@ SMSPS = 4  # sub-partitions per SM, each issuing one warp instruction per clock
 PIPE_RESULTS = {"fma": 128, "imad": 64, "alu": 64, "xu": 16, "shfl": 32}
 # Dense tensor-core multiply-adds per clock per SMSP: 989 TFLOP/s / (132 x 4 x 2 x 1.83 GHz)
 # = 512 for 16-bit operands (half that for tf32, twice for 8-bit). wgmma (HGMMA) runs at that
-# rate; mma.sync (HMMA) is modelled at half of it (legacy warp-level MMA on Hopper reaches about
-# half of the wgmma peak).
+# rate; mma.sync (HMMA) is modelled at half of it (an assumption: the warp-level MMA Hopper keeps
+# from Ampere is reported to reach about half of the wgmma peak).
 TENSOR_FMA_PER_CLK = 512
 HMMA_RATE = 0.5
 # Units whose work overlaps under the dispatch; the others (tensor cores, special functions) add up.
@@ -46,7 +46,8 @@ OVERLAPPED = ("fma", "alu", "shfl", "data")
 DATA_BYTES_PER_CLK = 128 / SMSPS
 # Cycles from issue until a result can be read (round figures from microbenchmarks of Hopper:
 # Luo et al. 2024, arXiv:2402.13499; Chips and Cheese, "Nvidia's H100: Funny L2, and Tons of
-# Bandwidth", 2023). A global load is priced between an L2 hit (~260) and HBM (~600+).
+# Bandwidth", 2023). A global load is priced as an L2 hit (~260): what a kernel re-reads sits in
+# L2; a first touch of HBM takes longer (~600+), a reuse from L1 less (~35).
 LATENCY = {"fma": 4, "imad": 4, "alu": 4, "xu": 16, "shfl": 24, "shared": 30, "global": 260, "tensor": 32,
            "barrier": 20, "other": 4}
 
