@@ -447,3 +447,11 @@ TRITON = ClusteredStages(
     exact_case=applied_by_stages,
 )
 
+
+
+# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
+# launch's arguments do not give, as one program sees them. A centroid-pass program streams one
+# split of the keys.
+LOOP_BOUNDS = {
+    "_centroid_attention_kernel": lambda a: {"first": 0, "stop": min(a["CHUNK"], a["M"])},
+}
