@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -22,7 +23,7 @@ from torch import Tensor
 from . import native
 from .full import full_attention
 from .spec import AttentionSpec, resolve_auto
-from .stages import ClusteredStages, SmyrfStages, run_clustered, run_smyrf
+from .stages import ClusteredStages, Observe, SmyrfStages, call, run_clustered, run_smyrf
 
 BACKENDS = ("auto", "reference", "native", "triton")
 # What the triton backend reads; other dtypes (float64) need the reference.
@@ -91,6 +92,7 @@ def attention(
     key_padding_mask: Tensor | None = None,
     scale: float | None = None,
     backend: str = "auto",
+    check: Callable[[], None] | None = None,
 ) -> Tensor:
     """Attention by the method of `spec`.
 
@@ -102,6 +104,8 @@ def attention(
     backend: "auto" | "reference" | "native" | "triton" (see `backend_for`).
     spec "auto" is resolved per batch row by that row's real key count (the length threshold;
     calibration tables are the caller's: see `resolve_auto`).
+    check: None, or called before each of the method's stages; whatever it raises stops the
+        call (a caller's way to abandon work whose request is gone).
     """
     _check_inputs(q, k, v, key_padding_mask)
     chosen = backend_for(q.device, q.dtype, backend)
@@ -110,16 +114,28 @@ def attention(
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
     if spec.method == "auto":
-        return _auto_by_rows(q, k, v, spec, key_padding_mask, scale, chosen)
+        return _auto_by_rows(q, k, v, spec, key_padding_mask, scale, chosen, check)
+    observe = call if check is None else checking(check)
     if spec.method == "full":
-        return full_attention(q, k, v, key_padding_mask, scale)
+        return observe("full", full_attention, q, k, v, key_padding_mask, scale)
     if spec.method == "smyrf":
-        return run_smyrf(smyrf_stages(chosen), q, k, v, spec, key_padding_mask, scale)
-    return run_clustered(clustered_stages(chosen), q, k, v, spec, key_padding_mask, scale)
+        return run_smyrf(smyrf_stages(chosen), q, k, v, spec, key_padding_mask, scale, observe)
+    return run_clustered(clustered_stages(chosen), q, k, v, spec, key_padding_mask, scale, observe)
+
+
+def checking(check: Callable[[], None]) -> Observe:
+    """An `observe` hook (kernels.stages) that calls `check` before each stage."""
+
+    def observe(name: str, stage: Callable[..., Any], *args: Any) -> Any:
+        check()
+        return stage(*args)
+
+    return observe
 
 
 def _auto_by_rows(
-    q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, key_padding_mask: Tensor | None, scale: float, backend: str
+    q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, key_padding_mask: Tensor | None, scale: float, backend: str,
+    check: Callable[[], None] | None,
 ) -> Tensor:
     """"auto" decided per batch row by that row's own real keys (`resolve_auto`, no table), so
     that a row's output never depends on how long the rows padded beside it are; rows that
@@ -130,12 +146,12 @@ def _auto_by_rows(
     for row, keys in enumerate(real_keys):
         rows_by_spec.setdefault(resolve_auto(spec, int(keys), shortcut_exact=False).spec, []).append(row)
     if len(rows_by_spec) == 1:
-        return attention(q, k, v, next(iter(rows_by_spec)), key_padding_mask, scale, backend)
+        return attention(q, k, v, next(iter(rows_by_spec)), key_padding_mask, scale, backend, check)
     out = q.new_empty(*q.shape[:3], v.shape[-1])
     for concrete, rows in rows_by_spec.items():
         index = torch.tensor(rows, device=q.device)
         mask = None if key_padding_mask is None else key_padding_mask[index]
-        out[index] = attention(q[index], k[index], v[index], concrete, mask, scale, backend)
+        out[index] = attention(q[index], k[index], v[index], concrete, mask, scale, backend, check)
     return out
 
 

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from kernels import AttentionSpec, attention
 
 from .config import ACTIVATIONS, EncoderConfig
+from .forward import Pass, run_pass
 from .packing import Packed
 from .rows import by_rows
 
@@ -76,7 +77,7 @@ class BertAttention(nn.Module):
             return y.view(t, self.num_heads, -1)  # (T, H, D)
 
         def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
-            return attention(q, k, v, spec, backend=backend)
+            return attention(q, k, v, spec, backend=backend, check=packed.check)
 
         o = packed.attend(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), attend)
         return self.out(o.reshape(t, c))
@@ -114,7 +115,14 @@ class BertModel(nn.Module):
         """input_ids: (T,) long, the batch's sequences end to end as `packed` lays them out
         -> last hidden states (T, C). backend: `kernels.attention`'s, for every layer; each
         sequence attends by its group's spec."""
-        x = self.embeddings(input_ids, packed)
-        for layer in self.layers:
-            x = layer(x, packed, backend)
-        return x
+        return run_pass(self, self.begin(input_ids, packed, backend))
+
+    def begin(self, input_ids: Tensor, packed: Packed, backend: str = "auto", adapter: int | None = None) -> Pass:
+        return Pass(self.embeddings(input_ids, packed), packed, backend)
+
+    def advance(self, state: Pass) -> None:
+        state.x = self.layers[state.done](state.x, state.packed, state.backend)
+        state.done += 1
+
+    def end(self, state: Pass) -> Tensor:
+        return state.x

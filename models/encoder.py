@@ -13,8 +13,9 @@ Build one with `models.load_encoder`.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +24,10 @@ from torch import Tensor, nn
 from kernels import BACKENDS, AttentionSpec
 
 from .calibration import Calibration
+from .cost import CostModel
+from .forward import Pass
 from .inputs import InputTooLong, is_int, prepare_inputs
-from .packing import Packed, pack
+from .packing import pack
 from .plan import UnknownAdapter, plan
 from .pooling import PoolingConfig, pool
 from .prompts import Prompts
@@ -41,7 +44,8 @@ class Encoder:
     trained on; device, dtype: where and in what precision the weights live; folder: the
     checkpoint folder it was loaded from; backend: the `kernels.attention` backend every
     attention layer is called with; calibration: the table "auto" picks from for a target
-    fidelity (None: auto goes by its length threshold).
+    fidelity (None: auto goes by its length threshold); cost: what an input's work is
+    estimated from (models.cost).
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class Encoder:
         self.device = first.device
         self.dtype = first.dtype
         self.dim = model.config.hidden_size
+        self.cost = CostModel.of(model.config, model)
 
     def info(self) -> dict[str, Any]:
         """What the model is, for /info and logs."""
@@ -179,16 +184,36 @@ class Encoder:
         """One packed forward pass over prepared token ids (`prepare`'s output), each sequence
         attending by its own concrete spec -> (len(sequences), dim) pooled float32 on the CPU,
         not normalised (`finish` does that). No re-batching: the caller chose the batch."""
-        hidden, packed = self._hidden(sequences, specs, adapter)
-        return pool(hidden, packed, self.pooling.mode).cpu()
+        forward = self.start(sequences, specs, adapter)
+        while not forward.finished:
+            forward.step()
+        return forward.pooled()
 
     def token_states(
         self, sequences: Sequence[Sequence[int]], specs: Sequence[AttentionSpec], adapter: str | None = None
     ) -> list[Tensor]:
         """One packed forward pass -> each sequence's last hidden states (n_i, dim) float32 on
         the CPU, in the order given."""
-        hidden, packed = self._hidden(sequences, specs, adapter)
-        return [part.float().cpu() for part in packed.split(hidden)]
+        forward = self.start(sequences, specs, adapter)
+        while not forward.finished:
+            forward.step()
+        return forward.token_states()
+
+    def start(
+        self, sequences: Sequence[Sequence[int]], specs: Sequence[AttentionSpec], adapter: str | None = None,
+        check: Callable[[], None] | None = None,
+    ) -> Forward:
+        """A packed forward pass, embedded and ready to run a layer at a time (`Forward`), as
+        `run` runs it. check: None, or called between attention stages; what it raises stops
+        the step."""
+        for spec in specs:
+            if not isinstance(spec, AttentionSpec) or spec.method == "auto":
+                raise ValueError(f"specs: each must be a concrete kernels.AttentionSpec (plan resolves auto), got {spec!r}")
+        adapter_index = self._adapter_index(adapter)
+        input_ids, packed = pack(sequences, specs, self.device)
+        with torch.inference_mode():
+            state = self.model.begin(input_ids, dataclasses.replace(packed, check=check), self.backend, adapter_index)
+        return Forward(self.model, state, self.pooling.mode)
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """ValueError naming `dimensions` unless it is None or in [1, dim]."""
@@ -203,19 +228,51 @@ class Encoder:
             raise UnknownAdapter(adapter, self.adapters)
         return self.adapters.index(adapter)
 
-    def _hidden(
-        self, sequences: Sequence[Sequence[int]], specs: Sequence[AttentionSpec], adapter: str | None
-    ) -> tuple[Tensor, Packed]:
-        """The model over a packed batch -> (T, dim) last hidden states and the layout."""
-        for spec in specs:
-            if not isinstance(spec, AttentionSpec) or spec.method == "auto":
-                raise ValueError(f"specs: each must be a concrete kernels.AttentionSpec (plan resolves auto), got {spec!r}")
-        adapter_index = self._adapter_index(adapter)
-        input_ids, packed = pack(sequences, specs, self.device)
-        # Only models with task adapters take the argument.
-        extra = {} if adapter_index is None else {"adapter": adapter_index}
+
+
+class Forward:
+    """One packed batch's forward pass, run a layer at a time (`Encoder.start`).
+
+    A scheduler steps it, can drop sequences between steps (`keep`), and reads the pooled
+    vectors or the token states once `finished`.
+    """
+
+    def __init__(self, model: nn.Module, state: Pass, pooling: str):
+        self.model = model
+        self.state = state
+        self.pooling = pooling
+        self.layers = len(model.layers)
+
+    @property
+    def done(self) -> int:
+        """Layers run so far."""
+        return self.state.done
+
+    @property
+    def finished(self) -> bool:
+        return self.state.done >= self.layers
+
+    def step(self) -> None:
+        """Run the next layer."""
         with torch.inference_mode():
-            return self.model(input_ids, packed, backend=self.backend, **extra), packed
+            self.model.advance(self.state)
+
+    def keep(self, sequences: list[int]) -> None:
+        """Go on with these sequences only (indices in the order started, ascending); they are
+        renumbered 0.. in that order."""
+        with torch.inference_mode():
+            self.state.keep(sequences)
+
+    def pooled(self) -> Tensor:
+        """(B, dim) pooled float32 on the CPU, not normalised, in the order started."""
+        with torch.inference_mode():
+            return pool(self.model.end(self.state), self.state.packed, self.pooling).cpu()
+
+    def token_states(self) -> list[Tensor]:
+        """Each sequence's last hidden states (n_i, dim) float32 on the CPU, in the order started."""
+        with torch.inference_mode():
+            hidden = self.model.end(self.state)
+        return [part.float().cpu() for part in self.state.packed.split(hidden)]
 
 
 def finish(pooled: Tensor, normalize: bool = True, dimensions: int | None = None) -> Tensor:

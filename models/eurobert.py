@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from kernels import AttentionSpec, attention
 
 from .config import ACTIVATIONS, EncoderConfig
+from .forward import Pass, run_pass
 from .packing import Packed
 from .rotary import apply_rotary, packed_rotary
 from .rows import by_rows
@@ -59,7 +60,7 @@ class EuroBertAttention(nn.Module):
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
         def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
-            return attention(q, k, v, spec, backend=backend)
+            return attention(q, k, v, spec, backend=backend, check=packed.check)
 
         return self.o_proj(packed.attend(q, k, v, attend).reshape(t, c))
 
@@ -103,12 +104,19 @@ class EuroBertModel(nn.Module):
     def forward(self, input_ids: Tensor, packed: Packed, backend: str = "auto") -> Tensor:
         """input_ids: (T,) long, the batch's sequences end to end as `packed` lays them out
         -> last hidden states (T, C)."""
+        return run_pass(self, self.begin(input_ids, packed, backend))
+
+    def begin(self, input_ids: Tensor, packed: Packed, backend: str = "auto", adapter: int | None = None) -> Pass:
+        return Pass(self.embed_tokens(input_ids), packed, backend)
+
+    def advance(self, state: Pass) -> None:
         cfg = self.config
-        rotary = packed_rotary(
-            packed, cfg.head_dim, cfg.rope_theta, input_ids.device,
+        rotary = state.cached("rotary", lambda: packed_rotary(
+            state.packed, cfg.head_dim, cfg.rope_theta, state.x.device,
             cfg.rope_type, cfg.rope_factor, cfg.rope_original_positions,
-        )  # fmt: skip
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, packed, rotary, backend)
-        return self.norm(x)
+        ))  # fmt: skip
+        state.x = self.layers[state.done](state.x, state.packed, rotary, state.backend)
+        state.done += 1
+
+    def end(self, state: Pass) -> Tensor:
+        return self.norm(state.x)

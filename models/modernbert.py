@@ -16,6 +16,7 @@ from kernels import AttentionSpec, attention
 from kernels.local import local_attention
 
 from .config import ACTIVATIONS, EncoderConfig
+from .forward import Pass, run_pass
 from .packing import Packed
 from .rotary import apply_rotary, packed_rotary
 from .rows import by_rows
@@ -53,7 +54,7 @@ class ModernBertAttention(nn.Module):
 
         def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
             if self.window is None:
-                return attention(q, k, v, spec, backend=backend)
+                return attention(q, k, v, spec, backend=backend, check=packed.check)
             return local_attention(q, k, v, self.window)
 
         return self.Wo(packed.attend(q, k, v, attend).reshape(t, c))
@@ -103,10 +104,19 @@ class ModernBertModel(nn.Module):
     def forward(self, input_ids: Tensor, packed: Packed, backend: str = "auto") -> Tensor:
         """input_ids: (T,) long, the batch's sequences end to end as `packed` lays them out
         -> last hidden states (T, C). backend: `kernels.attention`'s, for the global layers."""
-        cfg = self.config
-        global_rotary = packed_rotary(packed, cfg.head_dim, cfg.global_rope_theta, input_ids.device)
-        local_rotary = packed_rotary(packed, cfg.head_dim, cfg.local_rope_theta, input_ids.device)
-        x = self.embeddings(input_ids)
-        for layer in self.layers:
-            x = layer(x, packed, global_rotary if layer.is_global else local_rotary, backend)
-        return self.final_norm(x)
+        return run_pass(self, self.begin(input_ids, packed, backend))
+
+    def begin(self, input_ids: Tensor, packed: Packed, backend: str = "auto", adapter: int | None = None) -> Pass:
+        return Pass(self.embeddings(input_ids), packed, backend)
+
+    def advance(self, state: Pass) -> None:
+        cfg, layer = self.config, self.layers[state.done]
+        theta = cfg.global_rope_theta if layer.is_global else cfg.local_rope_theta
+        rotary = state.cached(
+            f"rotary {theta}", lambda: packed_rotary(state.packed, cfg.head_dim, theta, state.x.device)
+        )
+        state.x = layer(state.x, state.packed, rotary, state.backend)
+        state.done += 1
+
+    def end(self, state: Pass) -> Tensor:
+        return self.final_norm(state.x)

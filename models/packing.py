@@ -11,6 +11,7 @@ large as they can be, and `Packed.unsort` puts per-sequence results back in the 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -42,13 +43,15 @@ class Packed:
 
     lengths: tokens per sequence, in packed order; order: order[j] = the caller's index of
     packed sequence j; positions: (T,) long, each token's position in its own sequence;
-    groups: the attention groups, covering the packed order in turn.
+    groups: the attention groups, covering the packed order in turn; check: None, or called
+    by the attention layers between their stages (it may raise to stop the pass).
     """
 
     lengths: tuple[int, ...]
     order: tuple[int, ...]
     positions: Tensor
     groups: tuple[Group, ...]
+    check: Callable[[], None] | None = None
 
     @property
     def tokens(self) -> int:
@@ -85,6 +88,21 @@ class Packed:
         tables = {n: table(n) for n in set(self.lengths)}
         return torch.cat([tables[n] for n in self.lengths])
 
+    def keep(self, sequences: Sequence[int]) -> tuple[Packed, Tensor]:
+        """The layout of these sequences alone (the caller's indices, ascending; renumbered
+        0.. in that order) and the (T',) indices of their tokens in this layout's tensors."""
+        renumber = {original: new for new, original in enumerate(sequences)}
+        if len(renumber) != len(sequences) or not sequences:
+            raise ValueError(f"sequences: distinct indices of this batch, at least one, got {list(sequences)}")
+        starts = [0]
+        for n in self.lengths:
+            starts.append(starts[-1] + n)
+        kept = [j for j, original in enumerate(self.order) if original in renumber]
+        specs = {j: group.spec for group in self.groups for j in range(group.first, group.first + group.count)}
+        tokens = torch.cat([torch.arange(starts[j], starts[j + 1]) for j in kept]).to(self.positions.device)
+        packed = _layout([self.lengths[j] for j in kept], [specs[j] for j in kept], [renumber[self.order[j]] for j in kept])
+        return dataclasses.replace(packed, positions=packed.positions.to(self.positions.device), check=self.check), tokens
+
     def split(self, x: Tensor) -> list[Tensor]:
         """A packed (T, ...) tensor -> one (n_i, ...) view per sequence, in the caller's order."""
         parts = x.split(list(self.lengths))
@@ -114,18 +132,24 @@ def pack(
     for spec in specs:
         first_seen.setdefault(spec, len(first_seen))
     order = sorted(range(len(sequences)), key=lambda i: (first_seen[specs[i]], -len(sequences[i])))
-    lengths = tuple(len(sequences[i]) for i in order)
-    if min(lengths) < 1:
+    if min(len(sequences[i]) for i in order) < 1:
         raise ValueError("sequences: every sequence needs at least one token")
+    packed = _layout([len(sequences[i]) for i in order], [specs[i] for i in order], order)
+    ids = torch.tensor([t for i in order for t in sequences[i]], dtype=torch.long)
+    return ids.to(device), dataclasses.replace(packed, positions=packed.positions.to(device))
+
+
+def _layout(lengths: Sequence[int], specs: Sequence[AttentionSpec], order: Sequence[int]) -> Packed:
+    """The layout of sequences already in packed order: consecutive ones of the same spec and
+    length form a group."""
     groups: list[Group] = []
     start = 0
-    for j, i in enumerate(order):
+    for j, (n, spec) in enumerate(zip(lengths, specs)):
         last = groups[-1] if groups else None
-        if last is not None and last.spec == specs[i] and last.length == lengths[j]:
-            groups[-1] = Group(last.first, last.count + 1, last.length, last.start, last.spec)
+        if last is not None and last.spec == spec and last.length == n:
+            groups[-1] = Group(last.first, last.count + 1, n, last.start, spec)
         else:
-            groups.append(Group(j, 1, lengths[j], start, specs[i]))
-        start += lengths[j]
-    ids = torch.tensor([t for i in order for t in sequences[i]], dtype=torch.long)
+            groups.append(Group(j, 1, n, start, spec))
+        start += n
     positions = torch.cat([torch.arange(n) for n in lengths]) if len(lengths) > 1 else torch.arange(lengths[0])
-    return ids.to(device), Packed(lengths, tuple(order), positions.to(device), tuple(groups))
+    return Packed(tuple(lengths), tuple(order), positions, tuple(groups))

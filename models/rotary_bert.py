@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from kernels import AttentionSpec, attention
 
 from .config import ACTIVATIONS, EncoderConfig
+from .forward import Pass, run_pass
 from .lora import AdaptedEmbedding, AdaptedLinear
 from .packing import Packed
 from .rotary import apply_rotary, packed_rotary
@@ -91,7 +92,7 @@ class RotaryBertAttention(nn.Module):
             return y.view(t, self.num_heads, -1)  # (T, H, D)
 
         def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
-            return attention(q, k, v, spec, backend=backend)
+            return attention(q, k, v, spec, backend=backend, check=packed.check)
 
         q = apply_rotary(heads(self.q(x, adapter)), *rotary, interleaved=self.interleaved)
         k = apply_rotary(heads(self.k(x, adapter)), *rotary, interleaved=self.interleaved)
@@ -139,12 +140,19 @@ class RotaryBertModel(nn.Module):
     def forward(self, input_ids: Tensor, packed: Packed, adapter: int | None = None, backend: str = "auto") -> Tensor:
         """input_ids: (T,) long, the batch's sequences end to end as `packed` lays them out;
         adapter: index into config.adapters (None: base weights) -> last hidden states (T, C)."""
+        return run_pass(self, self.begin(input_ids, packed, backend, adapter))
+
+    def begin(self, input_ids: Tensor, packed: Packed, backend: str = "auto", adapter: int | None = None) -> Pass:
+        return Pass(self.embeddings(input_ids, adapter), packed, backend, adapter)
+
+    def advance(self, state: Pass) -> None:
         cfg = self.config
-        rotary = packed_rotary(
-            packed, cfg.head_dim, cfg.rope_theta, input_ids.device,
+        rotary = state.cached("rotary", lambda: packed_rotary(
+            state.packed, cfg.head_dim, cfg.rope_theta, state.x.device,
             cfg.rope_type, cfg.rope_factor, cfg.rope_original_positions, cfg.rope_interleaved,
-        )  # fmt: skip
-        x = self.embeddings(input_ids, adapter)
-        for layer in self.layers:
-            x = layer(x, packed, rotary, adapter, backend)
-        return x
+        ))  # fmt: skip
+        state.x = self.layers[state.done](state.x, state.packed, rotary, state.adapter, state.backend)
+        state.done += 1
+
+    def end(self, state: Pass) -> Tensor:
+        return state.x

@@ -21,8 +21,10 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 import kernels
-from kernels import APPROXIMATE_METHODS
+from kernels import APPROXIMATE_METHODS, AttentionSpec
 from models import Encoder
+from models.calibration import EXACT
+from models.cost import Throughput, default_budget
 
 from . import __version__, openapi
 from .batching import Batcher
@@ -139,7 +141,11 @@ def _load_and_start(state: ServiceState, load: Callable[[Settings], Encoder]) ->
         log_calibration(encoder)
         if settings.warmup:
             _warm_up(encoder, state)
-        batcher = Batcher(encoder, state.metrics, settings.max_batch_tokens, settings.max_concurrent_requests)
+        throughput = measure_throughput(encoder)
+        budget = work_budget(encoder, settings, state.default_spec, throughput)
+        batcher = Batcher(
+            encoder, state.metrics, settings.max_batch_tokens, settings.max_concurrent_requests, throughput=throughput
+        )
     except Exception as exc:  # reported by /health/* and /info; the process stays up to say so
         log.exception("loading the model failed")
         state.load_error = f"{type(exc).__name__}: {exc}"
@@ -148,10 +154,36 @@ def _load_and_start(state: ServiceState, load: Callable[[Settings], Encoder]) ->
         if state.draining:
             return
         state.encoder, state.batcher = encoder, batcher
+        state.throughput, state.work_budget = throughput, budget
         batcher.start()
         state.ready = True
     state.metrics.set_build_info(__version__, encoder.name, str(encoder.device), encoder.backend)
     log.info("ready: %s on %s, up to %d tokens per input", encoder.name, encoder.device, encoder.max_input_tokens)
+
+
+def measure_throughput(encoder: Encoder, tokens: int = 1024) -> Throughput:
+    """This device's work units per second (models.cost): a forward pass with exact attention
+    over up to `tokens` tokens, timed. It turns the work budget into seconds and back."""
+    ids = (encoder.prepare([_WARMUP_TEXT * 16], truncate=True)[0] * 2)[: min(tokens, encoder.max_input_tokens)]
+    return Throughput.measure(lambda: encoder.run([ids], [EXACT]), encoder.cost.work(len(ids), EXACT))
+
+
+def work_budget(encoder: Encoder, settings: Settings, default: AttentionSpec, throughput: Throughput) -> float:
+    """Work units a request may take: the configured seconds at this device's throughput, or
+    the default (models.cost.default_budget) over every method at the server's default knobs
+    and every configuration of the calibration table, at the model's longest input."""
+    if settings.max_request_work_s is not None:
+        budget = throughput.units(settings.max_request_work_s)
+    else:
+        specs = [dataclasses.replace(default, method=method) for method in ("full", *APPROXIMATE_METHODS)]
+        if encoder.calibration is not None:
+            specs += [entry.spec for bucket in encoder.calibration.buckets for entry in bucket.configs]
+        budget = default_budget(encoder.cost, encoder.max_input_tokens, specs)
+    log.info(
+        "work budget per request: %.0f s of this device's time (%.3g work units; %.3g units/s measured)",
+        throughput.seconds(budget), budget, throughput.units_per_s,
+    )  # fmt: skip
+    return budget
 
 
 def _warm_up(encoder: Encoder, state: ServiceState) -> None:

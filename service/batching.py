@@ -1,25 +1,36 @@
-"""The scheduler: embedding requests queue here and one worker thread runs them in batches.
+"""The scheduler: embedding requests queue here and one worker thread runs them, a layer at a time.
 
 The pipeline (service.pipeline) plans a request (models.plan: tokens, each input's attention
-spec) and submits a `Job`. The job's inputs enter a FIFO queue as `Item`s. The worker takes
-the oldest item and joins to it every queued item with the same batch key (the task adapter)
-while the batch's real tokens stay within the token budget (`models.plan.fits`, the rule
-`Encoder.embed` batches by), and runs that batch as one packed forward pass (`encoder.run`:
-each input attends by its own spec, no padding is computed). Each job gets its pooled
-vectors when its last item is done. Inference never runs on the event loop, so
-health checks and metrics answer while a 30k-token batch is running.
+spec, its estimated work) and submits a `Job`. The job's inputs enter a queue as `Item`s.
+The worker forms packed batches (the oldest-waiting, least-work item first, then queued items
+of any request with the same batch key while the batch's real tokens stay within the token
+budget: `models.plan.fits`, the rule `Encoder.embed` batches by) and runs each as a packed
+forward pass (`Encoder.start`): each input attends by its own spec, no padding is computed.
+
+Batches run one layer at a time (`models.encoder.Forward.step`). Between layers the worker
+chooses what runs next, among the running batches and the batch the queue would form next:
+the one with the least estimated remaining work, minus the seconds it has waited (shortest
+remaining work first, with ageing). A short request therefore waits for at most about one
+layer of a long one, and a long one still advances while short ones keep coming, once it has
+waited as long as its remaining work. At most `max_running` batches are in progress at once.
+
+Between layers, and between the attention stages of a layer, the worker also drops work
+nobody waits for: inputs of a request that passed its deadline or whose client went away
+leave their batch (`Forward.keep`); a batch left with none stops. Each job gets its pooled
+vectors when its last input is done; inference never runs on the event loop, so health
+checks and metrics answer while a 30k-token batch is running.
 
 Per request the worker records:
 - queue time: arrival in the queue -> start of the first batch holding one of its inputs;
-- inference time: that start -> end of the last batch holding one of its inputs;
+- inference time: that start -> end of the last batch holding one of its inputs (other
+  batches' layers may run in between);
 - peak memory: the largest peak of those batches (see `metrics.PeakMemory`).
 
-Admission is `Batcher.submit`'s check of `max_concurrent_requests`; a job carries its
-deadline, and the worker drops expired or cancelled jobs before it runs them;
-`_run_or_split` is the one place that catches out-of-memory: it frees what the attempt held
-and retries each half of the batch, down to single inputs, so one input too big for memory
-fails alone (503 naming its token count) and its batch-mates still get their vectors;
-`stop` drains the queue before the worker exits.
+Admission is `Batcher.submit`'s check of `max_concurrent_requests`; the budget of work per
+request is the pipeline's. `_oom` is the one place that handles out-of-memory: it frees
+what the attempt held and queues each half of the batch anew, down to single inputs, so one
+input too big for memory fails alone (503 naming its token count) and its batch-mates still
+get their vectors; `stop` drains the queue before the worker exits.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from torch import Tensor
 
 from kernels import AttentionSpec
 from models import Encoder
+from models.cost import Throughput
 from models.plan import fits
 
 from . import errors
@@ -66,6 +78,7 @@ class Job:
     specs: list[AttentionSpec]  # resolved per input (models.plan): never "auto"
     adapter: str | None = None  # the task adapter every input runs with (None: the base weights)
     exact_reruns: int = 0  # the last this many inputs are exact re-runs of others ("fidelity": true)
+    work: list[float] = field(default_factory=list)  # estimated work units per input (models.cost); [] = 0
     deadline: float = float("inf")  # time.monotonic() by which it must be answered
     timeout_s: float = float("inf")  # the deadline's length, for the 504 message
 
@@ -77,7 +90,8 @@ class Job:
     vectors: list[Tensor | None] = field(default_factory=list)
     spans: list[tuple[float, float] | None] = field(default_factory=list)  # per input: its batch's run
     remaining: int = 0
-    cancelled: bool = False  # set by the event loop; the worker skips the job's items
+    cancelled: bool = False  # set by the event loop; the worker drops the job's items, queued or running
+    gone_because: str = ""  # why it was cancelled: "deadline" or "disconnected" (set with `cancelled`)
     future: asyncio.Future[JobResult] | None = None
     loop: asyncio.AbstractEventLoop | None = None
 
@@ -109,6 +123,38 @@ class Item:
     def spec(self) -> AttentionSpec:
         return self.job.specs[self.index]
 
+    @property
+    def work(self) -> float:
+        return self.job.work[self.index] if self.job.work else 0.0
+
+
+class Abandoned(Exception):
+    """Raised inside a batch's step when none of its inputs is wanted any more."""
+
+
+@dataclass
+class Running:
+    """A batch the worker has formed: not started until `forward` is set."""
+
+    items: list[Item]
+    work: float  # estimated work units of the whole batch
+    waiting_since: float  # when it last ran a layer, or its oldest item was queued
+    forward: Any = None  # models.encoder.Forward once started
+    started_at: float = 0.0
+    peak_memory: int | None = None
+
+    def remaining(self) -> float:
+        """Estimated work units left."""
+        if self.forward is None:
+            return self.work
+        return self.work * (1.0 - self.forward.done / max(self.forward.layers, 1))
+
+    def wanted(self) -> list[int]:
+        """Indices of the items whose request still waits for them: not cancelled, not past
+        its deadline."""
+        now = time.monotonic()
+        return [i for i, item in enumerate(self.items) if not item.job.cancelled and now < item.job.deadline]
+
 
 class Batcher:
     """Queue + one worker thread. `submit` is called on the event loop; the rest runs on the worker."""
@@ -119,12 +165,18 @@ class Batcher:
         metrics: Metrics,
         max_batch_tokens: int,
         max_concurrent_requests: int,
+        throughput: Throughput | None = None,
+        max_running: int = 4,
     ) -> None:
         self.encoder = encoder
         self.metrics = metrics
         self.max_batch_tokens = max_batch_tokens
         self.max_concurrent_requests = max_concurrent_requests
+        # Without a measured rate, work units are compared as they are (one unit a nanosecond).
+        self.throughput = throughput or Throughput(1e9)
+        self.max_running = max_running
         self._pending: deque[Item] = deque()
+        self._running: list[Running] = []
         self._cond = threading.Condition()
         self._stopping = False
         self._admitted = 0  # jobs between submit and answer; touched on the event loop only
@@ -171,7 +223,11 @@ class Batcher:
             remaining = job.deadline - time.monotonic()
             return await asyncio.wait_for(asyncio.shield(job.future), timeout=max(remaining, 0.0))
         except TimeoutError:
+            job.gone_because = "deadline"
             raise errors.deadline_exceeded(job.timeout_s) from None
+        except asyncio.CancelledError:
+            job.gone_because = job.gone_because or "disconnected"
+            raise
         finally:
             # Covers timeouts and cancelled clients: the worker drops the job's queued items,
             # and a result or failure it still delivers lands on a cancelled future, unread.
@@ -184,39 +240,58 @@ class Batcher:
 
     def _work(self) -> None:
         while True:
-            batch = self._next_batch()
-            if batch is None:
+            running = self._next()
+            if running is None:
                 return
             try:
-                self._run_batch(batch)
+                self._advance(running)
             except Exception as exc:  # a bug must fail its requests, not kill the worker
                 log.exception("batch failed")
-                for job in {id(item.job): item.job for item in batch}.values():
+                self._forget(running)
+                for job in {id(item.job): item.job for item in running.items}.values():
                     self._fail(job, exc)
 
-    def _next_batch(self) -> list[Item] | None:
-        """Block for work; return the next batch, or None once stopping with nothing queued."""
+    def _next(self) -> Running | None:
+        """Block for work; return what runs a layer next, or None once stopping with nothing left."""
         with self._cond:
             while True:
                 self._drop_dead_items()
-                if self._pending:
+                if self._pending or self._running:
                     break
                 if self._stopping:
                     return None
                 self._cond.wait()
-            first = self._pending[0]
-            batch, used, keep = [], 0, deque()
-            for item in self._pending:
-                if item.key == first.key and fits(used, item.tokens, self.max_batch_tokens):
-                    batch.append(item)
-                    used += item.tokens
-                else:
-                    keep.append(item)
-            self._pending = keep
-            return batch
+            now = time.monotonic()
+            candidate = self._candidate(now) if len(self._running) < self.max_running else None
+            best = min(self._running, key=lambda r: self._score(r, now), default=None)
+            if candidate is not None and (best is None or self._score(candidate, now) < self._score(best, now)):
+                taken = {id(item) for item in candidate.items}
+                self._pending = deque(item for item in self._pending if id(item) not in taken)
+                self._running.append(candidate)
+                best = candidate
+            self.metrics.running_batches.set(len(self._running))
+            return best
+
+    def _score(self, running: Running, now: float) -> float:
+        """Shortest remaining work first, with ageing: estimated seconds left minus seconds waited."""
+        return self.throughput.seconds(running.remaining()) - (now - running.waiting_since)
+
+    def _candidate(self, now: float) -> Running | None:
+        """The batch the queue would start next: the item of least work minus wait first, then
+        queued items with its key while the batch's real tokens fit."""
+        if not self._pending:
+            return None
+        first = min(self._pending, key=lambda item: self.throughput.seconds(item.work) - (now - item.job.enqueued_at))
+        batch, used = [first], first.tokens
+        for item in self._pending:
+            if item is not first and item.key == first.key and fits(used, item.tokens, self.max_batch_tokens):
+                batch.append(item)
+                used += item.tokens
+        oldest = min(item.job.enqueued_at for item in batch)
+        return Running(batch, sum(item.work for item in batch), oldest)
 
     def _drop_dead_items(self) -> None:
-        """Remove items of cancelled jobs; fail and remove jobs whose deadline has passed."""
+        """Remove queued items of cancelled jobs; fail and remove jobs whose deadline has passed."""
         now = time.monotonic()
         alive: deque[Item] = deque()
         for item in self._pending:
@@ -234,56 +309,111 @@ class Batcher:
         self._waiting_jobs -= 1
         self.metrics.queue_depth.set(self._waiting_jobs)
 
-    def _run_batch(self, batch: list[Item]) -> None:
+    def _advance(self, running: Running) -> None:
+        """Start `running` or run its next layer, dropping inputs nobody waits for; deliver it
+        when its last layer is done."""
+        wanted = running.wanted()
+        if len(wanted) < len(running.items):
+            gone = [item for i, item in enumerate(running.items) if i not in wanted]
+            for job in {id(item.job): item.job for item in gone if not item.job.cancelled}.values():
+                job.gone_because = "deadline"
+                self._fail(job, errors.deadline_exceeded(job.timeout_s))
+            self._stopped(gone, running)
+            if not wanted:
+                self._forget(running)
+                return
+            if running.forward is not None:
+                running.forward.keep(wanted)
+            running.items = [running.items[i] for i in wanted]
+        try:
+            if running.forward is None:
+                self._start(running)
+            else:
+                running.forward.step()
+                self.metrics.layers.inc()
+        except Abandoned:
+            for job in {id(item.job): item.job for item in running.items if not item.job.cancelled}.values():
+                job.gone_because = "deadline"
+                self._fail(job, errors.deadline_exceeded(job.timeout_s))
+            self._stopped(running.items, running)
+            self._forget(running)
+            return
+        except (torch.OutOfMemoryError, MemoryError):
+            pass  # handled outside the except: its traceback pins the batch's tensors
+        else:
+            running.waiting_since = time.monotonic()
+            if running.forward.finished:
+                self._finish_batch(running)
+            return
+        self._oom(running)
+
+    def _start(self, running: Running) -> None:
         started = time.monotonic()
         with self._cond:
-            for item in batch:
+            for item in running.items:
                 if item.job.started_at is None:
                     item.job.started_at = started
                     self._job_left_queue()
-        for item in batch:
+        for item in running.items:
             self.metrics.queue_duration.labels(method=item.spec.method).observe(started - item.job.enqueued_at)
             self.metrics.input_tokens.labels(method=item.spec.method).observe(item.tokens)
-        self._run_or_split(batch)
-
-    def _run_or_split(self, batch: list[Item]) -> None:
-        """Embed `batch`; on out-of-memory, free what the attempt held and retry each half,
-        down to single inputs. An input that does not fit alone fails its job with 503."""
-        batch = [item for item in batch if not item.job.cancelled]  # a failed sibling, a gone client
-        if not batch:
-            return
-        started = time.monotonic()
+        running.started_at = started
         self._peak.reset()
-        vectors = self._embed(batch)
-        if vectors is None:
-            self._split_after_out_of_memory(batch)
-            return
-        self._deliver(batch, vectors, started, time.monotonic(), self._peak.read())
 
-    def _embed(self, batch: list[Item]) -> Tensor | None:
-        """One forward pass over the batch as formed here -> (len(batch), dim) float32 on the
-        CPU, or None when it ran out of memory (what the attempt held is freed first)."""
-        try:
-            vectors = self.encoder.run(
-                [item.job.inputs[item.index] for item in batch], [item.spec for item in batch], batch[0].key.adapter
-            )
-            return vectors.detach().float().cpu()
-        except (torch.OutOfMemoryError, MemoryError):
-            pass  # handled outside the except: its traceback pins the batch's tensors
+        def check() -> None:
+            if not running.wanted():
+                raise Abandoned
+
+        running.forward = self.encoder.start(
+            [item.job.inputs[item.index] for item in running.items],
+            [item.spec for item in running.items],
+            running.items[0].key.adapter,
+            check=check,
+        )
+
+    def _finish_batch(self, running: Running) -> None:
+        vectors = running.forward.pooled().detach().float()
+        self._forget(running)
+        self._deliver(running.items, vectors, running.started_at, time.monotonic(), self._peak.read())
+
+    def _forget(self, running: Running) -> None:
+        """Take a batch off the running list (its forward pass and tensors go with it)."""
+        with self._cond:
+            if running in self._running:
+                self._running.remove(running)
+            self.metrics.running_batches.set(len(self._running))
+        running.forward = None
+
+    def _stopped(self, items: list[Item], running: Running) -> None:
+        """Count inputs whose work stopped because their request is gone."""
+        if running.forward is None:
+            return  # never started: nothing was computed for them
+        for item in items:
+            self.metrics.stopped_inputs.labels(reason=item.job.gone_because or "deadline").inc()
+        log.info(
+            "stopped %d input(s) after %d of %d layers: their requests are gone",
+            len(items), running.forward.done, running.forward.layers,
+        )  # fmt: skip
+
+    def _oom(self, running: Running) -> None:
+        """Out of memory: free what the attempt held and queue each half of the batch anew, down
+        to single inputs. An input that does not fit alone fails its job with 503."""
+        self._forget(running)
         self._free_memory()
-        return None
-
-    def _split_after_out_of_memory(self, batch: list[Item]) -> None:
-        if len(batch) == 1:
-            item = batch[0]
+        items = [item for item in running.items if not item.job.cancelled]
+        if not items:
+            return
+        if len(items) == 1:
+            item = items[0]
             log.warning("out of memory on a single input of %d tokens (request %s)", item.tokens, item.job.request_id)
             self._fail(item.job, errors.out_of_memory(item.tokens))
             return
-        tokens = sum(item.tokens for item in batch)
-        log.warning("out of memory in a batch of %d inputs, %d tokens: retrying in halves", len(batch), tokens)
-        half = len(batch) // 2
-        self._run_or_split(batch[:half])
-        self._run_or_split(batch[half:])
+        tokens = sum(item.tokens for item in items)
+        log.warning("out of memory in a batch of %d inputs, %d tokens: retrying in halves", len(items), tokens)
+        half = len(items) // 2
+        with self._cond:
+            for part in (items[:half], items[half:]):
+                self._running.append(Running(part, sum(item.work for item in part), running.waiting_since))
 
     def _deliver(self, batch: list[Item], vectors: Tensor, started: float, finished: float, peak: int | None) -> None:
         """Record the batch's metrics and hand each item its vector; finish jobs now complete."""
@@ -347,7 +477,12 @@ class Batcher:
     def snapshot(self) -> dict[str, Any]:
         """Queue state for debugging and tests."""
         with self._cond:
-            return {"pending_items": len(self._pending), "waiting_jobs": self._waiting_jobs, "admitted": self._admitted}
+            return {
+                "pending_items": len(self._pending),
+                "running_batches": len(self._running),
+                "waiting_jobs": self._waiting_jobs,
+                "admitted": self._admitted,
+            }
 
 
 def dominant_method(batch: list[Item]) -> str:

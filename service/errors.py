@@ -30,6 +30,7 @@ FAILURE_REASONS = (
     "overloaded",
     "not_ready",
     "out_of_memory",
+    "over_budget",
     "deadline",
     "disconnected",
     "internal",
@@ -77,6 +78,11 @@ def empty_input(param: str) -> ServiceError:
 
 def invalid_field(param: str, message: str) -> ServiceError:
     return ServiceError(422, "invalid_field", f"{param}: {message}", param)
+
+
+def over_budget(param: str, message: str) -> ServiceError:
+    """422: the request's estimated work is over the server's budget per request."""
+    return ServiceError(422, "over_budget", f"{param}: {message}", param)
 
 
 def input_too_long(param: str, tokens: int, limit: int) -> ServiceError:

@@ -41,6 +41,7 @@ OTHER_ENDPOINTS = (
 NO_METHOD = "none"
 RESOLVED_METHODS = tuple(m for m in METHODS if m != "auto")
 
+STOP_REASONS = ("deadline", "disconnected")  # why a running input's work stopped
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TOKENS = tuple(float(2**i) for i in range(4, 17))  # 16 .. 65536
 _BATCH = tuple(float(2**i) for i in range(0, 9))  # 1 .. 256
@@ -83,6 +84,13 @@ class Metrics:
             _FIDELITY,
         )
         self.failures = Counter("clusterserve_request_failures", "failed requests by reason", ["reason"], registry=r)
+        self.layers = Counter("clusterserve_layers", "encoder layers run by the scheduler, over all batches", registry=r)
+        self.stopped_inputs = Counter(
+            "clusterserve_stopped_inputs",
+            "inputs whose forward pass stopped part-way because their request passed its deadline or its client left",
+            ["reason"],
+            registry=r,
+        )
         self._add_gauges()
         self._create_children()
 
@@ -91,6 +99,9 @@ class Metrics:
         r = self.registry
         self.queue_depth = Gauge("clusterserve_queue_depth", "embedding requests waiting for their first batch", registry=r)
         self.inflight = Gauge("clusterserve_inflight_requests", "embedding requests admitted and not yet answered", registry=r)
+        self.running_batches = Gauge(
+            "clusterserve_running_batches", "batches whose forward pass is under way (they run a layer at a time)", registry=r
+        )
         self.device_memory = Gauge(
             "clusterserve_device_memory_bytes",
             "memory now: CUDA allocated and reserved (0 on CPU), process RSS",
@@ -132,6 +143,8 @@ class Metrics:
             self.device_memory.labels(kind=kind)
         for reason in FAILURE_REASONS:
             self.failures.labels(reason=reason)
+        for reason in STOP_REASONS:
+            self.stopped_inputs.labels(reason=reason)
 
     def set_build_info(self, version: str, model: str, device: str, backend: str) -> None:
         self.build_info.clear()

@@ -29,6 +29,7 @@ from torch import Tensor
 from kernels import AttentionSpec
 from models import Encoder, UnknownPrompt
 from models.calibration import EXACT
+from models.cost import over_budget
 from models.encoder import finish
 from models.inputs import EmptyInput, InputError, InputTooLong
 from models.plan import Plan, UnknownAdapter, plan
@@ -38,7 +39,7 @@ from .batching import Batcher, Job, JobResult
 from .metrics import Metrics
 from .middleware import ARRIVAL_KEY, METHOD_KEY, REQUEST_ID_KEY
 from .schemas import CALIBRATED_KNOBS, AttentionRequest
-from .state import get_state
+from .state import ServiceState, get_state
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
 
@@ -109,6 +110,8 @@ async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Emb
     # With "fidelity": true the approximate inputs run a second time with exact attention, in
     # the same job: one admission, one deadline; the scheduler never batches the two together.
     rerun = [i for i, planned in enumerate(call.inputs) if planned.spec.method != "full"] if options.fidelity else []
+    runs = [(p.tokens, p.spec) for p in call.inputs] + [(call.inputs[i].tokens, EXACT) for i in rerun]
+    check_budget(encoder, runs, state, options.param, params)
     timeout = request_timeout_s(request, state.settings.request_timeout_s)
     job = Job(
         request_id=request.scope.get(REQUEST_ID_KEY, ""),
@@ -116,6 +119,7 @@ async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Emb
         specs=[planned.spec for planned in call.inputs] + [EXACT] * len(rerun),
         adapter=call.adapter,
         exact_reruns=len(rerun),
+        work=[encoder.cost.work(n, run_spec) for n, run_spec in runs],
         deadline=request.scope.get(ARRIVAL_KEY, time.monotonic()) + timeout,
         timeout_s=timeout,
     )
@@ -225,6 +229,31 @@ async def plan_request(
 def _detail(exc: ValueError) -> str:
     """A models ValueError's message without its leading "field: " (the error names the param)."""
     return str(exc).partition(": ")[2] or str(exc)
+
+
+def check_budget(
+    encoder: Encoder, runs: list[tuple[int, AttentionSpec]], state: ServiceState, param: str, params: list[str]
+) -> None:
+    """422 (reason over_budget) when the request's estimated work, (tokens, resolved spec) per
+    forward pass, is over the server's budget: naming the knob that drives it with the largest
+    value that fits at these lengths, or, where no knob can, the inputs."""
+    throughput = state.throughput
+    over = over_budget(encoder.cost, runs, state.work_budget, state.default_spec)
+    if over is None:
+        return
+    work = f"{throughput.seconds(over.work):.0f} s of this server's time (estimated), over its budget of " \
+        f"{throughput.seconds(over.budget):.0f} s per request"
+    if over.knob is None:
+        tokens = sum(n for n, _ in runs)
+        raise errors.over_budget(
+            param, f"{len(params)} input(s) of {tokens} tokens in all would take {work}; send fewer or shorter inputs per request"
+        )
+    longest = max(n for n, _ in runs)
+    also = "".join(f", with {name} at most {value}" for name, value in over.others.items())
+    raise errors.over_budget(
+        f"attention.{over.knob}",
+        f"this request would take {work}; at {longest} tokens, {over.knob} can be at most {over.largest}{also}",
+    )
 
 
 def request_timeout_s(request: Request, server_timeout_s: float) -> float:

