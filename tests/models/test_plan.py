@@ -119,3 +119,36 @@ def test_batches_pack_real_tokens_longest_first(default_encoder, long_text):
     batches = call.batches(max_batch_tokens=tokens[1] + tokens[2])
     assert batches == [[1, 2], [3, 0]]
     assert all(sum(tokens[i] for i in b) <= tokens[1] + tokens[2] for b in batches)
+
+
+@pytest.mark.parametrize("method", ["full", "i-clustered"])
+def test_sequences_that_leave_a_running_pass_leave_the_rest_unchanged(default_encoder, long_text, method):
+    spec = AttentionSpec(method=method, **SMALL)
+    sequences = default_encoder.prepare([long_text(60, seed=1), long_text(200, seed=2), long_text(120, seed=3)])
+    forward = default_encoder.start(sequences, [spec] * 3)
+    forward.step()
+    forward.step()
+    forward.keep([0, 2])
+    while not forward.finished:
+        forward.step()
+    assert forward.done == forward.layers == 6
+    alone = default_encoder.run([sequences[0], sequences[2]], [spec] * 2)
+    torch.testing.assert_close(forward.pooled(), alone, atol=1e-6, rtol=0)
+
+
+def test_a_check_that_raises_stops_the_pass_between_attention_stages(default_encoder, long_text):
+    class Stop(Exception):
+        pass
+
+    calls = []
+
+    def check():
+        calls.append(1)
+        if len(calls) == 3:
+            raise Stop
+
+    spec = AttentionSpec(method="i-clustered", **SMALL)
+    forward = default_encoder.start(default_encoder.prepare([long_text(200, seed=2)]), [spec], check=check)
+    with pytest.raises(Stop):
+        forward.step()
+    assert len(calls) == 3 and forward.done == 0  # inside the first layer's attention
