@@ -677,28 +677,79 @@ static int64_t cluster_start(int64_t c, int64_t count, int64_t clusters) {
     return (c * count + clusters - 1) / clusters;
 }
 
-/* One cluster of one round: keys kt (D, SP) transposed and values vals (SK, DVP) already
- * gathered (SP and DVP whole vectors, 64-byte aligned, the padding 0); the SQ queries whose
- * positions are qpos in q (N, D), in dtype from element q0. Each query's logits over the SK
- * keys join its running softmax: mx (the largest logit so far), den (the sum of
- * exp(logit - mx)) and its Dv row of out (the sum of exp(logit - mx) v). logits:
- * SMYRF_GROUP * SP floats, 64-byte aligned; rows: SMYRF_GROUP * D floats. */
-static void smyrf_cluster(const void *q, int64_t dtype, int64_t q0, const int64_t *qpos, int64_t sq, const float *kt,
-                          const float *vals, int64_t sk, int64_t sp, int64_t d, int64_t dv, int64_t dvp, float scale,
-                          float *out, float *mx, float *den, float *logits, float *rows) {
-    for (int64_t i0 = 0; i0 < sq; i0 += SMYRF_GROUP) {
-        const float *x[SMYRF_GROUP];
-        float keep[SMYRF_GROUP];
-        for (int g = 0; g < SMYRF_GROUP; g++) /* a short tail repeats */
-            x[g] = row_floats(q, dtype, q0 + qpos[i0 + g < sq ? i0 + g : sq - 1] * d, d, rows + g * d);
-        for (int64_t tb = 0; tb < sp; tb += LANES) {
-            floats acc[SMYRF_GROUP];
-            for (int g = 0; g < SMYRF_GROUP; g++) acc[g] = (floats){0};
-            for (int64_t s = 0; s < d; s++) {
-                const floats col = *(const floats *)(kt + s * sp + tb);
-                for (int g = 0; g < SMYRF_GROUP; g++) acc[g] += x[g][s] * col;
+/* The logits of a group of queries against a cluster's keys, logits (SMYRF_GROUP, SP) =
+ * scale * x[g] . key t: x[g] the D floats of query g, kt (D, SP) the keys transposed, SP a
+ * whole number of vectors, 64-byte aligned. */
+static void group_logits(const float *const *x, const float *kt, int64_t d, int64_t sp, float scale, float *logits) {
+    for (int64_t tb = 0; tb < sp; tb += LANES) {
+        floats acc[SMYRF_GROUP];
+        for (int g = 0; g < SMYRF_GROUP; g++) acc[g] = (floats){0};
+        for (int64_t s = 0; s < d; s++) {
+            const floats col = *(const floats *)(kt + s * sp + tb);
+            for (int g = 0; g < SMYRF_GROUP; g++) acc[g] += x[g][s] * col;
+        }
+        for (int g = 0; g < SMYRF_GROUP; g++) *(floats *)(logits + g * sp + tb) = acc[g] * scale;
+    }
+}
+
+#if defined(__AVX512F__)
+/* group_logits on bfloat16 queries and keys by AVX512-BF16's vdpbf16ps, which multiplies two
+ * pairs of bfloat16 exactly and adds both products to a float32 sum: half the instructions of
+ * widening and multiplying. Only where both sides are bfloat16 already (no float32 operand is
+ * rounded); the sums differ from the float32 loop's by their order, within float32 rounding
+ * (and bfloat16 subnormals count as 0). x[g]: the D bfloat16 of query g; kw (D / 2, SP) the
+ * keys transposed by pairs of dimensions, one 32-bit word holding dimensions 2s and 2s + 1. */
+__attribute__((target("avx512bf16"))) static void group_logits_bf16(const uint16_t *const *x, const uint32_t *kw,
+                                                                    int64_t d, int64_t sp, float scale, float *logits) {
+    for (int64_t tb = 0; tb < sp; tb += 16) {
+        __m512 acc[SMYRF_GROUP];
+        for (int g = 0; g < SMYRF_GROUP; g++) acc[g] = _mm512_setzero_ps();
+        for (int64_t s = 0; s < d / 2; s++) {
+            const __m512bh col = (__m512bh)_mm512_load_si512(kw + s * sp + tb);
+            for (int g = 0; g < SMYRF_GROUP; g++) {
+                int32_t pair;
+                memcpy(&pair, x[g] + 2 * s, sizeof pair);
+                acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_set1_epi32(pair), col);
             }
-            for (int g = 0; g < SMYRF_GROUP; g++) *(floats *)(logits + g * sp + tb) = acc[g] * scale;
+        }
+        for (int g = 0; g < SMYRF_GROUP; g++) _mm512_store_ps(logits + g * sp + tb, _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
+    }
+}
+#endif
+
+/* Whether the bfloat16 logits run on vdpbf16ps: the AVX-512 library on a CPU with AVX512-BF16. */
+int bf16_dot(void) {
+#if defined(__AVX512F__)
+    return __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
+}
+
+/* One cluster of one round: keys (D, SP) transposed and values vals (SK, DVP) already gathered
+ * (SP and DVP whole vectors, 64-byte aligned, the padding 0), the keys as floats, or with
+ * `pairs` as the words of group_logits_bf16; the SQ queries whose positions are qpos in q
+ * (N, D), in dtype from element q0. Each query's logits over the SK keys join its running
+ * softmax: mx (the largest logit so far), den (the sum of exp(logit - mx)) and its Dv row of
+ * out (the sum of exp(logit - mx) v). logits: SMYRF_GROUP * SP floats, 64-byte aligned; rows:
+ * SMYRF_GROUP * D floats. */
+static void smyrf_cluster(const void *q, int64_t dtype, int64_t q0, const int64_t *qpos, int64_t sq, const void *keys,
+                          int pairs, const float *vals, int64_t sk, int64_t sp, int64_t d, int64_t dv, int64_t dvp,
+                          float scale, float *out, float *mx, float *den, float *logits, float *rows) {
+    for (int64_t i0 = 0; i0 < sq; i0 += SMYRF_GROUP) {
+        float keep[SMYRF_GROUP];
+        int64_t at[SMYRF_GROUP]; /* a short tail repeats */
+        for (int g = 0; g < SMYRF_GROUP; g++) at[g] = q0 + qpos[i0 + g < sq ? i0 + g : sq - 1] * d;
+        if (pairs) { /* only set where the AVX-512 library runs on a CPU with AVX512-BF16 */
+#if defined(__AVX512F__)
+            const uint16_t *x[SMYRF_GROUP];
+            for (int g = 0; g < SMYRF_GROUP; g++) x[g] = (const uint16_t *)q + at[g];
+            group_logits_bf16(x, keys, d, sp, scale, logits);
+#endif
+        } else {
+            const float *x[SMYRF_GROUP];
+            for (int g = 0; g < SMYRF_GROUP; g++) x[g] = row_floats(q, dtype, at[g], d, rows + g * d);
+            group_logits(x, keys, d, sp, scale, logits);
         }
         for (int64_t g = 0; g < SMYRF_GROUP; g++) {
             float *row = logits + g * sp;
@@ -748,6 +799,7 @@ void smyrf_attention(const void *q, const void *k, const void *v, int64_t dtype,
                      float scale, void *out, float *mx, float *den, int64_t bh0, int64_t bh1) {
     float *acc = dtype == F32 ? NULL : malloc(n * dv * sizeof *acc); /* a slice's sums, then rounded to dtype */
     float *rows = malloc(SMYRF_GROUP * d * sizeof *rows); /* rows of q or k widened to float32 */
+    const int pairs = dtype == BF16 && d % 2 == 0 && bf16_dot(); /* logits by group_logits_bf16 */
     for (int64_t bh = bh0; bh < bh1; bh++) {
         const int64_t b = bh / heads, nr = n_real[b], mr = m_real[b], lc = n_clusters[b];
         float *o = dtype == F32 ? (float *)out + bh * n * dv : acc, *mxs = mx + bh * n, *dens = den + bh * n;
@@ -757,7 +809,8 @@ void smyrf_attention(const void *q, const void *k, const void *v, int64_t dtype,
         if (nr > 0 && mr > 0) { /* else no query, or no key to attend to: rows of 0 */
             const int64_t sk_max = (mr + lc - 1) / lc;
             const int64_t sp = (sk_max + LANES - 1) / LANES * LANES;
-            float *kt = aligned_alloc(64, d * sp * sizeof *kt);
+            float *kt = aligned_alloc(64, d * sp * sizeof *kt); /* floats, or with pairs half of it in words */
+            uint32_t *kw = (uint32_t *)kt;
             const int64_t dvp = (dv + LANES - 1) / LANES * LANES;
             float *vals = aligned_alloc(64, sk_max * dvp * sizeof *vals);
             float *logits = aligned_alloc(64, SMYRF_GROUP * sp * sizeof *logits);
@@ -769,14 +822,22 @@ void smyrf_attention(const void *q, const void *k, const void *v, int64_t dtype,
                     const int64_t q0 = cluster_start(c, nr, lc), q1 = cluster_start(c + 1, nr, lc);
                     const int64_t k0 = cluster_start(c, mr, lc), k1 = cluster_start(c + 1, mr, lc);
                     for (int64_t t = 0; t < k1 - k0; t++) {
-                        const float *kr = row_floats(k, dtype, (bh * m + ko[k0 + t]) * d, d, rows);
-                        for (int64_t s = 0; s < d; s++) kt[s * sp + t] = kr[s];
+                        const int64_t key = (bh * m + ko[k0 + t]) * d;
+                        if (pairs) { /* the row's bfloat16 pairs as they are */
+                            for (int64_t s = 0; s < d / 2; s++)
+                                memcpy(kw + s * sp + t, (const uint16_t *)k + key + 2 * s, sizeof *kw);
+                        } else {
+                            const float *kr = row_floats(k, dtype, key, d, rows);
+                            for (int64_t s = 0; s < d; s++) kt[s * sp + t] = kr[s];
+                        }
                         widen_into(vals + t * dvp, v, dtype, (bh * m + ko[k0 + t]) * dv, dv);
                     }
-                    for (int64_t t = k1 - k0; t < sk_max; t++)
-                        for (int64_t s = 0; s < d; s++) kt[s * sp + t] = 0.0f;
-                    smyrf_cluster(q, dtype, bh * n * d, qo + q0, q1 - q0, kt, vals, k1 - k0, sp, d, dv, dvp, scale, o,
-                                  mxs, dens, logits, rows);
+                    for (int64_t t = k1 - k0; t < sk_max; t++) { /* slots past the cluster's end: 0 */
+                        for (int64_t s = 0; pairs && s < d / 2; s++) kw[s * sp + t] = 0;
+                        for (int64_t s = 0; !pairs && s < d; s++) kt[s * sp + t] = 0.0f;
+                    }
+                    smyrf_cluster(q, dtype, bh * n * d, qo + q0, q1 - q0, pairs ? (const void *)kw : kt, pairs, vals,
+                                  k1 - k0, sp, d, dv, dvp, scale, o, mxs, dens, logits, rows);
                 }
             }
             free(kt), free(vals), free(logits);

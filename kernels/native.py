@@ -59,12 +59,22 @@ _SIGNATURES = {
     "smyrf_attention": (_PTR,) * 3 + (_I64,) + (_PTR,) * 5 + (_I64,) * 7 + (ctypes.c_float,) + (_PTR,) * 3 + (_I64, _I64),
     "smyrf_hashes": (_PTR, _PTR, _I64) + (_PTR,) * 3 + (_I64,) * 6 + (_PTR, _PTR, _I64, _I64),
     "argsort_rows": (_PTR, _I64, _PTR, _I64, _I64),
+    "bf16_dot": (),
 }
+_RESULTS = {"bf16_dot": ctypes.c_int}  # the others return nothing
 
 
 def available() -> bool:
     """Whether the native loops were built and load on this CPU."""
     return library() is not None
+
+
+def bf16_dot() -> bool:
+    """Whether the loaded library computes bfloat16 q . k logits with AVX512-BF16's vdpbf16ps
+    (SMYRF's cluster attention): the AVX-512 level on a CPU that has it. The sums then differ
+    from the float32 loops' by their order, within float32 rounding."""
+    lib = library()
+    return lib is not None and bool(lib.bf16_dot())
 
 
 def level() -> str | None:
@@ -84,7 +94,7 @@ def library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(path))
         for function, argtypes in _SIGNATURES.items():
             fn = getattr(lib, function)
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = argtypes, _RESULTS.get(function)
         lib.level = name
         return lib
     log.warning(

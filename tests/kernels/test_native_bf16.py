@@ -2,10 +2,14 @@
 
 The loops widen each bfloat16 row as they read it (exact) and compute in float32, so every
 stage must give what the float32 loops give on the same values upcast, bit for bit, and the
-output that result rounded to bfloat16. Against the reference run on those values in float32
-(float64 where the method is exact), discrete decisions follow the tie rules of ties.py and
-outputs agree to the output's bfloat16 rounding. No stage may make a float32 copy of q, k or v.
+output that result rounded to bfloat16; only SMYRF's logits, where the CPU has AVX512-BF16
+(native.bf16_dot()), are summed in another order, within float32 rounding. Against the
+reference run on those values in float32 (float64 where the method is exact), discrete
+decisions follow the tie rules of ties.py and outputs agree to the output's bfloat16 rounding.
+No stage may make a float32 copy of q, k or v.
 """
+
+import math
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ from kernels.full import full_attention
 from kernels.hashing import hash_planes
 from kernels.masks import token_masks
 from kernels.smyrf import REFERENCE as SMYRF_REFERENCE
+from kernels.smyrf import cluster_counts
 from kernels.smyrf_native import NATIVE as SMYRF_NATIVE
 from kernels.stages import run_clustered, run_smyrf
 
@@ -78,10 +83,67 @@ def test_every_stage_equals_the_float32_loops_on_the_same_values(method, n, m, l
     assert got.keys() == want.keys()
     last = {"clustered": "broadcast", "i-clustered": "sparse", "smyrf": "cluster_attention"}[method]
     for name in got:
-        if name in (last, "out"):  # the output, in q's dtype
+        if name in (last, "out") and method == "smyrf" and native.bf16_dot():  # logits summed by pairs
+            assert got[name].dtype == BF16
+            torch.testing.assert_close(got[name].float(), want[name], rtol=OUT_RTOL, atol=OUT_ATOL)
+        elif name in (last, "out"):  # the output, in q's dtype
             assert_same(got[name], want[name].to(BF16), name)
         else:
             assert_same(got[name], want[name], name)
+
+
+# (n, m, d, dv, cluster_size, lengths): an odd D (no pairs of dimensions for vdpbf16ps: the
+# widening loop), N != M both ways, few keys, padding.
+SMYRF_SHAPES = [(48, 48, 32, 32, 16, None), (37, 37, 15, 16, 10, [37, 21]), (40, 72, 16, 32, 12, None),
+                (72, 24, 64, 48, 8, [24, 13])]
+
+
+@pytest.mark.parametrize("n, m, d, dv, cluster_size, lengths", SMYRF_SHAPES)
+def test_smyrf_logits_agree_with_the_reference_in_float32(n, m, d, dv, cluster_size, lengths):
+    """On the reference's orders: each query's merged log-sum-exp to float32 rounding of the
+    logits (vdpbf16ps or widened rows), the output to its bfloat16 rounding."""
+    q, k, v = bf16_qkv(n=n, m=m, d=d, dv=dv, seed=2)
+    q32, k32, v32 = upcast(q, k, v)
+    mask = None if lengths is None else padding_mask(2, m, lengths)
+    spec = AttentionSpec(method="smyrf", hash_rounds=3, cluster_size=cluster_size, seed=3)
+    key_mask, query_mask = token_masks(q, k, mask)
+    counts = cluster_counts(query_mask, key_mask, spec.cluster_size)
+    orders = SMYRF_REFERENCE.sort(*SMYRF_REFERENCE.hash(q32, k32, mask, spec))
+    out, top, total = native.smyrf_attention(q, k, v, *orders, *counts, 1 / math.sqrt(d))
+    want, want_top, want_total = native.smyrf_attention(q32, k32, v32, *orders, *counts, 1 / math.sqrt(d))
+    expected = SMYRF_REFERENCE.cluster_attention(q32, k32, v32, *orders, mask, spec, 1 / math.sqrt(d), torch.float32)
+    assert out.dtype == BF16
+    torch.testing.assert_close(out.float(), expected, rtol=OUT_RTOL, atol=OUT_ATOL)
+    lse = torch.where(total > 0, top + total.log(), float("-inf"))
+    want_lse = torch.where(want_total > 0, want_top + want_total.log(), float("-inf"))
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    if not native.bf16_dot() or d % 2:  # widened rows: the float32 loop's arithmetic
+        assert torch.equal(out, want.to(BF16)) and torch.equal(top, want_top) and torch.equal(total, want_total)
+
+
+@pytest.fixture
+def reloaded():
+    """native.library() forgets the loaded library now and after the test."""
+    native.library.cache_clear()
+    yield
+    native.library.cache_clear()
+
+
+@pytest.mark.parametrize("level", native.runnable_levels())
+def test_every_level_this_cpu_runs_reads_bfloat16(level, monkeypatch, reloaded):
+    # The AVX-512 library with and without vdpbf16ps runs the same source as AVX2 and the
+    # baseline: each level this CPU runs is checked here, whatever level the suite runs on.
+    monkeypatch.setenv(native.ISA_VARIABLE, level)
+    assert native.level() == level
+    q, k, v = bf16_qkv(n=64, dv=24, seed=7)
+    mask = padding_mask(2, 64, [64, 41])
+    for method, spec in SPECS.items():
+        out = attention(q, k, v, spec, key_padding_mask=mask, backend="native")
+        want = attention(*upcast(q, k, v), spec, key_padding_mask=mask, backend="native")
+        if method == "smyrf" and native.bf16_dot():
+            torch.testing.assert_close(out.float(), want, rtol=OUT_RTOL, atol=OUT_ATOL)
+        else:
+            assert torch.equal(out, want.to(BF16)), f"{method} at {level}"
 
 
 @pytest.mark.parametrize("lengths", [None, [96, 61]])
