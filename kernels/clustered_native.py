@@ -1,12 +1,14 @@
 """The native backend of clustered and improved clustered attention: the reference's stages
-with the hashing, the K-means, the refinement, i-clustered's centroid pass (A^c V and the
-top-k in one sweep over the keys) and the per-query sparse part in the C loops of native.c
-(native.py), on float32 CPU tensors.
+with the hashing, the K-means, the refinement, the cluster means, i-clustered's centroid pass
+(A^c V and the top-k in one sweep over the keys) and the per-query sparse part in the C loops
+of native.c (native.py), on float32 or bfloat16 CPU tensors.
 
 They do the reference's work without its (N, C) score matrices, (C, M) probabilities and
-(T, tile, k) logits. Cluster means and the gathers of the top-k rows stay PyTorch ops, and
-the centroid pass of clustered attention (no top-k) is PyTorch's SDPA with the centroids as
-queries.
+(T, tile, k) logits, and read bfloat16 q, k, v as they are (the loops widen each row as they
+read it): no stage makes a float32 copy of q, k or v. The gathers of each cluster's top-k rows
+stay PyTorch ops (those few rows are upcast), and the centroid pass of clustered attention
+(no top-k) is PyTorch's SDPA with the centroids as queries, on a quarter of the (batch, head)
+slices of k and v at a time, upcast to float32 when they are not.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from . import native
 from .clustered import broadcast, gather_rows
 from .full import attend
 from .hashing import hash_planes
-from .kmeans import cluster_means, initial_centroid_positions, initial_offsets
+from .kmeans import initial_centroid_positions, initial_offsets
 from .spec import AttentionSpec
 from .stages import CentroidAttention, ClusteredStages
+
+# The centroid pass of clustered attention upcasts k and v in this many parts.
+UPCAST_PARTS = 4
 
 
 def hash_queries(q: Tensor, spec: AttentionSpec) -> Tensor:
@@ -40,25 +45,50 @@ def refine_assignments(q: Tensor, assign: Tensor, query_mask: Tensor, spec: Atte
 
 def centroid_attention(centroids: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, scale: float, topk: int) -> CentroidAttention:
     if not topk:  # V^c alone: SDPA's blocked kernel never holds the (C, M) probabilities
-        return CentroidAttention(attend(centroids, k, v, None if bool(key_mask.all()) else key_mask, scale))
+        return CentroidAttention(_centroid_values(centroids, k, v, key_mask, scale))
     values, top_index, top_probs, top_real = native.centroid_attention(centroids, k, v, key_mask, scale, topk)
     return CentroidAttention(values, top_index, top_probs, top_real)
+
+
+def _centroid_values(centroids: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, scale: float) -> Tensor:
+    """V^c through SDPA in float32: centroids (B, H, C, D) float32, k, v (B, H, M, D|Dv) ->
+    (B, H, C, Dv). SDPA takes one dtype, and rounding the centroids to k's would change the
+    logits, so k and v are taken in UPCAST_PARTS parts of their (batch, head) slices, each
+    upcast on its own: at most that fraction of them is ever held in float32. Both dtypes take
+    the same parts (SDPA's result may depend on the shape of a call), so bfloat16 gives what
+    float32 gives on the same values."""
+    b, h, c, _ = centroids.shape
+    dv = v.shape[-1]
+    cent, keys, vals = (t.reshape(b * h, 1, *t.shape[2:]) for t in (centroids, k, v))  # one slice per row
+    mask = None if bool(key_mask.all()) else key_mask.repeat_interleave(h, dim=0)  # (B * H, M)
+    values = torch.empty(b * h, 1, c, dv, dtype=torch.float32)
+    step = -(-b * h // UPCAST_PARTS)
+    for s in range(0, b * h, step):
+        part = slice(s, s + step)
+        part_mask = None if mask is None else mask[part]
+        values[part] = attend(cent[part], keys[part].float(), vals[part].float(), part_mask, scale)
+    return values.view(b, h, c, dv)
+
+
+def broadcast_values(centroid_values: Tensor, assign: Tensor, dtype: torch.dtype) -> Tensor:
+    # Rounded per cluster, then given to the members: no (B, H, N, Dv) float32 tensor.
+    return broadcast(centroid_values.to(dtype), assign, dtype)
 
 
 def improved_sparse(
     q: Tensor, k: Tensor, v: Tensor, assign: Tensor, centroid: CentroidAttention, key_mask: Tensor, scale: float,
     dtype: torch.dtype,
 ) -> Tensor:
-    top_values = gather_rows(v, centroid.top_index)  # (B, H, C, k, Dv)
+    top_values = gather_rows(v, centroid.top_index).float()  # (B, H, C, k, Dv)
     bottom_values = centroid.values - (centroid.top_probs[..., None] * top_values).sum(-2)  # eq. (17)
-    top_keys = gather_rows(k, centroid.top_index)
+    top_keys = gather_rows(k, centroid.top_index).float()
     mass = centroid.top_probs.sum(-1)
     out = native.improved_sparse(q, assign, top_keys, top_values, centroid.top_real, mass, bottom_values, scale)
     return out.to(dtype)
 
 
 NATIVE = ClusteredStages(
-    name="native", compute=lambda dtype: torch.float32, hash=hash_queries, cluster=cluster_codes,
-    refine=refine_assignments, centroids=cluster_means, centroid_attention=centroid_attention,
-    sparse=improved_sparse, broadcast=broadcast,
+    name="native", compute=native.compute_dtype, hash=hash_queries, cluster=cluster_codes,
+    refine=refine_assignments, centroids=native.cluster_means, centroid_attention=centroid_attention,
+    sparse=improved_sparse, broadcast=broadcast_values,
 )

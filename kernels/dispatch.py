@@ -2,12 +2,18 @@
 `backend_for` (the one place that choice is made) and runs the method's stages on it.
 
     backend     runs                                         where
-    reference   kernels/clustered.py, smyrf.py (PyTorch)      any device, any float dtype
-    native      kernels/clustered_native.py, smyrf_native.py  CPU, computed in float32
-                (C loops)
-    triton      kernels/clustered_triton.py, smyrf_triton.py  CUDA (CPU only under TRITON_INTERPRET=1)
-    auto        triton on CUDA, native on a CPU where it is built, the reference otherwise;
-                float64 always runs the reference (the kernels and loops accumulate in float32)
+    reference   kernels/clustered.py, smyrf.py (PyTorch)      any device, any float dtype; computes in
+                                                              float32 (float64 for float64 inputs)
+    native      kernels/clustered_native.py, smyrf_native.py  CPU; reads float32 and bfloat16 q, k, v as
+                (C loops)                                     they are (float16 converted to float32),
+                                                              accumulates in float32
+    triton      kernels/clustered_triton.py, smyrf_triton.py  CUDA (CPU only under TRITON_INTERPRET=1);
+                                                              reads float32, float16, bfloat16,
+                                                              accumulates in float32
+    auto        triton on CUDA, native on a CPU where it is built (bfloat16 included), the reference
+                otherwise; float64 always runs the reference (the kernels and loops accumulate in float32)
+
+Every backend returns the output in q's dtype.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from .spec import AttentionSpec, resolve_auto
 from .stages import ClusteredStages, Observe, SmyrfStages, call, run_clustered, run_smyrf
 
 BACKENDS = ("auto", "reference", "native", "triton")
-# What the triton backend reads; other dtypes (float64) need the reference.
+# What the triton and native backends take; other dtypes (float64) need the reference.
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -47,7 +53,10 @@ def backend_for(device: torch.device | str, dtype: torch.dtype, requested: str =
         if kind != "cpu":
             raise ValueError(f"backend='native' runs on CPU tensors, got {kind}; use 'triton' or 'auto'")
         if dtype not in TRITON_DTYPES:
-            raise ValueError(f"backend='native' computes in float32, got {dtype}; use backend='reference'")
+            raise ValueError(
+                f"backend='native' takes float32, bfloat16 or float16 and accumulates in float32, got {dtype}; "
+                "use backend='reference'"
+            )
         if not native.available():
             raise ValueError(
                 "backend='native': the native CPU loops were not built (no C compiler when the package "

@@ -10,6 +10,12 @@
  *
  * Layouts: every tensor is contiguous; "bh" indexes the flattened (batch, head) dimension,
  * and masks are per batch row (bh / heads). Assignments are int64 in [0, C], C = padded.
+ *
+ * Element types: q, k and v (and the outputs written in their type) are float32 or bfloat16,
+ * named by a `dtype` argument (F32, BF16). A bfloat16 is the upper half of a float32, so
+ * widening one is exact: the loops widen each row or vector of keys as they read it and compute
+ * in float32, which gives bit for bit what they compute on the same values in float32.
+ * Everything else (centroids, planes, probabilities, hashes) is float32.
  */
 
 #include <float.h>
@@ -41,24 +47,88 @@ static inline float max_lanes(floats x) {
     return m[0];
 }
 
+/* ---- Element types ------------------------------------------------------------------ */
+
+enum { F32 = 0, BF16 = 1 };
+typedef uint16_t halves __attribute__((vector_size(2 * LANES)));
+
+/* Bytes per element of q, k, v. */
+static inline int64_t element_size(int64_t dtype) { return dtype == BF16 ? 2 : 4; }
+
+/* `count` elements of x from element `at`, widened to float32 into dst. */
+static inline void widen_into(float *dst, const void *x, int64_t dtype, int64_t at, int64_t count) {
+    if (dtype == F32) {
+        memcpy(dst, (const float *)x + at, count * sizeof *dst);
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)x + at;
+    for (int64_t i = 0; i < count; i++) {
+        const uint32_t bits = (uint32_t)h[i] << 16;
+        memcpy(dst + i, &bits, sizeof bits);
+    }
+}
+
+/* `count` elements of x from element `at` as float32: x itself when it is float32, else
+ * widened into scratch. */
+static inline const float *row_floats(const void *x, int64_t dtype, int64_t at, int64_t count, float *scratch) {
+    if (dtype == F32) return (const float *)x + at;
+    widen_into(scratch, x, dtype, at, count);
+    return scratch;
+}
+
+/* LANES elements of x from element `at` (any alignment), widened to float32. */
+static inline floats load_lanes(const void *x, int64_t dtype, int64_t at) {
+    floats out;
+    if (dtype == F32) {
+        memcpy(&out, (const float *)x + at, sizeof out);
+    } else {
+        halves h;
+        memcpy(&h, (const uint16_t *)x + at, sizeof h);
+        const ints wide = __builtin_convertvector(h, ints) << 16;
+        memcpy(&out, &wide, sizeof out);
+    }
+    return out;
+}
+
+/* x rounded to bfloat16 to nearest even, as torch's .to(torch.bfloat16) (a NaN to 0x7fc0).
+ * On the bits, because -ffast-math lets the compiler assume that no float is NaN. */
+static inline uint16_t bf16_rounded(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Writes `count` floats of row into out from element `at`, in dtype. */
+static inline void store_row(void *out, int64_t dtype, int64_t at, const float *row, int64_t count) {
+    if (dtype == F32) {
+        memcpy((float *)out + at, row, count * sizeof *row);
+        return;
+    }
+    uint16_t *h = (uint16_t *)out + at;
+    for (int64_t i = 0; i < count; i++) h[i] = bf16_rounded(row[i]);
+}
+
 /* ---- Hashing ------------------------------------------------------------------------ */
 
 /* Queries hashed together: independent FMA chains hide their latency. */
 #define HASH_GROUP 4
 
-/* hashing.hash_codes for slices [bh0, bh1): x (BH, N, D); planes (H, D + 1, 64), 64-byte
- * aligned, row D the bias, columns past `bits` zero; codes (BH, N) out, bit b set where the
- * projection on plane b is positive. */
-void hash_codes(const float *x, const float *planes, int64_t heads, int64_t n, int64_t d, int64_t bits, uint64_t *codes,
-                int64_t bh0, int64_t bh1) {
+/* hashing.hash_codes for slices [bh0, bh1): x (BH, N, D) in dtype; planes (H, D + 1, 64),
+ * 64-byte aligned, row D the bias, columns past `bits` zero; codes (BH, N) out, bit b set
+ * where the projection on plane b is positive. */
+void hash_codes(const void *x, int64_t dtype, const float *planes, int64_t heads, int64_t n, int64_t d, int64_t bits,
+                uint64_t *codes, int64_t bh0, int64_t bh1) {
     const uint64_t keep = bits == 64 ? ~0ULL : (1ULL << bits) - 1;
+    float *rows = malloc(HASH_GROUP * d * sizeof *rows);
     for (int64_t bh = bh0; bh < bh1; bh++) {
         const float *p = planes + (bh % heads) * (d + 1) * 64;
         for (int64_t i0 = 0; i0 < n; i0 += HASH_GROUP) {
             floats acc[HASH_GROUP][64 / LANES];
             const float *row[HASH_GROUP];
             for (int g = 0; g < HASH_GROUP; g++) {
-                row[g] = x + (bh * n + (i0 + g < n ? i0 + g : n - 1)) * d; /* a short tail repeats */
+                const int64_t i = i0 + g < n ? i0 + g : n - 1; /* a short tail repeats */
+                row[g] = row_floats(x, dtype, (bh * n + i) * d, d, rows + g * d);
                 for (int v = 0; v < 64 / LANES; v++) acc[g][v] = *(const floats *)(p + d * 64 + v * LANES);
             }
             for (int64_t t = 0; t < d; t++)
@@ -74,6 +144,7 @@ void hash_codes(const float *x, const float *planes, int64_t heads, int64_t n, i
             }
         }
     }
+    free(rows);
 }
 
 /* ---- Re-seeding empty clusters ------------------------------------------------------ */
@@ -253,16 +324,18 @@ void hamming_kmeans(const uint64_t *codes, const uint8_t *real, int64_t heads, i
 
 /* ---- Euclidean refinement ----------------------------------------------------------- */
 
-/* Means of the member rows per cluster into cent (C, D); members (C). */
-static void cluster_means_one(const float *q, const int64_t *assign, int64_t n, int64_t d, int64_t c, float *cent,
-                              int64_t *members) {
+/* Means of the member rows of q (N, D) in dtype, from element q0, per cluster into cent
+ * (C, D); members (C). scratch: D floats. */
+static void cluster_means_one(const void *q, int64_t dtype, int64_t q0, const int64_t *assign, int64_t n, int64_t d,
+                              int64_t c, float *cent, int64_t *members, float *scratch) {
     memset(cent, 0, c * d * sizeof *cent);
     memset(members, 0, c * sizeof *members);
     for (int64_t i = 0; i < n; i++) {
         if (assign[i] == c) continue;
         members[assign[i]]++;
         float *row = cent + assign[i] * d;
-        for (int64_t t = 0; t < d; t++) row[t] += q[i * d + t];
+        const float *x = row_floats(q, dtype, q0 + i * d, d, scratch);
+        for (int64_t t = 0; t < d; t++) row[t] += x[t];
     }
     for (int64_t j = 0; j < c; j++) {
         const float count = (float)(members[j] > 0 ? members[j] : 1);
@@ -304,10 +377,23 @@ static void euclid_nearest(const float *const *x, const float *cent_t, const flo
     }
 }
 
-/* One (batch, head) slice of kmeans.refine_clusters; assign is updated in place. */
-static void refine_one(const float *q, const uint8_t *real, int64_t n, int64_t d, int64_t c, int64_t iterations,
-                       int64_t *assign) {
+/* kmeans.cluster_means for slices [bh0, bh1): x (BH, N, D) in dtype, assign (BH, N) ->
+ * means (BH, C, D), 0 for an empty cluster. */
+void cluster_means(const void *x, int64_t dtype, const int64_t *assign, int64_t n, int64_t d, int64_t c, float *means,
+                   int64_t bh0, int64_t bh1) {
+    int64_t *members = malloc(c * sizeof *members);
+    float *scratch = malloc(d * sizeof *scratch);
+    for (int64_t bh = bh0; bh < bh1; bh++)
+        cluster_means_one(x, dtype, bh * n * d, assign + bh * n, n, d, c, means + bh * c * d, members, scratch);
+    free(members), free(scratch);
+}
+
+/* One (batch, head) slice of kmeans.refine_clusters: q (N, D) in dtype from element q0;
+ * assign is updated in place. */
+static void refine_one(const void *q, int64_t dtype, int64_t q0, const uint8_t *real, int64_t n, int64_t d, int64_t c,
+                       int64_t iterations, int64_t *assign) {
     if (n == 0) return;
+    float *rows = malloc(GROUP * d * sizeof *rows); /* rows of q widened to float32 */
     const int64_t cp = (c + LANES - 1) / LANES * LANES;
     float *cent = malloc(c * d * sizeof *cent);
     float *cent_t = aligned_alloc(64, d * cp * sizeof *cent_t); /* (D, C) padded to whole vectors */
@@ -317,19 +403,20 @@ static void refine_one(const float *q, const uint8_t *real, int64_t n, int64_t d
     float *dist = malloc(n * sizeof *dist);
     int64_t *donor = malloc(c * sizeof *donor);
     for (int64_t it = 0; it < iterations; it++) {
-        cluster_means_one(q, assign, n, d, c, cent, members);
+        cluster_means_one(q, dtype, q0, assign, n, d, c, cent, members, rows);
         int64_t empty = 0;
         for (int64_t j = 0; j < c; j++) empty += members[j] == 0;
         if (empty) {
             for (int64_t i = 0; i < n; i++) { /* each real query's distance to its mean */
                 const float *row = cent + (real[i] ? assign[i] : 0) * d;
+                const float *x = real[i] ? row_floats(q, dtype, q0 + i * d, d, rows) : row;
                 float s = 0.0f;
-                for (int64_t t = 0; real[i] && t < d; t++) s += (q[i * d + t] - row[t]) * (q[i * d + t] - row[t]);
+                for (int64_t t = 0; real[i] && t < d; t++) s += (x[t] - row[t]) * (x[t] - row[t]);
                 dist[i] = s;
             }
             pick_donors(dist, real, n, members, c, donor);
             for (int64_t j = 0; j < c; j++)
-                if (members[j] == 0) memcpy(cent + j * d, q + donor[j] * d, d * sizeof *cent);
+                if (members[j] == 0) widen_into(cent + j * d, q, dtype, q0 + donor[j] * d, d);
         }
         for (int64_t j = 0; j < cp; j++) {
             float s = 0.0f;
@@ -344,7 +431,8 @@ static void refine_one(const float *q, const uint8_t *real, int64_t n, int64_t d
         for (int64_t i0 = 0; i0 < n; i0 += GROUP) {
             const float *x[GROUP];
             int64_t arg[GROUP];
-            for (int g = 0; g < GROUP; g++) x[g] = q + (i0 + g < n ? i0 + g : n - 1) * d; /* a short tail repeats */
+            for (int g = 0; g < GROUP; g++) /* a short tail repeats */
+                x[g] = row_floats(q, dtype, q0 + (i0 + g < n ? i0 + g : n - 1) * d, d, rows + g * d);
             euclid_nearest(x, cent_t, neg_norm, d, cp, arg);
             for (int64_t i = i0; i < n && i < i0 + GROUP; i++) {
                 updated[i] = real[i] ? arg[i - i0] : c;
@@ -354,14 +442,14 @@ static void refine_one(const float *q, const uint8_t *real, int64_t n, int64_t d
         memcpy(assign, updated, n * sizeof *assign);
         if (!changed) break;
     }
-    free(cent), free(cent_t), free(neg_norm), free(members), free(updated), free(dist), free(donor);
+    free(rows), free(cent), free(cent_t), free(neg_norm), free(members), free(updated), free(dist), free(donor);
 }
 
-/* kmeans.refine_clusters for slices [bh0, bh1): q (BH, N, D), real (B, N), assign (BH, N). */
-void refine_clusters(const float *q, const uint8_t *real, int64_t heads, int64_t n, int64_t d, int64_t c,
+/* kmeans.refine_clusters for slices [bh0, bh1): q (BH, N, D) in dtype, real (B, N), assign (BH, N). */
+void refine_clusters(const void *q, int64_t dtype, const uint8_t *real, int64_t heads, int64_t n, int64_t d, int64_t c,
                      int64_t iterations, int64_t *assign, int64_t bh0, int64_t bh1) {
     for (int64_t bh = bh0; bh < bh1; bh++)
-        refine_one(q + bh * n * d, real + (bh / heads) * n, n, d, c, iterations, assign + bh * n);
+        refine_one(q, dtype, bh * n * d, real + (bh / heads) * n, n, d, c, iterations, assign + bh * n);
 }
 
 /* ---- Centroid attention: softmax and top-k of each row ------------------------------ */
@@ -399,22 +487,24 @@ typedef struct {
  * top k are kept as logits and turned into probabilities at the end; the (C, M) matrix of
  * probabilities is never formed.
  *
- * cent (BH, C, D); kt (BH, D, MP) the keys transposed, MP a multiple of LANES, 64-byte
- * aligned rows; v (BH, M, DV); keymask (B, M); values (BH, C, DV), top_* (BH, C, K) out.
- * Rows [r0, r1) of the flattened (BH, C). */
-void centroid_attention(const float *cent, const float *kt, const float *v, const uint8_t *keymask, int64_t heads,
-                        int64_t c, int64_t d, int64_t m, int64_t mp, int64_t dv, float scale, int64_t k, float *values,
-                        int64_t *top_index, float *top_prob, uint8_t *top_valid, int64_t r0, int64_t r1) {
+ * cent (BH, C, D) float32; kt (BH, D, MP) the keys transposed, MP a multiple of LANES;
+ * v (BH, M, DV); kt and v in dtype; keymask (B, M); values (BH, C, DV), top_* (BH, C, K)
+ * out. Rows [r0, r1) of the flattened (BH, C). Inlined once per dtype, so that the loads of
+ * keys and values are compiled for one element type. */
+static inline __attribute__((always_inline)) void centroid_rows(
+    const float *cent, const void *kt, const void *v, const int64_t dtype, const uint8_t *keymask, int64_t heads,
+    int64_t c, int64_t d, int64_t m, int64_t mp, int64_t dv, float scale, int64_t k, float *values, int64_t *top_index,
+    float *top_prob, uint8_t *top_valid, int64_t r0, int64_t r1) {
     const int64_t dvp = (dv + LANES - 1) / LANES * LANES; /* acc_v rows in whole vectors */
     float *best = malloc(CROWS * (k > 0 ? k : 1) * sizeof *best);
     int64_t *best_j = malloc(CROWS * (k > 0 ? k : 1) * sizeof *best_j);
     float *acc_v = malloc(CROWS * dvp * sizeof *acc_v);
-    float *vtail = calloc(LANES * dvp, sizeof *vtail); /* the last block's value rows, padded */
+    float *vtail = calloc(LANES * dvp, sizeof *vtail); /* a block's value rows, padded or widened */
     const floats lowest = (floats){0} - FLT_MAX;
     for (int64_t r = r0; r < r1;) {
         const int64_t bh = r / c, rows = r1 - r < CROWS ? r1 - r : CROWS;
         const int64_t g_end = (bh + 1) * c - r < rows ? (bh + 1) * c - r : rows; /* stay in one (b, h) */
-        const float *ktb = kt + bh * d * mp, *vb = v + bh * m * dv;
+        const int64_t ktb = bh * d * mp, vb = bh * m * dv; /* this slice's first elements */
         const uint8_t *real = keymask + (bh / heads) * m;
         const float *row[CROWS];
         running run[CROWS];
@@ -432,7 +522,7 @@ void centroid_attention(const float *cent, const float *kt, const float *v, cons
             floats acc[CROWS], p[CROWS];
             for (int g = 0; g < CROWS; g++) acc[g] = (floats){0};
             for (int64_t t = 0; t < d; t++) {
-                const floats col = *(const floats *)(ktb + t * mp + jb);
+                const floats col = load_lanes(kt, dtype, ktb + t * mp + jb);
                 for (int g = 0; g < CROWS; g++) acc[g] += row[g][t] * col;
             }
             for (int g = 0; g < CROWS; g++) {
@@ -457,10 +547,10 @@ void centroid_attention(const float *cent, const float *kt, const float *v, cons
             }
             /* acc_v += p V for the block: one vector of value columns at a time, every row's
              * sum in its own register. */
-            const float *vblock = vb + jb * dv;
-            if (len < LANES || dv != dvp) { /* a short last block, or rows not in whole vectors */
-                memset(vtail, 0, LANES * dvp * sizeof *vtail);
-                for (int l = 0; l < len; l++) memcpy(vtail + l * dvp, vblock + l * dv, dv * sizeof *vtail);
+            const float *vblock = dtype == F32 ? (const float *)v + vb + jb * dv : vtail;
+            if (dtype != F32 || len < LANES || dv != dvp) { /* widened, a short last block, or rows not in whole vectors */
+                if (len < LANES) memset(vtail, 0, LANES * dvp * sizeof *vtail); /* columns past dv stay 0 */
+                for (int l = 0; l < len; l++) widen_into(vtail + l * dvp, v, dtype, vb + (jb + l) * dv, dv);
                 vblock = vtail;
             }
             const int64_t vstride = vblock == vtail ? dvp : dv;
@@ -492,6 +582,17 @@ void centroid_attention(const float *cent, const float *kt, const float *v, cons
     free(best), free(best_j), free(acc_v), free(vtail);
 }
 
+void centroid_attention(const float *cent, const void *kt, const void *v, int64_t dtype, const uint8_t *keymask,
+                        int64_t heads, int64_t c, int64_t d, int64_t m, int64_t mp, int64_t dv, float scale, int64_t k,
+                        float *values, int64_t *top_index, float *top_prob, uint8_t *top_valid, int64_t r0, int64_t r1) {
+    if (dtype == BF16)
+        centroid_rows(cent, kt, v, BF16, keymask, heads, c, d, m, mp, dv, scale, k, values, top_index, top_prob,
+                      top_valid, r0, r1);
+    else
+        centroid_rows(cent, kt, v, F32, keymask, heads, c, d, m, mp, dv, scale, k, values, top_index, top_prob,
+                      top_valid, r0, r1);
+}
+
 /* ---- Improved clustered attention: the per-query sparse part (eq. 15) --------------- */
 
 /* Queries of improved_sparse worked on together: each one's sums over D and over the top k
@@ -501,29 +602,33 @@ void centroid_attention(const float *cent, const float *kt, const float *v, cons
 
 /* For every real query i of cluster j = assign[i]:
  *   out_i = mass_j * softmax(scale * q_i . keys_j[t], valid t) @ values_j + bottom_j
- * keys_t (BH, C, D, K): each cluster's top-k keys, transposed; values (BH, C, K, Dv);
- * valid (BH, C, K) uint8; mass (BH, C); bottom (BH, C, Dv). Padded queries get 0 rows.
- * Slices [bh0, bh1). */
-void improved_sparse(const float *q, const int64_t *assign, const float *keys_t, const float *values, const uint8_t *valid,
-                     const float *mass, const float *bottom, int64_t n, int64_t d, int64_t dv, int64_t c, int64_t k,
-                     float scale, float *out, int64_t bh0, int64_t bh1) {
+ * q (BH, N, D) and out (BH, N, Dv) in dtype; keys_t (BH, C, D, K): each cluster's top-k
+ * keys, transposed; values (BH, C, K, Dv); valid (BH, C, K) uint8; mass (BH, C); bottom
+ * (BH, C, Dv). Padded queries get 0 rows. Slices [bh0, bh1). */
+void improved_sparse(const void *q, int64_t dtype, const int64_t *assign, const float *keys_t, const float *values,
+                     const uint8_t *valid, const float *mass, const float *bottom, int64_t n, int64_t d, int64_t dv,
+                     int64_t c, int64_t k, float scale, void *out, int64_t bh0, int64_t bh1) {
     float *logits = malloc(SPARSE_GROUP * k * sizeof *logits);
+    float *rows = malloc(SPARSE_GROUP * (d + dv) * sizeof *rows); /* widened queries, then output rows */
     for (int64_t bh = bh0; bh < bh1; bh++) {
         for (int64_t i0 = 0; i0 < n; i0 += SPARSE_GROUP) {
-            /* The group's real queries: their cluster, query row and output row. */
-            int64_t cj[SPARSE_GROUP];
+            /* The group's real queries: their cluster, query row and output row (out itself in
+             * float32, else a row rounded to dtype at the end). */
+            int64_t cj[SPARSE_GROUP], at[SPARSE_GROUP];
             const float *qi[SPARSE_GROUP];
             float *o[SPARSE_GROUP];
             int count = 0;
             for (int64_t i = i0; i < n && i < i0 + SPARSE_GROUP; i++) {
                 const int64_t j = assign[bh * n + i];
                 if (j == c) {
-                    memset(out + (bh * n + i) * dv, 0, dv * sizeof *out);
+                    memset((char *)out + (bh * n + i) * dv * element_size(dtype), 0, dv * element_size(dtype));
                     continue;
                 }
                 cj[count] = bh * c + j;
-                qi[count] = q + (bh * n + i) * d;
-                o[count++] = out + (bh * n + i) * dv;
+                qi[count] = row_floats(q, dtype, (bh * n + i) * d, d, rows + count * d);
+                at[count] = (bh * n + i) * dv;
+                o[count] = dtype == F32 ? (float *)out + at[count] : rows + SPARSE_GROUP * d + count * dv;
+                count++;
             }
             for (int64_t t = 0; t < count * k; t++) logits[t] = 0.0f;
             for (int64_t s = 0; s < d; s++)
@@ -554,9 +659,11 @@ void improved_sparse(const float *q, const int64_t *assign, const float *keys_t,
                     const float p = logits[g * k + t], *vj = values + (cj[g] * k + t) * dv;
                     for (int64_t e = 0; e < dv; e++) o[g][e] += p * vj[e];
                 }
+            if (dtype != F32)
+                for (int g = 0; g < count; g++) store_row(out, dtype, at[g], o[g], dv);
         }
     }
-    free(logits);
+    free(logits), free(rows);
 }
 
 /* ---- SMYRF: attention inside balanced clusters, rounds merged by softmax mass ------- */
@@ -570,26 +677,79 @@ static int64_t cluster_start(int64_t c, int64_t count, int64_t clusters) {
     return (c * count + clusters - 1) / clusters;
 }
 
-/* One cluster of one round: keys kt (D, SP) transposed and values vals (SK, DVP) already
- * gathered (SP and DVP whole vectors, 64-byte aligned, the padding 0); the SQ queries whose
- * positions are qpos. Each query's logits over the SK keys join its running softmax: mx (the
- * largest logit so far), den (the sum of exp(logit - mx)) and its Dv row of out (the sum of
- * exp(logit - mx) v). logits: SMYRF_GROUP * SP floats, 64-byte aligned. */
-static void smyrf_cluster(const float *q, const int64_t *qpos, int64_t sq, const float *kt, const float *vals,
-                          int64_t sk, int64_t sp, int64_t d, int64_t dv, int64_t dvp, float scale, float *out, float *mx,
-                          float *den, float *logits) {
-    for (int64_t i0 = 0; i0 < sq; i0 += SMYRF_GROUP) {
-        const float *x[SMYRF_GROUP];
-        float keep[SMYRF_GROUP];
-        for (int g = 0; g < SMYRF_GROUP; g++) x[g] = q + qpos[i0 + g < sq ? i0 + g : sq - 1] * d; /* a short tail repeats */
-        for (int64_t tb = 0; tb < sp; tb += LANES) {
-            floats acc[SMYRF_GROUP];
-            for (int g = 0; g < SMYRF_GROUP; g++) acc[g] = (floats){0};
-            for (int64_t s = 0; s < d; s++) {
-                const floats col = *(const floats *)(kt + s * sp + tb);
-                for (int g = 0; g < SMYRF_GROUP; g++) acc[g] += x[g][s] * col;
+/* The logits of a group of queries against a cluster's keys, logits (SMYRF_GROUP, SP) =
+ * scale * x[g] . key t: x[g] the D floats of query g, kt (D, SP) the keys transposed, SP a
+ * whole number of vectors, 64-byte aligned. */
+static void group_logits(const float *const *x, const float *kt, int64_t d, int64_t sp, float scale, float *logits) {
+    for (int64_t tb = 0; tb < sp; tb += LANES) {
+        floats acc[SMYRF_GROUP];
+        for (int g = 0; g < SMYRF_GROUP; g++) acc[g] = (floats){0};
+        for (int64_t s = 0; s < d; s++) {
+            const floats col = *(const floats *)(kt + s * sp + tb);
+            for (int g = 0; g < SMYRF_GROUP; g++) acc[g] += x[g][s] * col;
+        }
+        for (int g = 0; g < SMYRF_GROUP; g++) *(floats *)(logits + g * sp + tb) = acc[g] * scale;
+    }
+}
+
+#if defined(__AVX512F__)
+/* group_logits on bfloat16 queries and keys by AVX512-BF16's vdpbf16ps, which multiplies two
+ * pairs of bfloat16 exactly and adds both products to a float32 sum: half the instructions of
+ * widening and multiplying. Only where both sides are bfloat16 already (no float32 operand is
+ * rounded); the sums differ from the float32 loop's by their order, within float32 rounding
+ * (and bfloat16 subnormals count as 0). x[g]: the D bfloat16 of query g; kw (D / 2, SP) the
+ * keys transposed by pairs of dimensions, one 32-bit word holding dimensions 2s and 2s + 1. */
+__attribute__((target("avx512bf16"))) static void group_logits_bf16(const uint16_t *const *x, const uint32_t *kw,
+                                                                    int64_t d, int64_t sp, float scale, float *logits) {
+    for (int64_t tb = 0; tb < sp; tb += 16) {
+        __m512 acc[SMYRF_GROUP];
+        for (int g = 0; g < SMYRF_GROUP; g++) acc[g] = _mm512_setzero_ps();
+        for (int64_t s = 0; s < d / 2; s++) {
+            const __m512bh col = (__m512bh)_mm512_load_si512(kw + s * sp + tb);
+            for (int g = 0; g < SMYRF_GROUP; g++) {
+                int32_t pair;
+                memcpy(&pair, x[g] + 2 * s, sizeof pair);
+                acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_set1_epi32(pair), col);
             }
-            for (int g = 0; g < SMYRF_GROUP; g++) *(floats *)(logits + g * sp + tb) = acc[g] * scale;
+        }
+        for (int g = 0; g < SMYRF_GROUP; g++) _mm512_store_ps(logits + g * sp + tb, _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
+    }
+}
+#endif
+
+/* Whether the bfloat16 logits run on vdpbf16ps: the AVX-512 library on a CPU with AVX512-BF16. */
+int bf16_dot(void) {
+#if defined(__AVX512F__)
+    return __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
+}
+
+/* One cluster of one round: keys (D, SP) transposed and values vals (SK, DVP) already gathered
+ * (SP and DVP whole vectors, 64-byte aligned, the padding 0), the keys as floats, or with
+ * `pairs` as the words of group_logits_bf16; the SQ queries whose positions are qpos in q
+ * (N, D), in dtype from element q0. Each query's logits over the SK keys join its running
+ * softmax: mx (the largest logit so far), den (the sum of exp(logit - mx)) and its Dv row of
+ * out (the sum of exp(logit - mx) v). logits: SMYRF_GROUP * SP floats, 64-byte aligned; rows:
+ * SMYRF_GROUP * D floats. */
+static void smyrf_cluster(const void *q, int64_t dtype, int64_t q0, const int64_t *qpos, int64_t sq, const void *keys,
+                          int pairs, const float *vals, int64_t sk, int64_t sp, int64_t d, int64_t dv, int64_t dvp,
+                          float scale, float *out, float *mx, float *den, float *logits, float *rows) {
+    for (int64_t i0 = 0; i0 < sq; i0 += SMYRF_GROUP) {
+        float keep[SMYRF_GROUP];
+        int64_t at[SMYRF_GROUP]; /* a short tail repeats */
+        for (int g = 0; g < SMYRF_GROUP; g++) at[g] = q0 + qpos[i0 + g < sq ? i0 + g : sq - 1] * d;
+        if (pairs) { /* only set where the AVX-512 library runs on a CPU with AVX512-BF16 */
+#if defined(__AVX512F__)
+            const uint16_t *x[SMYRF_GROUP];
+            for (int g = 0; g < SMYRF_GROUP; g++) x[g] = (const uint16_t *)q + at[g];
+            group_logits_bf16(x, keys, d, sp, scale, logits);
+#endif
+        } else {
+            const float *x[SMYRF_GROUP];
+            for (int g = 0; g < SMYRF_GROUP; g++) x[g] = row_floats(q, dtype, at[g], d, rows + g * d);
+            group_logits(x, keys, d, sp, scale, logits);
         }
         for (int64_t g = 0; g < SMYRF_GROUP; g++) {
             float *row = logits + g * sp;
@@ -625,55 +785,70 @@ static void smyrf_cluster(const float *q, const int64_t *qpos, int64_t sq, const
 }
 
 /* smyrf.cluster_attention for slices [bh0, bh1), all rounds: q (BH, N, D), k (BH, M, D),
- * v (BH, M, Dv); q_orders (R, BH, N) and k_orders (R, BH, M), positions in hash order with
- * the real tokens first; n_real, m_real, n_clusters (B) the real queries, real keys and L of
- * each batch row. Per round, the sorted ranks are cut into L balanced clusters (rank r of
+ * v (BH, M, Dv) and out (BH, N, Dv) in dtype; q_orders (R, BH, N) and k_orders (R, BH, M),
+ * positions in hash order with the real tokens first; n_real, m_real, n_clusters (B) the real
+ * queries, real keys and L of each batch row. Per round, the sorted ranks are cut into L balanced clusters (rank r of
  * count in cluster floor(r L / count)) and each query attends to its cluster's keys.
  * out (BH, N, Dv) gets the attention over all rounds merged by softmax mass (eq. 15): the
  * sums of exp(logit) v over every (round, key) pair a query met, over the sums of exp(logit);
  * mx and den (BH, N) get each query's largest logit and sum of exp(logit - mx), den 0 for a
  * query that met no key (its row of out is 0). */
-void smyrf_attention(const float *q, const float *k, const float *v, const int64_t *q_orders, const int64_t *k_orders,
-                     const int64_t *n_real, const int64_t *m_real, const int64_t *n_clusters, int64_t bh_total,
-                     int64_t heads, int64_t n, int64_t m, int64_t d, int64_t dv, int64_t rounds, float scale, float *out,
-                     float *mx, float *den, int64_t bh0, int64_t bh1) {
+void smyrf_attention(const void *q, const void *k, const void *v, int64_t dtype, const int64_t *q_orders,
+                     const int64_t *k_orders, const int64_t *n_real, const int64_t *m_real, const int64_t *n_clusters,
+                     int64_t bh_total, int64_t heads, int64_t n, int64_t m, int64_t d, int64_t dv, int64_t rounds,
+                     float scale, void *out, float *mx, float *den, int64_t bh0, int64_t bh1) {
+    float *acc = dtype == F32 ? NULL : malloc(n * dv * sizeof *acc); /* a slice's sums, then rounded to dtype */
+    float *rows = malloc(SMYRF_GROUP * d * sizeof *rows); /* rows of q or k widened to float32 */
+    const int pairs = dtype == BF16 && d % 2 == 0 && bf16_dot(); /* logits by group_logits_bf16 */
     for (int64_t bh = bh0; bh < bh1; bh++) {
         const int64_t b = bh / heads, nr = n_real[b], mr = m_real[b], lc = n_clusters[b];
-        const float *qs = q + bh * n * d, *ks = k + bh * m * d, *vs = v + bh * m * dv;
-        float *o = out + bh * n * dv, *mxs = mx + bh * n, *dens = den + bh * n;
+        float *o = dtype == F32 ? (float *)out + bh * n * dv : acc, *mxs = mx + bh * n, *dens = den + bh * n;
         memset(o, 0, n * dv * sizeof *o);
         memset(mxs, 0, n * sizeof *mxs);
         memset(dens, 0, n * sizeof *dens);
-        if (nr == 0 || mr == 0) continue; /* no query, or no key to attend to: rows of 0 */
-        const int64_t sk_max = (mr + lc - 1) / lc;
-        const int64_t sp = (sk_max + LANES - 1) / LANES * LANES;
-        float *kt = aligned_alloc(64, d * sp * sizeof *kt);
-        const int64_t dvp = (dv + LANES - 1) / LANES * LANES;
-        float *vals = aligned_alloc(64, sk_max * dvp * sizeof *vals);
-        float *logits = aligned_alloc(64, SMYRF_GROUP * sp * sizeof *logits);
-        memset(kt, 0, d * sp * sizeof *kt); /* key slots past a cluster's end stay 0 */
-        memset(vals, 0, sk_max * dvp * sizeof *vals); /* and the value columns past Dv */
-        for (int64_t r = 0; r < rounds; r++) {
-            const int64_t *qo = q_orders + (r * bh_total + bh) * n, *ko = k_orders + (r * bh_total + bh) * m;
-            for (int64_t c = 0; c < lc; c++) {
-                const int64_t q0 = cluster_start(c, nr, lc), q1 = cluster_start(c + 1, nr, lc);
-                const int64_t k0 = cluster_start(c, mr, lc), k1 = cluster_start(c + 1, mr, lc);
-                for (int64_t t = 0; t < k1 - k0; t++) {
-                    const float *kr = ks + ko[k0 + t] * d;
-                    for (int64_t s = 0; s < d; s++) kt[s * sp + t] = kr[s];
-                    memcpy(vals + t * dvp, vs + ko[k0 + t] * dv, dv * sizeof *vals);
+        if (nr > 0 && mr > 0) { /* else no query, or no key to attend to: rows of 0 */
+            const int64_t sk_max = (mr + lc - 1) / lc;
+            const int64_t sp = (sk_max + LANES - 1) / LANES * LANES;
+            float *kt = aligned_alloc(64, d * sp * sizeof *kt); /* floats, or with pairs half of it in words */
+            uint32_t *kw = (uint32_t *)kt;
+            const int64_t dvp = (dv + LANES - 1) / LANES * LANES;
+            float *vals = aligned_alloc(64, sk_max * dvp * sizeof *vals);
+            float *logits = aligned_alloc(64, SMYRF_GROUP * sp * sizeof *logits);
+            memset(kt, 0, d * sp * sizeof *kt); /* key slots past a cluster's end stay 0 */
+            memset(vals, 0, sk_max * dvp * sizeof *vals); /* and the value columns past Dv */
+            for (int64_t r = 0; r < rounds; r++) {
+                const int64_t *qo = q_orders + (r * bh_total + bh) * n, *ko = k_orders + (r * bh_total + bh) * m;
+                for (int64_t c = 0; c < lc; c++) {
+                    const int64_t q0 = cluster_start(c, nr, lc), q1 = cluster_start(c + 1, nr, lc);
+                    const int64_t k0 = cluster_start(c, mr, lc), k1 = cluster_start(c + 1, mr, lc);
+                    for (int64_t t = 0; t < k1 - k0; t++) {
+                        const int64_t key = (bh * m + ko[k0 + t]) * d;
+                        if (pairs) { /* the row's bfloat16 pairs as they are */
+                            for (int64_t s = 0; s < d / 2; s++)
+                                memcpy(kw + s * sp + t, (const uint16_t *)k + key + 2 * s, sizeof *kw);
+                        } else {
+                            const float *kr = row_floats(k, dtype, key, d, rows);
+                            for (int64_t s = 0; s < d; s++) kt[s * sp + t] = kr[s];
+                        }
+                        widen_into(vals + t * dvp, v, dtype, (bh * m + ko[k0 + t]) * dv, dv);
+                    }
+                    for (int64_t t = k1 - k0; t < sk_max; t++) { /* slots past the cluster's end: 0 */
+                        for (int64_t s = 0; pairs && s < d / 2; s++) kw[s * sp + t] = 0;
+                        for (int64_t s = 0; !pairs && s < d; s++) kt[s * sp + t] = 0.0f;
+                    }
+                    smyrf_cluster(q, dtype, bh * n * d, qo + q0, q1 - q0, pairs ? (const void *)kw : kt, pairs, vals,
+                                  k1 - k0, sp, d, dv, dvp, scale, o, mxs, dens, logits, rows);
                 }
-                for (int64_t t = k1 - k0; t < sk_max; t++)
-                    for (int64_t s = 0; s < d; s++) kt[s * sp + t] = 0.0f;
-                smyrf_cluster(qs, qo + q0, q1 - q0, kt, vals, k1 - k0, sp, d, dv, dvp, scale, o, mxs, dens, logits);
             }
+            free(kt), free(vals), free(logits);
         }
         for (int64_t i = 0; i < n; i++) {
             const float inv = dens[i] > 0.0f ? 1.0f / dens[i] : 0.0f;
             for (int64_t e = 0; e < dv; e++) o[i * dv + e] *= inv;
+            if (dtype != F32) store_row(out, dtype, (bh * n + i) * dv, o + i * dv, dv);
         }
-        free(kt), free(vals), free(logits);
     }
+    free(acc), free(rows);
 }
 
 /* ---- SMYRF: hashing and sorting ----------------------------------------------------- */
@@ -686,14 +861,15 @@ static const uint32_t INF_BITS = 0x7f800000u;
  * x (T, D), real (T); radius = max |q|^2 + max |k|^2 over the real tokens; projections
  * (R, H, D + 2) at this slice's head; extra: the coordinate of the transformed vector that
  * holds sqrt(radius - |x|^2) (D + 1 for queries, D for keys). hashes (R, BH, T) at this slice. */
-static void smyrf_side(const float *x, const uint8_t *real, int64_t t_count, int64_t d, float radius, const float *proj,
-                       int64_t proj_round, int64_t extra, int64_t rounds, float *hashes, int64_t hash_round) {
+static void smyrf_side(const void *x, int64_t dtype, int64_t x0, const uint8_t *real, int64_t t_count, int64_t d,
+                       float radius, const float *proj, int64_t proj_round, int64_t extra, int64_t rounds, float *hashes,
+                       int64_t hash_round, float *scratch) {
     for (int64_t i = 0; i < t_count; i++) {
-        const float *row = x + i * d;
         if (!real[i]) {
             for (int64_t r = 0; r < rounds; r++) memcpy(hashes + r * hash_round + i, &INF_BITS, sizeof INF_BITS);
             continue;
         }
+        const float *row = row_floats(x, dtype, x0 + i * d, d, scratch);
         float sq = 0.0f;
         for (int64_t s = 0; s < d; s++) sq += row[s] * row[s];
         const float lift = radius > sq ? sqrtf(radius - sq) : 0.0f;
@@ -706,32 +882,39 @@ static void smyrf_side(const float *x, const uint8_t *real, int64_t t_count, int
     }
 }
 
-/* Largest squared norm of the real rows of x (T, D); 0 if none. */
-static float max_sq_norm(const float *x, const uint8_t *real, int64_t t_count, int64_t d) {
+/* Largest squared norm of the real rows of x (T, D) in dtype from element x0; 0 if none.
+ * scratch: D floats. */
+static float max_sq_norm(const void *x, int64_t dtype, int64_t x0, const uint8_t *real, int64_t t_count, int64_t d,
+                         float *scratch) {
     float best = 0.0f;
     for (int64_t i = 0; i < t_count; i++) {
         if (!real[i]) continue;
+        const float *row = row_floats(x, dtype, x0 + i * d, d, scratch);
         float sq = 0.0f;
-        for (int64_t s = 0; s < d; s++) sq += x[i * d + s] * x[i * d + s];
+        for (int64_t s = 0; s < d; s++) sq += row[s] * row[s];
         best = sq > best ? sq : best;
     }
     return best;
 }
 
-/* smyrf.asymmetric_hashes for slices [bh0, bh1): q (BH, N, D), k (BH, M, D), q_real (B, N),
- * k_real (B, M), projections (R, H, D + 2) -> q_hashes (R, BH, N), k_hashes (R, BH, M), +inf
- * for padded tokens. */
-void smyrf_hashes(const float *q, const float *k, const uint8_t *q_real, const uint8_t *k_real, const float *projections,
-                  int64_t bh_total, int64_t heads, int64_t n, int64_t m, int64_t d, int64_t rounds, float *q_hashes,
-                  float *k_hashes, int64_t bh0, int64_t bh1) {
+/* smyrf.asymmetric_hashes for slices [bh0, bh1): q (BH, N, D), k (BH, M, D) in dtype,
+ * q_real (B, N), k_real (B, M), projections (R, H, D + 2) -> q_hashes (R, BH, N), k_hashes
+ * (R, BH, M), +inf for padded tokens. */
+void smyrf_hashes(const void *q, const void *k, int64_t dtype, const uint8_t *q_real, const uint8_t *k_real,
+                  const float *projections, int64_t bh_total, int64_t heads, int64_t n, int64_t m, int64_t d, int64_t rounds,
+                  float *q_hashes, float *k_hashes, int64_t bh0, int64_t bh1) {
+    float *scratch = malloc(d * sizeof *scratch);
     for (int64_t bh = bh0; bh < bh1; bh++) {
-        const int64_t b = bh / heads;
-        const float *qs = q + bh * n * d, *ks = k + bh * m * d;
-        const float radius = max_sq_norm(qs, q_real + b * n, n, d) + max_sq_norm(ks, k_real + b * m, m, d);
+        const int64_t b = bh / heads, qs = bh * n * d, ks = bh * m * d;
+        const float radius = max_sq_norm(q, dtype, qs, q_real + b * n, n, d, scratch) +
+                             max_sq_norm(k, dtype, ks, k_real + b * m, m, d, scratch);
         const float *proj = projections + (bh % heads) * (d + 2);
-        smyrf_side(qs, q_real + b * n, n, d, radius, proj, heads * (d + 2), d + 1, rounds, q_hashes + bh * n, bh_total * n);
-        smyrf_side(ks, k_real + b * m, m, d, radius, proj, heads * (d + 2), d, rounds, k_hashes + bh * m, bh_total * m);
+        smyrf_side(q, dtype, qs, q_real + b * n, n, d, radius, proj, heads * (d + 2), d + 1, rounds, q_hashes + bh * n,
+                   bh_total * n, scratch);
+        smyrf_side(k, dtype, ks, k_real + b * m, m, d, radius, proj, heads * (d + 2), d, rounds, k_hashes + bh * m,
+                   bh_total * m, scratch);
     }
+    free(scratch);
 }
 
 /* Radix sort digits: 11 bits, three passes over 32-bit keys. */

@@ -3,10 +3,14 @@ called by ctypes.
 
 On a CPU the PyTorch reference spends its time in (N, C) score matrices and their argmax,
 (C, M) softmax and top-k, and tiles of gathered rows; SMYRF's in per-round gathers, (L, S, S)
-logits and scatters. The native backend runs those steps as the loops of native.c, on float32
-CPU tensors (stage tables: clustered_native.py, smyrf_native.py); the tests compare them with
-the reference (same clusters up to ties within float rounding; outputs equal to float32
-rounding).
+logits and scatters. The native backend runs those steps as the loops of native.c on CPU
+tensors (stage tables: clustered_native.py, smyrf_native.py); the tests compare them with the
+reference (same clusters up to ties within float rounding; outputs equal to float32 rounding).
+
+The loops read q, k and v in float32 or bfloat16 (`DTYPES`) and compute in float32: a
+bfloat16 row is widened as it is read (exactly: its bits are a float32's upper half), so a
+bfloat16 input gives what the float32 loops give on the same values upcast, without a float32
+copy of q, k or v. Outputs come back in the input's dtype.
 
 `pip install` compiles native.c once per x86-64 level (setup.py: baseline, v3 = AVX2 + FMA,
 v4 = AVX-512) into kernels/_native_<level>*.so; `library()` loads the highest level this CPU
@@ -41,23 +45,36 @@ X86_LEVELS = {
     "x86_64_v4": frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
 }
 ISA_VARIABLE = "CLUSTERSERVE_NATIVE_ISA"
+# The dtypes the loops read q, k and v in, and their codes in native.c (F32, BF16).
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # Argument types of the exported functions, in order (pointers are tensors' data_ptr()).
 _SIGNATURES = {
-    "hash_codes": (_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64),
+    "hash_codes": (_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64),
     "hamming_kmeans": (_PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64),
-    "refine_clusters": (_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64),
-    "centroid_attention": (_PTR,) * 4 + (_I64,) * 6 + (ctypes.c_float, _I64) + (_PTR,) * 4 + (_I64, _I64),
-    "improved_sparse": (_PTR,) * 7 + (_I64,) * 5 + (ctypes.c_float, _PTR, _I64, _I64),
-    "smyrf_attention": (_PTR,) * 8 + (_I64,) * 7 + (ctypes.c_float,) + (_PTR,) * 3 + (_I64, _I64),
-    "smyrf_hashes": (_PTR,) * 5 + (_I64,) * 6 + (_PTR, _PTR, _I64, _I64),
+    "cluster_means": (_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64),
+    "refine_clusters": (_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64),
+    "centroid_attention": (_PTR,) * 3 + (_I64, _PTR) + (_I64,) * 6 + (ctypes.c_float, _I64) + (_PTR,) * 4 + (_I64, _I64),
+    "improved_sparse": (_PTR, _I64) + (_PTR,) * 6 + (_I64,) * 5 + (ctypes.c_float, _PTR, _I64, _I64),
+    "smyrf_attention": (_PTR,) * 3 + (_I64,) + (_PTR,) * 5 + (_I64,) * 7 + (ctypes.c_float,) + (_PTR,) * 3 + (_I64, _I64),
+    "smyrf_hashes": (_PTR, _PTR, _I64) + (_PTR,) * 3 + (_I64,) * 6 + (_PTR, _PTR, _I64, _I64),
     "argsort_rows": (_PTR, _I64, _PTR, _I64, _I64),
+    "bf16_dot": (),
 }
+_RESULTS = {"bf16_dot": ctypes.c_int}  # the others return nothing
 
 
 def available() -> bool:
     """Whether the native loops were built and load on this CPU."""
     return library() is not None
+
+
+def bf16_dot() -> bool:
+    """Whether the loaded library computes bfloat16 q . k logits with AVX512-BF16's vdpbf16ps
+    (SMYRF's cluster attention): the AVX-512 level on a CPU that has it. The sums then differ
+    from the float32 loops' by their order, within float32 rounding."""
+    lib = library()
+    return lib is not None and bool(lib.bf16_dot())
 
 
 def level() -> str | None:
@@ -77,7 +94,7 @@ def library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(path))
         for function, argtypes in _SIGNATURES.items():
             fn = getattr(lib, function)
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = argtypes, _RESULTS.get(function)
         lib.level = name
         return lib
     log.warning(
@@ -131,11 +148,25 @@ def _split(fn, total: int, *args) -> None:
     list(_pool().map(lambda i: fn(*args, bounds[i], bounds[i + 1]), range(parts)))
 
 
-def _aligned_zeros(*shape: int) -> Tensor:
-    """A contiguous float32 tensor of zeros whose data starts on a 64-byte boundary."""
-    count = math.prod(shape)
-    flat = torch.zeros(count + 16, dtype=torch.float32)
-    start = (-flat.data_ptr() % 64) // 4
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the native stages take q, k and v in: float32 and bfloat16 as they are,
+    anything else (float16) converted to float32."""
+    return dtype if dtype in DTYPES else torch.float32
+
+
+def _dtype(*tensors: Tensor) -> int:
+    """native.c's code of the tensors' shared dtype (float32 or bfloat16)."""
+    dtype = tensors[0].dtype
+    if dtype not in DTYPES or any(t.dtype != dtype for t in tensors):
+        raise ValueError(f"the native loops read float32 or bfloat16 q, k, v of one dtype, got {[t.dtype for t in tensors]}")
+    return DTYPES[dtype]
+
+
+def _aligned_zeros(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A contiguous tensor of zeros whose data starts on a 64-byte boundary."""
+    count, size = math.prod(shape), torch.empty((), dtype=dtype).element_size()
+    flat = torch.zeros(count + 64 // size, dtype=dtype)
+    start = (-flat.data_ptr() % 64) // size
     return flat[start : start + count].view(shape)
 
 
@@ -145,14 +176,15 @@ def _ptr(t: Tensor) -> int:
 
 
 def hash_codes(x: Tensor, planes: Tensor) -> Tensor:
-    """hashing.hash_codes: x (B, H, N, D) float32, planes (H, D + 1, bits) -> (B, H, N) int64."""
+    """hashing.hash_codes: x (B, H, N, D) float32 or bfloat16, planes (H, D + 1, bits) ->
+    (B, H, N) int64."""
     b, h, n, d = x.shape
     bits = planes.shape[-1]
     aligned = _aligned_zeros(h, d + 1, 64)  # the loop reads whole 64-byte vectors of it
     aligned[:, :, :bits] = planes
     x = x.contiguous()
     codes = torch.empty(b, h, n, dtype=torch.int64)
-    _split(library().hash_codes, b * h, _ptr(x), _ptr(aligned), h, n, d, bits, _ptr(codes))
+    _split(library().hash_codes, b * h, _ptr(x), _dtype(x), _ptr(aligned), h, n, d, bits, _ptr(codes))
     return codes
 
 
@@ -169,12 +201,23 @@ def hamming_kmeans(codes: Tensor, query_mask: Tensor, initial: Tensor, iteration
     return assign
 
 
+def cluster_means(x: Tensor, assign: Tensor, clusters: int) -> Tensor:
+    """kmeans.cluster_means summed in float32: x (B, H, N, D) float32 or bfloat16, assign
+    (B, H, N) in [0, C] -> (B, H, C, D) float32, 0 for an empty cluster."""
+    b, h, n, d = x.shape
+    x, assign = x.contiguous(), assign.contiguous()
+    means = torch.empty(b, h, clusters, d, dtype=torch.float32)
+    _split(library().cluster_means, b * h, _ptr(x), _dtype(x), _ptr(assign), n, d, clusters, _ptr(means))
+    return means
+
+
 def refine_clusters(q: Tensor, assign: Tensor, query_mask: Tensor, clusters: int, iterations: int) -> Tensor:
-    """kmeans.refine_clusters: q (B, H, N, D) float32, assign (B, H, N) -> refined (B, H, N)."""
+    """kmeans.refine_clusters: q (B, H, N, D) float32 or bfloat16, assign (B, H, N) ->
+    refined (B, H, N)."""
     b, h, n, d = q.shape
     q, real = q.contiguous(), query_mask.to(torch.uint8).contiguous()
     refined = assign.clone(memory_format=torch.contiguous_format)
-    _split(library().refine_clusters, b * h, _ptr(q), _ptr(real), h, n, d, clusters, iterations, _ptr(refined))
+    _split(library().refine_clusters, b * h, _ptr(q), _dtype(q), _ptr(real), h, n, d, clusters, iterations, _ptr(refined))
     return refined
 
 
@@ -182,14 +225,15 @@ def centroid_attention(
     centroids: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, scale: float, topk: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The centroid pass of clustered.centroid_attention without its (C, M) probabilities:
-    centroids (B, H, C, D), k (B, H, M, D), v (B, H, M, Dv) float32, key_mask (B, M) ->
-    (values (B, H, C, Dv), top_index (B, H, C, k), top_probs, top_valid bool)."""
+    centroids (B, H, C, D) float32, k (B, H, M, D), v (B, H, M, Dv) float32 or bfloat16,
+    key_mask (B, M) -> (values (B, H, C, Dv), top_index (B, H, C, k), top_probs, top_valid
+    bool), float32."""
     b, h, c, d = centroids.shape
     m, dv = k.shape[2], v.shape[-1]
     mp = -(-m // 16) * 16  # whole vectors of keys
-    keys_t = _aligned_zeros(b, h, d, mp)
+    keys_t = _aligned_zeros(b, h, d, mp, dtype=k.dtype)
     keys_t[..., :m] = k.transpose(-1, -2)
-    centroids, v = centroids.contiguous(), v.contiguous()
+    centroids, v = centroids.to(torch.float32).contiguous(), v.contiguous()
     real = key_mask.to(torch.uint8).contiguous()
     values = torch.empty(b, h, c, dv, dtype=torch.float32)
     index = torch.empty(b, h, c, topk, dtype=torch.int64)
@@ -197,8 +241,8 @@ def centroid_attention(
     valid = torch.empty(b, h, c, topk, dtype=torch.uint8)
     lib = library()
     _split(
-        lib.centroid_attention, b * h * c, _ptr(centroids), _ptr(keys_t), _ptr(v), _ptr(real), h, c, d, m, mp, dv,
-        scale, topk, _ptr(values), _ptr(index), _ptr(probs), _ptr(valid),
+        lib.centroid_attention, b * h * c, _ptr(centroids), _ptr(keys_t), _ptr(v), _dtype(keys_t, v), _ptr(real),
+        h, c, d, m, mp, dv, scale, topk, _ptr(values), _ptr(index), _ptr(probs), _ptr(valid),
     )
     return values, index, probs, valid.bool()
 
@@ -213,20 +257,22 @@ def improved_sparse(
     bottom: Tensor,
     scale: float,
 ) -> Tensor:
-    """The per-query part of improved clustered attention (eq. 15): q (B, H, N, D),
-    assign (B, H, N), each cluster's top-k keys (B, H, C, k, D) and values (B, H, C, k, Dv),
-    valid (B, H, C, k), mass (B, H, C), bottom (B, H, C, Dv) -> (B, H, N, Dv)."""
+    """The per-query part of improved clustered attention (eq. 15): q (B, H, N, D) float32 or
+    bfloat16, assign (B, H, N), each cluster's top-k keys (B, H, C, k, D) and values
+    (B, H, C, k, Dv), valid (B, H, C, k), mass (B, H, C), bottom (B, H, C, Dv) float32 ->
+    (B, H, N, Dv) in q's dtype."""
     b, h, n, d = q.shape
     c, k, dv = values.shape[2], values.shape[3], values.shape[4]
     q, assign = q.contiguous(), assign.contiguous()
-    keys_t = keys.transpose(-1, -2).contiguous()
-    values, mass, bottom = values.contiguous(), mass.contiguous(), bottom.contiguous()
+    keys_t = keys.to(torch.float32).transpose(-1, -2).contiguous()
+    values, mass, bottom = (t.to(torch.float32).contiguous() for t in (values, mass, bottom))
     ok = valid.to(torch.uint8).contiguous()
-    out = torch.empty(b, h, n, dv, dtype=torch.float32)
+    out = torch.empty(b, h, n, dv, dtype=q.dtype)
     _split(
         library().improved_sparse,
         b * h,
-        *(_ptr(t) for t in (q, assign, keys_t, values, ok, mass, bottom)),
+        _ptr(q), _dtype(q),
+        *(_ptr(t) for t in (assign, keys_t, values, ok, mass, bottom)),
         n, d, dv, c, k, scale, _ptr(out),
     )
     return out
@@ -244,21 +290,23 @@ def smyrf_attention(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """smyrf.cluster_attention's work for all rounds: q (B, H, N, D), k (B, H, M, D),
-    v (B, H, M, Dv) float32; q_orders (R, B, H, N), k_orders (R, B, H, M) positions in hash
-    order, real tokens first; n_real, m_real, n_clusters (B,) -> out (B, H, N, Dv), the
-    rounds merged by softmax mass, and each query's largest logit and sum of exp(logit - it)
-    (B, H, N), the sum 0 (and the row of out 0) for a query that met no key."""
+    v (B, H, M, Dv) float32 or bfloat16; q_orders (R, B, H, N), k_orders (R, B, H, M)
+    positions in hash order, real tokens first; n_real, m_real, n_clusters (B,) -> out
+    (B, H, N, Dv) in q's dtype, the rounds merged by softmax mass, and each query's largest
+    logit and sum of exp(logit - it) (B, H, N) float32, the sum 0 (and the row of out 0) for a
+    query that met no key."""
     b, h, n, d = q.shape
     m, dv, rounds = k.shape[2], v.shape[-1], q_orders.shape[0]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     q_orders, k_orders = q_orders.contiguous(), k_orders.contiguous()
     counts = [t.to(torch.int64).contiguous() for t in (n_real, m_real, n_clusters)]
-    out = torch.empty(b, h, n, dv, dtype=torch.float32)
+    out = torch.empty(b, h, n, dv, dtype=q.dtype)
     top, total = torch.empty(b, h, n, dtype=torch.float32), torch.empty(b, h, n, dtype=torch.float32)
     _split(
         library().smyrf_attention,
         b * h,
-        *(_ptr(t) for t in (q, k, v, q_orders, k_orders, *counts)),
+        _ptr(q), _ptr(k), _ptr(v), _dtype(q, k, v),
+        *(_ptr(t) for t in (q_orders, k_orders, *counts)),
         b * h, h, n, m, d, dv, rounds, scale,
         _ptr(out), _ptr(top), _ptr(total),
     )
@@ -268,8 +316,9 @@ def smyrf_attention(
 def smyrf_hashes(
     q: Tensor, k: Tensor, query_mask: Tensor, key_mask: Tensor, projections: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """smyrf.asymmetric_hashes: q (B, H, N, D), k (B, H, M, D) float32, query_mask (B, N),
-    key_mask (B, M), projections (R, H, D + 2) -> (R, B, H, N), (R, B, H, M), +inf where padded."""
+    """smyrf.asymmetric_hashes: q (B, H, N, D), k (B, H, M, D) float32 or bfloat16,
+    query_mask (B, N), key_mask (B, M), projections (R, H, D + 2) -> (R, B, H, N), (R, B, H, M)
+    float32, +inf where padded."""
     b, h, n, d = q.shape
     m, rounds = k.shape[2], projections.shape[0]
     q, k = q.contiguous(), k.contiguous()
@@ -280,7 +329,8 @@ def smyrf_hashes(
     _split(
         library().smyrf_hashes,
         b * h,
-        *(_ptr(t) for t in (q, k, q_real, k_real, projections)),
+        _ptr(q), _ptr(k), _dtype(q, k),
+        *(_ptr(t) for t in (q_real, k_real, projections)),
         b * h, h, n, m, d, rounds,
         _ptr(q_hashes), _ptr(k_hashes),
     )

@@ -1,5 +1,6 @@
 """The native backend of SMYRF: the reference's stages (smyrf.py) as C loops of native.c
-(bound in native.py), one (batch, head) slice per call, on float32 CPU tensors:
+(bound in native.py), one (batch, head) slice per call, on float32 or bfloat16 CPU tensors
+(bfloat16 rows are widened as the loops read them, never copied to float32):
 
     hash                smyrf_hashes: max norms, the asymmetric transform and every round's
                         projection in one pass over the tokens; padded tokens +inf
@@ -45,7 +46,8 @@ def cluster_attention(
     key_padding_mask: Tensor | None, spec: AttentionSpec, scale: float, dtype: torch.dtype,
 ) -> Tensor:
     """smyrf.cluster_attention in native.c: (B, H, N, D), (B, H, M, D), (B, H, M, Dv) float32
-    and the sort orders (R, B, H, N), (R, B, H, M) -> (B, H, N, Dv) in dtype, padded queries 0."""
+    or bfloat16 and the sort orders (R, B, H, N), (R, B, H, M) -> (B, H, N, Dv) in dtype,
+    padded queries 0."""
     key_mask, query_mask = token_masks(q, k, key_padding_mask)
     n_real, m_real, n_clusters = cluster_counts(query_mask, key_mask, spec.cluster_size)
     out, _, _ = native.smyrf_attention(q, k, v, q_orders, k_orders, n_real, m_real, n_clusters, scale)
@@ -53,6 +55,6 @@ def cluster_attention(
 
 
 NATIVE = SmyrfStages(
-    name="native", compute=lambda dtype: torch.float32, hash=hash_tokens, sort=sort_by_hash,
+    name="native", compute=native.compute_dtype, hash=hash_tokens, sort=sort_by_hash,
     cluster_attention=cluster_attention,
 )

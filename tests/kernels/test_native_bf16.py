@@ -1,0 +1,253 @@
+"""The native backend on bfloat16 q, k, v.
+
+The loops widen each bfloat16 row as they read it (exact) and compute in float32, so every
+stage must give what the float32 loops give on the same values upcast, bit for bit, and the
+output that result rounded to bfloat16; only SMYRF's logits, where the CPU has AVX512-BF16
+(native.bf16_dot()), are summed in another order, within float32 rounding. Against the
+reference run on those values in float32 (float64 where the method is exact), discrete
+decisions follow the tie rules of ties.py and outputs agree to the output's bfloat16 rounding.
+No stage may make a float32 copy of q, k or v.
+"""
+
+import math
+
+import pytest
+import torch
+from kernel_inputs import padding_mask, qkv
+from ties import assert_codes_agree, assert_refinement_agrees, assert_topk_agree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kernels import AttentionSpec, attention, native
+from kernels.clustered import REFERENCE, _centroid_attention
+from kernels.clustered_native import NATIVE
+from kernels.full import full_attention
+from kernels.hashing import hash_planes
+from kernels.masks import token_masks
+from kernels.smyrf import REFERENCE as SMYRF_REFERENCE
+from kernels.smyrf import cluster_counts
+from kernels.smyrf_native import NATIVE as SMYRF_NATIVE
+from kernels.stages import run_clustered, run_smyrf
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="the native loops were not built (no C compiler)")
+
+BF16 = torch.bfloat16
+# The output is float32 arithmetic rounded once to bfloat16 (half a unit in its 8-bit
+# significand, 2^-9 relative): one unit of margin.
+OUT_RTOL, OUT_ATOL = 2**-8, 1e-6
+SCALE = 0.25
+
+SPECS = {
+    "clustered": AttentionSpec(method="clustered", clusters=6, iterations=5, refine=2, seed=9),
+    "i-clustered": AttentionSpec(method="i-clustered", clusters=6, topk=8, iterations=5, refine=2, seed=9),
+    "smyrf": AttentionSpec(method="smyrf", hash_rounds=3, cluster_size=16, seed=11),
+}
+
+
+def bf16_qkv(**shape):
+    return tuple(t.to(BF16) for t in qkv(**shape))
+
+
+def upcast(*tensors):
+    return tuple(t.float() for t in tensors)
+
+
+def stage_outputs(stages, q, k, v, spec, mask):
+    """Every stage's output of one run of the pipeline, by stage name."""
+    outputs = {}
+
+    def record(name, stage, *args):
+        outputs[name] = stage(*args)
+        return outputs[name]
+
+    run = run_smyrf if spec.method == "smyrf" else run_clustered
+    outputs["out"] = run(stages, q, k, v, spec, mask, SCALE, observe=record)
+    return outputs
+
+
+def assert_same(got, want, name):
+    if isinstance(want, tuple):  # the hashes, the orders, the centroid pass
+        for g, w in zip(got, want):
+            assert_same(g, w, name)
+    elif want is not None:
+        assert got.dtype == want.dtype and torch.equal(got, want), f"{name} differs"
+
+
+@pytest.mark.parametrize("method", list(SPECS))
+@pytest.mark.parametrize("n, m, lengths, dv", [(96, 96, None, 16), (96, 96, [96, 50], 24), (40, 72, [72, 33], 16)])
+def test_every_stage_equals_the_float32_loops_on_the_same_values(method, n, m, lengths, dv):
+    q, k, v = bf16_qkv(n=n, m=m, dv=dv)
+    mask = None if lengths is None else padding_mask(2, m, lengths)
+    stages = SMYRF_NATIVE if method == "smyrf" else NATIVE
+    got = stage_outputs(stages, q, k, v, SPECS[method], mask)
+    want = stage_outputs(stages, *upcast(q, k, v), SPECS[method], mask)
+    assert got.keys() == want.keys()
+    last = {"clustered": "broadcast", "i-clustered": "sparse", "smyrf": "cluster_attention"}[method]
+    for name in got:
+        if name in (last, "out") and method == "smyrf" and native.bf16_dot():  # logits summed by pairs
+            assert got[name].dtype == BF16
+            torch.testing.assert_close(got[name].float(), want[name], rtol=OUT_RTOL, atol=OUT_ATOL)
+        elif name in (last, "out"):  # the output, in q's dtype
+            assert_same(got[name], want[name].to(BF16), name)
+        else:
+            assert_same(got[name], want[name], name)
+
+
+# (n, m, d, dv, cluster_size, lengths): an odd D (no pairs of dimensions for vdpbf16ps: the
+# widening loop), N != M both ways, few keys, padding.
+SMYRF_SHAPES = [(48, 48, 32, 32, 16, None), (37, 37, 15, 16, 10, [37, 21]), (40, 72, 16, 32, 12, None),
+                (72, 24, 64, 48, 8, [24, 13])]
+
+
+@pytest.mark.parametrize("n, m, d, dv, cluster_size, lengths", SMYRF_SHAPES)
+def test_smyrf_logits_agree_with_the_reference_in_float32(n, m, d, dv, cluster_size, lengths):
+    """On the reference's orders: each query's merged log-sum-exp to float32 rounding of the
+    logits (vdpbf16ps or widened rows), the output to its bfloat16 rounding."""
+    q, k, v = bf16_qkv(n=n, m=m, d=d, dv=dv, seed=2)
+    q32, k32, v32 = upcast(q, k, v)
+    mask = None if lengths is None else padding_mask(2, m, lengths)
+    spec = AttentionSpec(method="smyrf", hash_rounds=3, cluster_size=cluster_size, seed=3)
+    key_mask, query_mask = token_masks(q, k, mask)
+    counts = cluster_counts(query_mask, key_mask, spec.cluster_size)
+    orders = SMYRF_REFERENCE.sort(*SMYRF_REFERENCE.hash(q32, k32, mask, spec))
+    out, top, total = native.smyrf_attention(q, k, v, *orders, *counts, 1 / math.sqrt(d))
+    want, want_top, want_total = native.smyrf_attention(q32, k32, v32, *orders, *counts, 1 / math.sqrt(d))
+    expected = SMYRF_REFERENCE.cluster_attention(q32, k32, v32, *orders, mask, spec, 1 / math.sqrt(d), torch.float32)
+    assert out.dtype == BF16
+    torch.testing.assert_close(out.float(), expected, rtol=OUT_RTOL, atol=OUT_ATOL)
+    lse = torch.where(total > 0, top + total.log(), float("-inf"))
+    want_lse = torch.where(want_total > 0, want_top + want_total.log(), float("-inf"))
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    if not native.bf16_dot() or d % 2:  # widened rows: the float32 loop's arithmetic
+        assert torch.equal(out, want.to(BF16)) and torch.equal(top, want_top) and torch.equal(total, want_total)
+
+
+@pytest.fixture
+def reloaded():
+    """native.library() forgets the loaded library now and after the test."""
+    native.library.cache_clear()
+    yield
+    native.library.cache_clear()
+
+
+@pytest.mark.parametrize("level", native.runnable_levels())
+def test_every_level_this_cpu_runs_reads_bfloat16(level, monkeypatch, reloaded):
+    # The AVX-512 library with and without vdpbf16ps runs the same source as AVX2 and the
+    # baseline: each level this CPU runs is checked here, whatever level the suite runs on.
+    monkeypatch.setenv(native.ISA_VARIABLE, level)
+    assert native.level() == level
+    q, k, v = bf16_qkv(n=64, dv=24, seed=7)
+    mask = padding_mask(2, 64, [64, 41])
+    for method, spec in SPECS.items():
+        out = attention(q, k, v, spec, key_padding_mask=mask, backend="native")
+        want = attention(*upcast(q, k, v), spec, key_padding_mask=mask, backend="native")
+        if method == "smyrf" and native.bf16_dot():
+            torch.testing.assert_close(out.float(), want, rtol=OUT_RTOL, atol=OUT_ATOL)
+        else:
+            assert torch.equal(out, want.to(BF16)), f"{method} at {level}"
+
+
+@pytest.mark.parametrize("lengths", [None, [96, 61]])
+def test_clustered_stages_agree_with_the_reference_in_float32(lengths):
+    q, k, v = bf16_qkv(n=96, dv=24)
+    q32, k32, v32 = upcast(q, k, v)
+    mask = None if lengths is None else padding_mask(2, 96, lengths)
+    key_mask, query_mask = token_masks(q, k, mask)
+    spec = AttentionSpec(method="i-clustered", clusters=10, topk=12, iterations=10, refine=3, seed=4)
+    codes = REFERENCE.hash(q32, spec)
+    assert_codes_agree(NATIVE.hash(q, spec), codes, q32, hash_planes(2, 16, spec.bits, spec.seed))
+    assign = REFERENCE.cluster(codes, query_mask, spec)
+    assert torch.equal(NATIVE.cluster(codes, query_mask, spec), assign)
+
+    def refine_bf16(x, *args):  # the reference's float32 q is exactly the bfloat16 q upcast
+        return native.refine_clusters(x.to(BF16), *args)
+
+    assert_refinement_agrees(refine_bf16, q32, assign, query_mask, spec.clusters, spec.refine)
+    assign = REFERENCE.refine(q32, assign, query_mask, spec)
+    centroids = REFERENCE.centroids(q32, assign, spec.clusters)
+    torch.testing.assert_close(NATIVE.centroids(q, assign, spec.clusters), centroids, rtol=1e-6, atol=1e-6)
+    expected = REFERENCE.centroid_attention(centroids, k32, v32, key_mask, SCALE, spec.topk)
+    got = NATIVE.centroid_attention(centroids, k, v, key_mask, SCALE, spec.topk)
+    torch.testing.assert_close(got.values, expected.values, rtol=1e-5, atol=1e-6)
+    assert_topk_agree(got.top_index, expected.top_index, _centroid_attention(centroids, k32, key_mask, SCALE))
+    torch.testing.assert_close(got.top_probs.sort(-1).values, expected.top_probs.sort(-1).values, rtol=1e-5, atol=1e-7)
+    clustered_values = NATIVE.centroid_attention(centroids, k, v, key_mask, SCALE, 0).values
+    torch.testing.assert_close(clustered_values, expected.values, rtol=1e-5, atol=1e-6)
+    out = NATIVE.sparse(q, k, v, assign, expected, key_mask, SCALE, BF16)
+    want = REFERENCE.sparse(q32, k32, v32, assign, expected, key_mask, SCALE, torch.float32)
+    assert out.dtype == BF16
+    torch.testing.assert_close(out.float(), want, rtol=OUT_RTOL, atol=OUT_ATOL)
+
+
+@pytest.mark.parametrize("method", list(SPECS))
+@pytest.mark.parametrize("n, m, lengths", [(64, 64, None), (64, 64, [64, 23]), (40, 24, [24, 5])])
+def test_attention_equals_the_reference_in_float32_on_the_same_values(method, n, m, lengths):
+    q, k, v = bf16_qkv(n=n, m=m, dv=16, seed=11)
+    mask = None if lengths is None else padding_mask(2, m, lengths)
+    spec = SPECS[method]
+    if method == "smyrf":  # hashes well apart: the same orders on every backend
+        q_hashes, k_hashes = SMYRF_REFERENCE.hash(*upcast(q, k), mask, spec)
+        for hashes in (q_hashes, k_hashes):
+            gaps = hashes.sort(dim=-1).values.diff(dim=-1)
+            assert gaps[torch.isfinite(gaps)].min() > 1e-4, "near-tied hashes; pick another seed"
+    out = attention(q, k, v, spec, key_padding_mask=mask, backend="native")
+    expected = attention(*upcast(q, k, v), spec, key_padding_mask=mask, backend="reference")
+    assert out.dtype == BF16
+    torch.testing.assert_close(out.float(), expected, rtol=OUT_RTOL, atol=OUT_ATOL)
+
+
+@pytest.mark.parametrize("method", list(SPECS))
+@pytest.mark.parametrize("lengths", [None, [30, 17]])
+def test_exact_cases_equal_float64_attention(method, lengths):
+    # One query per cluster (every top-k key kept), or one SMYRF cluster: exact attention.
+    q, k, v = bf16_qkv(n=30, dv=24, seed=3)
+    mask = None if lengths is None else padding_mask(2, 30, lengths)
+    spec = AttentionSpec(method=method, clusters=30, topk=30, hash_rounds=2, cluster_size=30, iterations=3, refine=1)
+    out = attention(q, k, v, spec, key_padding_mask=mask, backend="native")
+    exact = full_attention(*(t.double() for t in (q, k, v)), mask, 1 / 4)
+    assert out.dtype == BF16
+    torch.testing.assert_close(out.double(), exact, rtol=OUT_RTOL, atol=1e-5)
+
+
+class Float32Tensors(TorchDispatchMode):
+    """Records the size of every float32 tensor an op makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = [0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.sizes.append(t.numel())
+        return out
+
+
+@pytest.mark.parametrize("method", list(SPECS))
+def test_no_stage_makes_a_float32_copy_of_q_k_v(method):
+    q, k, v = bf16_qkv(n=512, m=512, d=16, dv=16)
+    mask = padding_mask(2, 512, [512, 400])
+    spec = AttentionSpec(method=method, clusters=8, topk=8, iterations=3, refine=2, hash_rounds=3, cluster_size=32)
+    seen = []
+
+    def record(name, stage, *args):
+        seen.extend((name, t.dtype) for t in args if isinstance(t, torch.Tensor) and t.shape in (q.shape, k.shape))
+        return stage(*args)
+
+    run = run_smyrf if method == "smyrf" else run_clustered
+    with Float32Tensors() as made:
+        out = run(SMYRF_NATIVE if method == "smyrf" else NATIVE, q, k, v, spec, mask, SCALE, observe=record)
+    assert out.dtype == BF16
+    assert seen and all(dtype == BF16 for _, dtype in seen), seen  # every stage takes q, k, v as they are
+    assert max(made.sizes) < q.numel() // 2, f"a float32 tensor of {max(made.sizes)} elements, q has {q.numel()}"
+    with Float32Tensors() as made:  # the check sees a copy where one is made: the reference upcasts
+        run(SMYRF_REFERENCE if method == "smyrf" else REFERENCE, q, k, v, spec, mask, SCALE)
+    assert max(made.sizes) >= q.numel()
+
+
+def test_float16_is_computed_in_float32_and_returned_in_float16():
+    q, k, v = qkv(n=40, seed=5, dtype=torch.float16)
+    for spec in SPECS.values():
+        out = attention(q, k, v, spec, backend="native")
+        assert out.dtype == torch.float16
+        assert torch.equal(out, attention(*upcast(q, k, v), spec, backend="native").to(torch.float16))
