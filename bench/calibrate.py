@@ -1,13 +1,17 @@
 """Calibrate auto mode: fidelity and time of a grid of attention configurations per length.
 
-    python -m bench.calibrate [--model DIR] [--lengths 1024 ... 32768] [--docs 2] [--out PATH]
+    python -m bench.calibrate [--model DIR] [--dtype float32|bfloat16|auto] [--lengths 1024 ... 32768]
+                              [--docs 2] [--out PATH]
     python -m bench.calibrate --plot [--table PATH]
 
 For each length bucket, embeds `--docs` documents of real text (Debian's license texts, the
 calibration set; the held-back set is left for tests) with exact attention and with every
-configuration of the grid, on this machine's device, one document at a time. Fidelity is
-the cosine of a configuration's embedding to the exact one; time is per document. Writes the
-table (models/calibration.py has the format) next to the model (DIR/calibration.<device>.json),
+configuration of the grid, on this machine's device, in the served dtype, one document at a
+time. Fidelity is the cosine of a configuration's embedding to exact attention's in float32
+(a float32 copy of the model runs the reference where the dtype is another), so the table
+says what a user gets; in bfloat16 each bucket also records exact attention's own fidelity
+(`exact_fidelity_min`). Time is per document, in the served dtype. Writes the table
+(models/calibration.py has the format) next to the model (DIR/calibration.<device>[-bf16].json),
 or for the embedded default model to models/calibrations/, which ships with clusterserve;
 `--out` writes it elsewhere. Prints each bucket's frontier and the configuration chosen for
 fidelity targets 0.98, 0.99 and 0.995, and draws latency against fidelity per method and
@@ -27,8 +31,17 @@ import torch
 
 from kernels import AttentionSpec
 from models import load_encoder
-from models.calibration import FORMAT, SHIPPED_DIR, Calibration, load_calibration, parse_calibration, table_name
+from models.calibration import (
+    DTYPE_SUFFIXES,
+    FORMAT,
+    SHIPPED_DIR,
+    Calibration,
+    load_calibration,
+    parse_calibration,
+    table_name,
+)
 from models.loader import DEFAULT_MODEL_NAME
+from models.precision import DTYPE_SETTINGS, dtype_name, resolve_dtype
 
 from .common import CALIBRATION_TEXTS, RESULTS_DIR, device_name, long_text_ids, print_table
 
@@ -59,22 +72,26 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--docs", type=int, default=2, help="calibration documents per length")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_SETTINGS, help="the served precision")
     parser.add_argument("--out", type=Path, default=None, help="where to write the table")
     parser.add_argument("--plot", action="store_true", help="only draw the plot of an existing table")
     parser.add_argument("--table", type=Path, default=None, help="the table --plot draws")
     args = parser.parse_args()
 
     if args.plot:
-        table = load_calibration(args.table or SHIPPED_DIR / table_name(DEFAULT_MODEL_NAME, args.device))
+        dtype = dtype_name(resolve_dtype(args.dtype, args.device))
+        table = load_calibration(args.table or SHIPPED_DIR / table_name(DEFAULT_MODEL_NAME, args.device, dtype))
         report(table)
         print(f"wrote {plot(table)}")
         return
 
     torch.set_grad_enabled(False)
-    encoder = load_encoder(args.model, max_input_tokens=max(args.lengths), device=args.device)
-    kind = encoder.device.type
+    encoder = load_encoder(args.model, max_input_tokens=max(args.lengths), device=args.device, dtype=args.dtype)
+    kind, dtype = encoder.device.type, dtype_name(encoder.dtype)
     out = args.out or (
-        args.model / f"calibration.{kind}.json" if args.model else SHIPPED_DIR / table_name(encoder.name, kind)
+        args.model / f"calibration.{kind}{DTYPE_SUFFIXES[dtype]}.json"
+        if args.model
+        else SHIPPED_DIR / table_name(encoder.name, kind, dtype)
     )
     raw = measure(encoder, args.lengths, args.docs)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -98,6 +115,7 @@ def measure(encoder, lengths: list[int], docs: int, grid: list[AttentionSpec] = 
             times.append(time.perf_counter() - start)
         return vector, statistics.median(times) * 1e3
 
+    reference = encoder.float32()  # fidelity is measured against exact attention in float32
     warm = long_text_ids(encoder, min(lengths), texts=CALIBRATION_TEXTS)
     for spec in (AttentionSpec(method="full"), *grid):
         encoder.embed([warm], spec)  # one-off costs (first calls, Triton compiles) stay out of the times
@@ -106,10 +124,17 @@ def measure(encoder, lengths: list[int], docs: int, grid: list[AttentionSpec] = 
         repeats = 3 if n <= 2048 else 1
         documents = [long_text_ids(encoder, n, offset=5000 * d, texts=CALIBRATION_TEXTS) for d in range(docs)]
         exact = [timed(ids, AttentionSpec(method="full"), repeats) for ids in documents]
+        if reference is not encoder:
+            references = [reference.embed([ids], AttentionSpec(method="full"), max_batch_tokens=len(ids))[0] for ids in documents]
+        else:
+            references = [vector for vector, _ in exact]
+        exact_fidelity = min(
+            torch.nn.functional.cosine_similarity(vector, ref, dim=0).item() for (vector, _), ref in zip(exact, references)
+        )
         configs = []
         for spec in grid:
             cosines, times = [], []
-            for ids, (exact_vector, _) in zip(documents, exact):
+            for ids, exact_vector in zip(documents, references):
                 vector, ms = timed(ids, spec, repeats)
                 cosine = torch.nn.functional.cosine_similarity(vector, exact_vector, dim=0).item()
                 cosines.append(min(1.0, max(-1.0, cosine)))  # float32 rounding can pass 1
@@ -124,14 +149,18 @@ def measure(encoder, lengths: list[int], docs: int, grid: list[AttentionSpec] = 
             )
             print(f"{n:>6} tokens  {spec.to_json():<90} min {min(cosines):.4f}  {statistics.fmean(times):9.1f} ms")
         exact_ms = statistics.fmean(ms for _, ms in exact)
-        print(f"{n:>6} tokens  exact {exact_ms:.1f} ms")
-        buckets.append({"tokens": n, "exact_ms": exact_ms, "configs": configs})
+        print(f"{n:>6} tokens  exact {exact_ms:.1f} ms, cosine to float32 exact {exact_fidelity:.5f}")
+        bucket = {"tokens": n, "exact_ms": exact_ms, "configs": configs}
+        if reference is not encoder:
+            bucket["exact_fidelity_min"] = min(1.0, exact_fidelity)
+        buckets.append(bucket)
     return {
         "format": FORMAT,
         "model": encoder.name,
         "device": encoder.device.type,
         "device_name": device_name(),
-        "dtype": str(encoder.dtype).removeprefix("torch."),
+        "dtype": dtype_name(encoder.dtype),
+        "fidelity_reference": {"method": "full", "dtype": "float32"},
         "measured": datetime.date.today().isoformat(),
         "seed": 0,
         "docs": docs,
@@ -188,7 +217,7 @@ def plot(table: Calibration) -> Path:
     fig.suptitle(f"{table.model} on {table.device_name}: latency against fidelity (dashed: Pareto frontier)", fontsize=9)
     fig.tight_layout()
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"calibration-{table.device}.png"
+    path = RESULTS_DIR / f"calibration-{table.device}{DTYPE_SUFFIXES.get(table.dtype, '')}.png"
     fig.savefig(path, dpi=110)
     return path
 

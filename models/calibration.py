@@ -10,7 +10,9 @@ approximate configurations, per length bucket, on one device, and writes a table
                                "fidelity_min": 0.991, "fidelity_mean": 0.993, "ms": 640.0}, ...]},
                  ...]}
 
-Fidelity is the cosine of a document's embedding to its exact-attention embedding;
+Fidelity is the cosine of a document's embedding to its exact-attention embedding in
+float32 (whatever dtype the table was measured in, so that it says what a user gets; a
+bucket's `exact_fidelity_min` is exact attention's own, below 1 in bfloat16);
 `fidelity_min` is the worst over the calibration documents, and it is what a target is
 checked against. `Calibration.choose(tokens, target)` picks, from the bucket that covers
 the input (the smallest bucket at least as long, else the longest), the fastest
@@ -66,9 +68,11 @@ class Bucket:
     tokens: int
     exact_ms: float
     configs: tuple[Measured, ...]
+    # Exact attention in the table's dtype against exact attention in float32 (1.0 in float32).
+    exact_fidelity: float = 1.0
 
     def exact(self) -> Measured:
-        return Measured(EXACT, 1.0, 1.0, self.exact_ms)
+        return Measured(EXACT, self.exact_fidelity, self.exact_fidelity, self.exact_ms)
 
     def frontier(self) -> list[Measured]:
         """The Pareto set, fastest first: no other entry is both faster and at least as faithful."""
@@ -108,6 +112,11 @@ class Calibration:
     meta: dict[str, Any]
     buckets: tuple[Bucket, ...]  # ascending tokens
 
+    @property
+    def dtype(self) -> str:
+        """The dtype the table was measured in ("float32" for tables that do not say)."""
+        return str(self.meta.get("dtype", "float32"))
+
     def bucket_for(self, tokens: int) -> Bucket:
         """The smallest bucket at least `tokens` long (fidelity falls with length: the longer
         bucket is the cautious one), or the longest bucket for longer inputs."""
@@ -133,7 +142,7 @@ class Calibration:
             "model": self.model,
             "device": self.device,
             "device_name": self.device_name,
-            **{k: self.meta[k] for k in ("measured", "docs", "texts", "dtype") if k in self.meta},
+            **{k: self.meta[k] for k in ("measured", "docs", "texts", "dtype", "fidelity_reference") if k in self.meta},
             "frontier": [
                 {
                     "tokens": b.tokens,
@@ -205,7 +214,10 @@ def parse_calibration(raw: Any, source: str) -> Calibration:
                     number(c.get("ms"), f"{at}.ms", 1e-9),
                 )
             )
-        buckets.append(Bucket(tokens, number(b.get("exact_ms"), f"{where}.exact_ms", 1e-9), tuple(configs)))
+        exact_fidelity = number(b.get("exact_fidelity_min", 1.0), f"{where}.exact_fidelity_min", -1.0, 1.0)
+        buckets.append(
+            Bucket(tokens, number(b.get("exact_ms"), f"{where}.exact_ms", 1e-9), tuple(configs), exact_fidelity)
+        )
     if len({b.tokens for b in buckets}) != len(buckets):
         raise fail("buckets", "two buckets have the same tokens")
     meta = {k: v for k, v in raw.items() if k not in ("buckets", "format")}
@@ -219,15 +231,21 @@ def parse_calibration(raw: Any, source: str) -> Calibration:
     )
 
 
-def table_name(model: str, device: str) -> str:
-    """File name of a model's table for a device kind ("cpu" or "cuda")."""
-    return f"{model}.calibration.{device}.json"
+# A table is measured in one dtype: float32 tables have no suffix.
+DTYPE_SUFFIXES = {"float32": "", "bfloat16": "-bf16", "float16": "-fp16"}
 
 
-def find_calibration(model: str, folder: Path | None, device: str) -> Path | None:
-    """Where a table for this model and device kind is, if anywhere: in the model's folder,
-    else among the tables shipped with clusterserve (models/calibrations/)."""
-    candidates = [SHIPPED_DIR / table_name(model, device)]
+def table_name(model: str, device: str, dtype: str = "float32") -> str:
+    """File name of a model's table for a device kind ("cpu" or "cuda") and the dtype it
+    serves in: all-MiniLM-L6-v2.calibration.cpu.json, ....calibration.cpu-bf16.json."""
+    return f"{model}.calibration.{device}{DTYPE_SUFFIXES[dtype]}.json"
+
+
+def find_calibration(model: str, folder: Path | None, device: str, dtype: str = "float32") -> Path | None:
+    """Where a table for this model, device kind and dtype is, if anywhere: in the model's
+    folder (calibration.<device>[-bf16].json), else among the tables shipped with clusterserve
+    (models/calibrations/)."""
+    candidates = [SHIPPED_DIR / table_name(model, device, dtype)]
     if folder is not None:
-        candidates.insert(0, folder / f"calibration.{device}.json")
+        candidates.insert(0, folder / f"calibration.{device}{DTYPE_SUFFIXES[dtype]}.json")
     return next((p for p in candidates if p.is_file()), None)

@@ -52,7 +52,7 @@ class Encoder:
         self, model: nn.Module, tokenizer: TextTokenizer, pooling: PoolingConfig, *, name: str, architecture: str,
         native_positions: int, max_input_tokens: int, position_extension: str | None, pad_token_id: int,
         vocab_size: int, folder: Path | None = None, adapters: tuple[str, ...] = (), prompts: Prompts | None = None,
-        backend: str = "auto", calibration: Calibration | None = None,
+        backend: str = "auto", calibration: Calibration | None = None, source: tuple | None = None,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -71,6 +71,8 @@ class Encoder:
         self.prompts = prompts or Prompts()
         self.backend = backend
         self.calibration = calibration
+        self._source = source  # load_encoder's (path, max_input_tokens, device, backend), to load it again
+        self._float32: Encoder | None = None
         first = next(model.parameters())
         self.device = first.device
         self.dtype = first.dtype
@@ -214,6 +216,21 @@ class Encoder:
         with torch.inference_mode():
             state = self.model.begin(input_ids, dataclasses.replace(packed, check=check), self.backend, adapter_index)
         return Forward(self.model, state, self.pooling.mode)
+
+    def float32(self) -> Encoder:
+        """This encoder in float32, the precision fidelity is measured against: itself when it
+        runs in float32, else the same checkpoint loaded again in float32 (once; its weights
+        as the checkpoint has them, not upcast from this encoder's)."""
+        if self.dtype == torch.float32:
+            return self
+        if self._float32 is None:
+            if self._source is None:
+                raise ValueError("float32: this encoder was not built by load_encoder; load a float32 one")
+            from .loader import load_encoder
+
+            path, limit, device, backend = self._source
+            self._float32 = load_encoder(path, max_input_tokens=limit, device=device, dtype=torch.float32, backend=backend)
+        return self._float32
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """ValueError naming `dimensions` unless it is None or in [1, dim]."""

@@ -23,6 +23,7 @@ from .calibration import CalibrationError, find_calibration, load_calibration
 from .config import BERT_FAMILY, ROTARY_BERT_FAMILY, EncoderConfig
 from .encoder import Encoder
 from .pooling import read_pooling
+from .precision import dtype_name, resolve_dtype
 from .prompts import read_prompts
 from .tokenization import TextTokenizer
 
@@ -39,7 +40,7 @@ _PARAMETRIZATION_NAMES = (
 
 def load_encoder(
     path: str | Path | None, max_input_tokens: int | None = None, device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None, backend: str = "auto", calibration: str | Path | None = None,
+    dtype: torch.dtype | str | None = None, backend: str = "auto", calibration: str | Path | None = None,
 ) -> Encoder:
     """Load an encoder.
 
@@ -48,11 +49,14 @@ def load_encoder(
     max_input_tokens: longest input accepted, special tokens included. Default: 32768 for
         the embedded model, the checkpoint's own positions otherwise. Beyond the checkpoint's
         positions a learned table is extended by copying, and RoPE runs past its training length.
-    device, dtype: where the weights live and their precision (default float32).
+    device, dtype: where the weights live and their precision: a torch dtype, "float32",
+        "bfloat16", "float16", or "auto" (bfloat16 on CUDA and on CPUs with fast bf16 matrix
+        instructions, float32 elsewhere: models.precision); default float32.
     backend: the `kernels.attention` backend every attention layer runs ("auto" lets the
         kernels choose by device and dtype; the service passes the concrete one it resolved).
     calibration: the table "auto" picks from for a target fidelity; None = the folder's
-        calibration.<device kind>.json or the table shipped for the model, if any.
+        calibration.<device kind>[-bf16].json or the table shipped for the model, device
+        kind and dtype, if any.
     Raises UnsupportedArchitecture for a model we do not implement, FileNotFoundError for a
     folder that lacks a needed file.
     """
@@ -80,7 +84,7 @@ def load_encoder(
             f"max_input_tokens: must be an integer above the {tokenizer.num_special_tokens} "
             f"special tokens, got {max_input_tokens!r}"
         )
-    dtype = torch.float32 if dtype is None else dtype
+    dtype = torch.float32 if dtype is None else resolve_dtype(dtype, device)
     if not dtype.is_floating_point:
         raise ValueError(f"dtype: must be a floating-point torch dtype, got {dtype}")
 
@@ -97,7 +101,7 @@ def load_encoder(
 
     model = _build_model(config, state, torch.device(device), dtype)
     device_kind = torch.device(device).type
-    table_path = calibration if calibration is not None else find_calibration(name, folder, device_kind)
+    table_path = calibration if calibration is not None else find_calibration(name, folder, device_kind, dtype_name(dtype))
     table = None if table_path is None else load_calibration(table_path)
     if table is not None and table.model != name:
         raise CalibrationError(f"calibration table {table_path} is for model {table.model!r}, not {name!r}")
@@ -117,6 +121,7 @@ def load_encoder(
         prompts=read_prompts(folder),
         backend=backend,
         calibration=table,
+        source=(path, limit, torch.device(device), backend),
     )
 
 

@@ -16,7 +16,6 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
-import torch
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
@@ -25,6 +24,7 @@ from kernels import APPROXIMATE_METHODS, AttentionSpec
 from models import Encoder
 from models.calibration import EXACT
 from models.cost import Throughput, default_budget
+from models.precision import dtype_name, resolve_dtype
 
 from . import __version__, openapi
 from .batching import Batcher
@@ -49,18 +49,17 @@ EXPOSED_HEADERS = [
     "x-adapter",
     "x-peak-memory-bytes",
     "x-fidelity",
+    "x-fidelity-reference",
     "x-exact-time-ms",
 ]
 _WARMUP_TEXT = "Clustered attention groups queries and attends once per cluster. " * 8  # ~100 tokens
 
 
-# The service loads weights in float32: the precision the calibration tables were measured in.
-MODEL_DTYPE = torch.float32
-
-
 def load_model(settings: Settings) -> Encoder:
     """The encoder the settings name (None = the embedded default), on the configured device,
-    with the attention backend resolved once, here, for that device and dtype: the concrete
+    in the configured dtype ("auto": bfloat16 on CUDA and on CPUs with fast bf16, else
+    float32; models.precision), with the attention backend resolved once, here, for that
+    device and dtype: the concrete
     one ("reference", "native" or "triton") that every attention call then names, and that
     /info and clusterserve_build_info show; and with its calibration table (the configured
     one, else one found for the model and device kind). ValueError when the configured
@@ -69,12 +68,13 @@ def load_model(settings: Settings) -> Encoder:
     from models import load_encoder
 
     device = settings.resolved_device()
-    backend = kernels.backend_for(device, MODEL_DTYPE, settings.backend)
+    dtype = resolve_dtype(settings.dtype, device)
+    backend = kernels.backend_for(device, dtype, settings.backend)
     return load_encoder(
         settings.model,
         max_input_tokens=settings.max_input_tokens,
         device=device,
-        dtype=MODEL_DTYPE,
+        dtype=dtype,
         backend=backend,
         calibration=settings.calibration,
     )
@@ -88,6 +88,9 @@ def log_calibration(encoder: Encoder) -> None:
         return
     if table.device != device:
         log.warning("calibration table %s was measured on %s, not %s: its times may mislead", table.source, table.device, device)
+    served = dtype_name(encoder.dtype)
+    if table.dtype != served:
+        log.warning("calibration table %s was measured in %s, not %s: its times may mislead", table.source, table.dtype, served)
     log.info("calibration table %s: buckets %s", table.source, [b.tokens for b in table.buckets])
 
 
@@ -157,8 +160,12 @@ def _load_and_start(state: ServiceState, load: Callable[[Settings], Encoder]) ->
         state.throughput, state.work_budget = throughput, budget
         batcher.start()
         state.ready = True
-    state.metrics.set_build_info(__version__, encoder.name, str(encoder.device), encoder.backend)
-    log.info("ready: %s on %s, up to %d tokens per input", encoder.name, encoder.device, encoder.max_input_tokens)
+    dtype = dtype_name(encoder.dtype)
+    state.metrics.set_build_info(__version__, encoder.name, str(encoder.device), encoder.backend, dtype)
+    log.info(
+        "ready: %s on %s in %s (%s attention backend), up to %d tokens per input",
+        encoder.name, encoder.device, dtype, encoder.backend, encoder.max_input_tokens,
+    )  # fmt: skip
 
 
 def measure_throughput(encoder: Encoder, tokens: int = 1024) -> Throughput:

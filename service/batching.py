@@ -364,7 +364,9 @@ class Batcher:
             if not running.wanted():
                 raise Abandoned
 
-        running.forward = self.encoder.start(
+        # Fidelity's exact re-runs compare against exact attention in float32.
+        encoder = self.encoder.float32() if running.items[0].key.exact_rerun else self.encoder
+        running.forward = encoder.start(
             [item.job.inputs[item.index] for item in running.items],
             [item.spec for item in running.items],
             running.items[0].key.adapter,

@@ -111,7 +111,7 @@ class Metrics:
         self.build_info = Gauge(
             "clusterserve_build_info",
             "always 1; labels describe the build",
-            ["version", "model", "device", "backend"],
+            ["version", "model", "device", "backend", "dtype"],
             registry=r,
         )
 
@@ -146,9 +146,9 @@ class Metrics:
         for reason in STOP_REASONS:
             self.stopped_inputs.labels(reason=reason)
 
-    def set_build_info(self, version: str, model: str, device: str, backend: str) -> None:
+    def set_build_info(self, version: str, model: str, device: str, backend: str, dtype: str) -> None:
         self.build_info.clear()
-        self.build_info.labels(version=version, model=model, device=device, backend=backend).set(1)
+        self.build_info.labels(version=version, model=model, device=device, backend=backend, dtype=dtype).set(1)
 
     def update_memory(self, device: torch.device | None) -> None:
         """Refresh the memory gauges (called on each scrape)."""

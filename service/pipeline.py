@@ -42,6 +42,8 @@ from .schemas import CALIBRATED_KNOBS, AttentionRequest
 from .state import ServiceState, get_state
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
+# What "fidelity": true compares against, whatever dtype the server runs in.
+FIDELITY_REFERENCE = {"method": "full", "dtype": "float32"}
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class Embedded:
             headers["x-peak-memory-bytes"] = str(self.result.peak_memory)
         if self.fidelity is not None:
             headers["x-fidelity"] = ",".join(f"{f:.6f}" for f in self.fidelity)
+            headers["x-fidelity-reference"] = json.dumps(FIDELITY_REFERENCE, separators=(",", ":"))
             headers["x-exact-time-ms"] = f"{(self.exact_s or 0.0) * 1e3:.3f}"
         return headers
 
@@ -107,9 +110,13 @@ async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Emb
     if options.dimensions is not None and options.dimensions > encoder.dim:
         raise errors.invalid_field("dimensions", f"must be in [1, {encoder.dim}], got {options.dimensions}")
     call = await plan_request(encoder, inputs, params, spec, target, options)
-    # With "fidelity": true the approximate inputs run a second time with exact attention, in
+    # With "fidelity": true the inputs run a second time with exact attention in float32, in
     # the same job: one admission, one deadline; the scheduler never batches the two together.
-    rerun = [i for i, planned in enumerate(call.inputs) if planned.spec.method != "full"] if options.fidelity else []
+    # In float32 an input that ran exact attention is its own reference and is not run again.
+    in_float32 = encoder.dtype == torch.float32
+    rerun = [
+        i for i, planned in enumerate(call.inputs) if planned.spec.method != "full" or not in_float32
+    ] if options.fidelity else []  # fmt: skip
     runs = [(p.tokens, p.spec) for p in call.inputs] + [(call.inputs[i].tokens, EXACT) for i in rerun]
     check_budget(encoder, runs, state, options.param, params)
     timeout = request_timeout_s(request, state.settings.request_timeout_s)
@@ -300,9 +307,10 @@ def with_fidelity(embedded: Embedded, call: Plan, rerun: list[int], exact: Tenso
     re-run inputs' vectors, finished alike), observed in the fidelity histogram, and the exact
     runs' time."""
     n, result = len(call.inputs), embedded.result
-    cosines = [1.0] * n  # an input that ran exact attention is its own exact embedding
+    cosines = [1.0] * n  # not re-run: it ran exact attention in float32, its own reference
     for i, cosine in zip(rerun, torch.nn.functional.cosine_similarity(embedded.vectors[rerun], exact, dim=-1).tolist()):
         cosines[i] = cosine
-        metrics.fidelity.labels(method=call.inputs[i].spec.method).observe(cosine)
+        if call.inputs[i].spec.method != "full":
+            metrics.fidelity.labels(method=call.inputs[i].spec.method).observe(cosine)
     exact_s = result.run_seconds(list(range(n, n + len(rerun)))) if rerun else embedded.inference_s
     return dataclasses.replace(embedded, fidelity=cosines, exact_s=exact_s)

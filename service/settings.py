@@ -17,6 +17,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kernels import APPROXIMATE_METHODS, BACKENDS, METHODS, AttentionSpec
+from models.precision import DTYPE_SETTINGS
 
 _DEFAULT_SPEC = AttentionSpec()
 
@@ -34,6 +35,13 @@ class Settings(BaseSettings):
         "unset = the embedded all-MiniLM-L6-v2",
     )
     device: str = Field("auto", description='torch device for the model: "auto" (cuda if available), "cpu", "cuda:0", ...')
+    dtype: Literal[DTYPE_SETTINGS] = Field(  # type: ignore[valid-type]
+        "auto",
+        description='precision of the weights and activations: "auto" (bfloat16 on CUDA and on CPUs with '
+        "fast bf16 matrix instructions, AVX512-BF16 or AMX, confirmed by a measurement at start-up; float32 "
+        'elsewhere), "float32", "bfloat16" or "float16"; /info, clusterserve_build_info and the log name the one '
+        "that runs",
+    )
     backend: Literal[BACKENDS] = Field(  # type: ignore[valid-type]
         "auto",
         description='attention kernels: "auto" (triton on CUDA, the native C loops on a CPU where they '

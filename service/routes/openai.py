@@ -6,7 +6,8 @@ added); texts get the model's special tokens. `model` and `user` are accepted an
 the response names the served model. `encoding_format="base64"` (what the official client
 asks for by default) is little-endian float32 bytes, base64-encoded, as OpenAI sends them.
 With `"fidelity": true` each data item also carries `fidelity`, the cosine of its embedding
-to the exact-attention one (headers `x-fidelity`, `x-exact-time-ms`). The body's
+to the exact-attention one in float32 (`fidelity_reference`; headers `x-fidelity`,
+`x-fidelity-reference`, `x-exact-time-ms`). The body's
 `prompt_name` and `adapter` say which prompt the texts got (the one sent, or the model's
 default) and which task adapter ran; null when none.
 """
@@ -19,7 +20,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from ..auth import require_api_key
-from ..pipeline import EmbedOptions, embed
+from ..pipeline import FIDELITY_REFERENCE, EmbedOptions, embed
 from ..schemas import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse
 from ..state import get_state
 
@@ -61,4 +62,6 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONRes
         "prompt_name": embedded.prompt_name,
         "adapter": embedded.adapter,
     }
+    if embedded.fidelity is not None:
+        content["fidelity_reference"] = FIDELITY_REFERENCE
     return JSONResponse(content, headers=embedded.headers())

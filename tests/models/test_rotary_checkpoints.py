@@ -89,7 +89,7 @@ def texts(long_text):
 
 
 def _batch(encoder, texts, pad):
-    """Right-padded ids (B, N) and mask (B, N) as Encoder.embed builds them."""
+    """Right-padded ids (B, N) and mask (B, N), as transformers takes a batch."""
     ids = [t.ids for t in encoder.tokenize(texts)]
     lengths = torch.tensor([len(x) for x in ids])
     n = int(lengths.max())

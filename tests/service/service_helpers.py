@@ -28,6 +28,7 @@ LICENSES = Path("/usr/share/common-licenses")
 # Limits of the session app: small, so 413s and truncation cost no real inference.
 REAL_LIMITS = dict(
     warmup=False,
+    dtype="float32",  # the numbers the tests compare do not depend on the CPU's bf16 support
     max_input_tokens=1024,
     auto_threshold=256,
     max_client_batch_size=8,
@@ -106,6 +107,7 @@ class FakeEncoder:
         self.vocab_size = self.tokenizer.vocab_size
         self.max_input_tokens = max_input_tokens
         self.device = torch.device("cpu")
+        self.dtype = torch.float32
         self.gate, self.fail, self.fail_above_tokens = gate, fail, fail_above_tokens
         self.layers, self.layer_gate = layers, layer_gate
         self.layers_run: list[list[list[int]]] = []  # per layer step: the sequences it ran
@@ -141,6 +143,9 @@ class FakeEncoder:
         if self.fail is not None and (self.fail_above_tokens is None or tokens > self.fail_above_tokens):
             raise self.fail
         return FakeForward(self, [list(x) for x in sequences], check)
+
+    def float32(self):
+        return self
 
     def run(self, sequences, specs, adapter=None):
         """Unrecorded: the app's throughput measurement and warm-up."""

@@ -19,7 +19,11 @@ SERIES = {
     "clusterserve_inflight_requests": ("gauge", set()),
     "clusterserve_device_memory_bytes": ("gauge", {"kind"}),
     "clusterserve_request_failures": ("counter", {"reason"}),
-    "clusterserve_build_info": ("gauge", {"version", "model", "device", "backend"}),
+    "clusterserve_build_info": ("gauge", {"version", "model", "device", "backend", "dtype"}),
+    # The scheduler's (docs/metrics.md): layers run, batches under way, inputs stopped part-way.
+    "clusterserve_layers": ("counter", set()),
+    "clusterserve_running_batches": ("gauge", set()),
+    "clusterserve_stopped_inputs": ("counter", {"reason"}),
 }
 
 
@@ -42,7 +46,8 @@ async def test_every_series_before_the_first_request_and_counts_after():
         assert value(before, "clusterserve_requests", "clusterserve_requests_total",
                      endpoint="/v1/embeddings", method="full", code="200") == 0
         assert value(before, "clusterserve_build_info", "clusterserve_build_info",
-                     version=app.version, model="fake-encoder", device="cpu", backend=FakeEncoder.backend) == 1
+                     version=app.version, model="fake-encoder", device="cpu", backend=FakeEncoder.backend,
+                     dtype="float32") == 1
         assert value(before, "clusterserve_device_memory_bytes", "clusterserve_device_memory_bytes", kind="rss") > 0
         assert value(before, "clusterserve_request_failures", "clusterserve_request_failures_total", reason="invalid_field") == 0
 

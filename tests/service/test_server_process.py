@@ -19,6 +19,7 @@ from server_process import running_server
 from service_helpers import license_text, scrape, value
 
 from kernels import backend_for
+from models.precision import dtype_name, resolve_dtype
 
 METHODS = ["full", "clustered", "i-clustered", "smyrf"]
 DOCUMENT = license_text(17000)  # real prose, ~3,300 tokens
@@ -99,8 +100,12 @@ def test_plain_http(server):
 
         metrics = http.get("/metrics").text
         assert 'clusterserve_requests_total{code="200",endpoint="/embed",method="auto"} 1.0' in metrics
-        backend = backend_for(torch.device("cpu"), torch.float32)
-        assert f'clusterserve_build_info{{backend="{backend}",device="cpu",model="all-MiniLM-L6-v2"' in metrics
+        # The default dtype is "auto": bfloat16 on a CPU with fast bf16 matrix instructions.
+        dtype = resolve_dtype("auto", "cpu")
+        backend = backend_for(torch.device("cpu"), dtype)
+        label = f'clusterserve_build_info{{backend="{backend}",device="cpu",dtype="{dtype_name(dtype)}",model="all-MiniLM-L6-v2"'
+        assert label in metrics
+        assert http.get("/info").json()["dtype"] == dtype_name(dtype)
 
 
 def test_a_client_that_hangs_up_while_queued_is_dropped_unrun_and_counted(server):
