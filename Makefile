@@ -11,10 +11,14 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-# Install torch first, pinned, when none is importable: an unpinned resolve would pull
-# the multi-GB CUDA build onto CPU machines.
+# torch is installed first, pinned, when none is importable, from TORCH_INDEX when it is set:
+# PyPI's torch for Linux is the multi-GB CUDA build, so on a CPU machine set
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu (README). Unset, pip resolves the pin
+# through its own configuration (an index or wheel folder that serves the right build).
+TORCH_INDEX ?=
 venv: $(PY)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "torch==2.13.0"
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "torch==2.13.0" \
+		$(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
 install: venv
 	$(PY) -m pip install --quiet -e .
