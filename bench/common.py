@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import resource
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -169,3 +170,30 @@ def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return "" if value is None else str(value)
+
+
+def timed_rounds(variants: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each variant per round, the variants in turn (so a shared machine's drift
+    falls on all of them alike); one untimed round first."""
+    for fn in variants.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def run_conditions(**extra: object) -> dict:
+    """What a result file says about the run: the machine, threads, load, date, and `extra`."""
+    return {
+        "device": device_name(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg()[0],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **extra,
+    }

@@ -51,25 +51,25 @@ def document(http: httpx.Client, text: str, tokens: int) -> str:
     return text[: pieces[tokens - 3]["stop"]]
 
 
-def start_server(port: int, log_path: Path) -> subprocess.Popen:
+def start_server(port: int, log_path: Path, extra_flags: list[str] | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLUSTERSERVE_")}
     command = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port),
-               "--request-timeout-s", "3600", "--log-level", "warning"]
+               "--request-timeout-s", "3600", "--log-level", "warning", *(extra_flags or [])]
     with open(log_path, "w") as log:
         return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 @contextlib.contextmanager
-def serving(url: str | None) -> Iterator[str]:
+def serving(url: str | None, extra_flags: list[str] | None = None) -> Iterator[str]:
     """The base URL of a ready server: `url` as given, or a `python -m service` started on a
-    free loopback port for the block and stopped after it."""
+    free loopback port (with `extra_flags`) for the block and stopped after it."""
     process = None
     if url is None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        process = start_server(port, Path("/tmp") / f"clusterserve-bench-{port}.log")
+        process = start_server(port, Path("/tmp") / f"clusterserve-bench-{port}.log", extra_flags)
         url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, process)

@@ -20,16 +20,12 @@ cancels. Prints a table and writes bench/results/packing.json.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import time
 from typing import Callable
-
-import torch
 
 from kernels import AttentionSpec
 
-from .common import LICENSE_DIR, print_table, write_results
+from .common import LICENSE_DIR, print_table, run_conditions, timed_rounds, write_results
 from .short_texts import sentences
 
 CHUNK_TARGETS = (1000, 200, 700, 300, 900, 150, 500, 800, 250, 600, 1000, 350, 450, 120, 650, 400, 550, 300)
@@ -69,19 +65,6 @@ def long_document(count_tokens: Callable[[list[str]], list[int]], tokens: int) -
     return text[:low]
 
 
-def rounds(variants: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
-    """Seconds of each variant per round, the variants in turn; one untimed round first."""
-    for fn in variants.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
 def summarise(workload: str, where: str, times: dict[str, list[float]], base: str) -> list[dict]:
     """One row per variant: median seconds and the median of its per-round ratio to `base`."""
     return [
@@ -118,16 +101,16 @@ def in_process(repeats: int) -> tuple[list[dict], dict]:
     def auto(inputs: list[str]) -> object:
         return encoder.embed(inputs, AttentionSpec(method="auto"), target_fidelity=TARGET)
 
-    rows = summarise("chunks", "python", rounds({
+    rows = summarise("chunks", "python", timed_rounds({
         "together": lambda: encoder.embed(chunks, EXACT),
         "one by one": lambda: [encoder.embed([chunk], EXACT) for chunk in chunks],
         "one sequence": lambda: encoder.embed([texts["joined"]], EXACT),
     }, repeats), base="one by one")  # fmt: skip
-    rows += summarise("mixed", "python", rounds({
+    rows += summarise("mixed", "python", timed_rounds({
         "together": lambda: auto([document, *shorts]),
         "apart": lambda: (auto([document]), auto(shorts)),
     }, repeats), base="apart")  # fmt: skip
-    rows += summarise("short", "python", rounds({"64 texts": lambda: auto(texts["short64"])}, repeats), "64 texts")
+    rows += summarise("short", "python", timed_rounds({"64 texts": lambda: auto(texts["short64"])}, repeats), "64 texts")
     tokens = {name: encoder.count_tokens(value if isinstance(value, list) else [value]) for name, value in texts.items()}
     return rows, tokens
 
@@ -149,16 +132,16 @@ def over_http(url: str | None, repeats: int) -> list[dict]:
 
         full = {"method": "full"}
         chunks, document, shorts = texts["chunks"], texts["document"], texts["shorts"]
-        rows = summarise("chunks", "http", rounds({
+        rows = summarise("chunks", "http", timed_rounds({
             "together": lambda: post(chunks, full),
             "one by one": lambda: [post([chunk], full) for chunk in chunks],
             "one sequence": lambda: post([texts["joined"]], full),
         }, repeats), base="one by one")  # fmt: skip
-        rows += summarise("mixed", "http", rounds({
+        rows += summarise("mixed", "http", timed_rounds({
             "together": lambda: post([document, *shorts]),
             "apart": lambda: (post([document]), post(shorts)),
         }, repeats), base="apart")  # fmt: skip
-        rows += summarise("short", "http", rounds({"64 texts": lambda: post(texts["short64"])}, repeats), "64 texts")
+        rows += summarise("short", "http", timed_rounds({"64 texts": lambda: post(texts["short64"])}, repeats), "64 texts")
     return rows
 
 
@@ -177,15 +160,7 @@ def main() -> None:
         f"document {tokens['document'][0]} tokens; short texts {min(tokens['short64'])}-{max(tokens['short64'])} tokens"
     )
     print_table(rows, ["workload", "where", "variant", "median_s", "vs_base", "base"])
-    meta = {
-        "tokens": {name: counts for name, counts in tokens.items()},
-        "repeats": args.repeats,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "load_average": os.getloadavg()[0],
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
+    meta = run_conditions(tokens=tokens, repeats=args.repeats)
     print(f"\nwrote {write_results('packing', rows, meta)}")
 
 
