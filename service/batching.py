@@ -57,6 +57,9 @@ from .metrics import Metrics, PeakMemory
 
 log = logging.getLogger("clusterserve")
 
+# Inputs share a batch only when their estimated work is within this factor of each other.
+SIMILAR_WORK = 4.0
+
 
 @dataclass(frozen=True)
 class BatchKey:
@@ -278,13 +281,15 @@ class Batcher:
 
     def _candidate(self, now: float) -> Running | None:
         """The batch the queue would start next: the item of least work minus wait first, then
-        queued items with its key while the batch's real tokens fit."""
+        queued items with its key and of like work (within SIMILAR_WORK either way, so a short
+        input never waits inside a long one's batch) while the batch's real tokens fit."""
         if not self._pending:
             return None
         first = min(self._pending, key=lambda item: self.throughput.seconds(item.work) - (now - item.job.enqueued_at))
         batch, used = [first], first.tokens
         for item in self._pending:
-            if item is not first and item.key == first.key and fits(used, item.tokens, self.max_batch_tokens):
+            alike = first.work / SIMILAR_WORK <= item.work <= first.work * SIMILAR_WORK
+            if item is not first and item.key == first.key and alike and fits(used, item.tokens, self.max_batch_tokens):
                 batch.append(item)
                 used += item.tokens
         oldest = min(item.job.enqueued_at for item in batch)

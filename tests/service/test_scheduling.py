@@ -144,3 +144,22 @@ async def _run_released(batcher: Batcher, gate: threading.Semaphore, one: Job):
     while gate.acquire(blocking=False):  # take back what the run did not use
         pass
     return result
+
+
+async def test_inputs_of_unlike_work_never_share_a_batch():
+    gate = threading.Semaphore(0)
+    encoder = FakeEncoder(layers=2, layer_gate=gate)
+    batcher = make_batcher(encoder)
+    try:
+        blocker = asyncio.ensure_future(batcher.submit(job(1, 2, work=1e-6)))
+        await until(lambda: batcher.snapshot()["running_batches"] == 1, "the blocker running")
+        jobs = [job(7, 50, work=100.0), job(3, 4, work=1.0), job(4, 5, work=2.0)]
+        tasks = [asyncio.ensure_future(batcher.submit(one)) for one in jobs]
+        await until(lambda: batcher.snapshot()["pending_items"] == 3, "all queued behind the blocker")
+        gate.release(100)
+        await asyncio.gather(blocker, *tasks)
+    finally:
+        batcher.stop()
+    # The two short ones (work within 4x of each other) together first, the long one alone.
+    assert [call["inputs"][0][0] for call in encoder.calls] == [1, 3, 7]
+    assert [len(call["inputs"]) for call in encoder.calls] == [1, 2, 1]
