@@ -113,8 +113,9 @@ def attention(
     backend: "auto" | "reference" | "native" | "triton" (see `backend_for`).
     spec "auto" is resolved per batch row by that row's real key count (the length threshold;
     calibration tables are the caller's: see `resolve_auto`).
-    check: None, or called before each of the method's stages; whatever it raises stops the
-        call (a caller's way to abandon work whose request is gone).
+    check: None, or called before each of the method's stages (and each block of queries of
+        exact attention); whatever it raises stops the call (a caller's way to abandon work
+        whose request is gone).
     """
     _check_inputs(q, k, v, key_padding_mask)
     chosen = backend_for(q.device, q.dtype, backend)
@@ -124,9 +125,9 @@ def attention(
         key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
     if spec.method == "auto":
         return _auto_by_rows(q, k, v, spec, key_padding_mask, scale, chosen, check)
-    observe = call if check is None else checking(check)
     if spec.method == "full":
-        return observe("full", full_attention, q, k, v, key_padding_mask, scale)
+        return full_attention(q, k, v, key_padding_mask, scale, check)
+    observe = call if check is None else checking(check)
     if spec.method == "smyrf":
         return run_smyrf(smyrf_stages(chosen), q, k, v, spec, key_padding_mask, scale, observe)
     return run_clustered(clustered_stages(chosen), q, k, v, spec, key_padding_mask, scale, observe)

@@ -2,20 +2,39 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# With a `check`, exact attention runs this many queries at a time and calls it in between:
+# at 32k tokens on a 2-core CPU one layer's exact attention is ~10 s, a block well under 1 s.
+CHECKED_QUERY_BLOCK = 2048
+
 
 def full_attention(
-    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, scale: float
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, scale: float,
+    check: Callable[[], None] | None = None,
 ) -> Tensor:
     """Exact attention. q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv) -> (B, H, N, Dv).
 
     key_padding_mask: (B, M) bool, True = real key. Padded keys get no weight; when N == M
     the mask also marks padded queries, whose output rows are 0.
+    check: None, or called before each block of CHECKED_QUERY_BLOCK queries (rows are
+    independent: the blocks give what one call gives); what it raises stops the call.
     """
-    out = attend(q, k, v, key_padding_mask, scale)
+    n = q.shape[2]
+    if check is None or n <= CHECKED_QUERY_BLOCK:
+        if check is not None:
+            check()
+        out = attend(q, k, v, key_padding_mask, scale)
+    else:
+        out = q.new_empty(*q.shape[:3], v.shape[-1])
+        for start in range(0, n, CHECKED_QUERY_BLOCK):
+            check()
+            stop = min(n, start + CHECKED_QUERY_BLOCK)
+            out[:, :, start:stop] = attend(q[:, :, start:stop], k, v, key_padding_mask, scale)
     if key_padding_mask is not None and q.shape[2] == k.shape[2]:
         out = out * key_padding_mask[:, None, :, None].to(out.dtype)
     return out

@@ -134,3 +134,31 @@ def test_attention_resolves_auto_per_row_by_its_real_keys():
     torch.testing.assert_close(out[:1], long)
     torch.testing.assert_close(out[1:], short)
     assert not torch.allclose(long, attention(q[:1], k[:1], v[:1], AttentionSpec(method="full"), mask[:1]))
+
+
+def test_exact_attention_with_a_check_runs_in_query_blocks_to_the_same_result():
+    import torch
+
+    from kernels import attention
+    from kernels.full import CHECKED_QUERY_BLOCK
+
+    generator = torch.Generator().manual_seed(1)
+    n = 2 * CHECKED_QUERY_BLOCK + 5
+    q, k, v = (torch.randn(1, 2, n, 8, generator=generator) for _ in range(3))
+    mask = torch.ones(1, n, dtype=torch.bool)
+    mask[0, -7:] = False
+    calls = []
+    checked = attention(q, k, v, AttentionSpec(method="full"), mask, check=lambda: calls.append(1))
+    assert len(calls) == 3  # one call before each block of queries
+    torch.testing.assert_close(checked, attention(q, k, v, AttentionSpec(method="full"), mask), rtol=0, atol=0)
+
+    class Stop(Exception):
+        pass
+
+    def stop_second():
+        calls.append(1)
+        if len(calls) == 5:
+            raise Stop
+
+    with pytest.raises(Stop):
+        attention(q, k, v, AttentionSpec(method="full"), mask, check=stop_second)
