@@ -104,7 +104,10 @@ class Encoder:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "backend": self.backend,
-        }
+            "cuda_graphs": None if self.graphs is None else {
+                "signatures": self.graphs.capacity, "max_length": self.graphs.max_length,
+            },
+        }  # fmt: skip
 
     def tokenize(self, texts: Sequence[str]) -> list[Tokens]:
         """Token ids and character offsets of each text, special tokens included, untruncated."""
