@@ -241,6 +241,8 @@ class Encoder:
             from .loader import load_encoder
 
             self._float32 = load_encoder(**self._source, dtype=torch.float32)
+            if self.graphs is not None and self._float32.graphs is not None:
+                self._float32.graphs.on_event = self.graphs.on_event  # counted with this encoder's
         return self._float32
 
     def check_dimensions(self, dimensions: int | None) -> None:
