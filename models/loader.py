@@ -100,6 +100,8 @@ def load_encoder(
         raise ValueError(f"dtype: must be a floating-point torch dtype, got {dtype}")
     if isinstance(cuda_graphs, bool) or not isinstance(cuda_graphs, int) or cuda_graphs < 0:
         raise ValueError(f"cuda_graphs: must be a non-negative integer (0 = off), got {cuda_graphs!r}")
+    if isinstance(cuda_graph_max_length, bool) or not isinstance(cuda_graph_max_length, int) or cuda_graph_max_length < 1:
+        raise ValueError(f"cuda_graph_max_length: must be a positive integer, got {cuda_graph_max_length!r}")
 
     state = _read_state_dict(folder, config)
     extension = None
