@@ -16,8 +16,11 @@ bfloat16 inputs, so the `full` row shows bfloat16's own error. peak_bytes is the
 allocator's peak above what was allocated before the call.
 
 Stage breakdown: the backend's stage functions timed one by one (bench/stages.py), with the
-torch ops and Triton launches each makes. End to end: one document of 4k, 16k and 32k tokens
-embedded by the default model on the GPU, per method.
+torch ops and Triton launches each makes. End to end: one document of 512, 4k, 16k and 32k
+tokens embedded by the default model on the GPU, per method: `ms` with every layer run
+eagerly on the unpadded input, `graph_ms` with the layers replayed from the encoder's CUDA
+graphs (models.graphs; after the eager warm-up and the capture call; None above
+cuda_graph_max_length), and `graph_cosine`, the cosine between the two vectors.
 
 Writes under --out (default bench/results/): <date>-<gpu>.json, a list of rows
 {"method", "seq_len", "batch", "heads", "head_dim", "dtype", "ms", "speedup_vs_full",
@@ -50,7 +53,7 @@ from .cpu import SPECS
 
 # The sizes measured; --dry-run swaps in DRY_RUN's.
 LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
-E2E_LENGTHS = [4096, 16384, 32768]
+E2E_LENGTHS = [512, 4096, 16384, 32768]
 DRY_RUN = dict(lengths=[64], e2e_lengths=[64], heads=2, repeats=1, warmup=0, e2e_repeats=1)
 
 
@@ -214,13 +217,19 @@ def bench_embed(settings: Settings, encoder, n: int, rows: list) -> None:
         def call(spec=spec):
             return encoder.embed([ids], spec, max_batch_tokens=n)
 
-        vector = call()
+        graphs, encoder.graphs = encoder.graphs, None  # eager first: every layer launched
+        try:
+            vector = call()
+            ms = median_ms(call, settings.device, settings.e2e_repeats, min(settings.warmup, 1))
+            peak = int(peak_memory_during(call))
+        finally:
+            encoder.graphs = graphs
+        graph_ms, graph_cosine = _embed_graph_ms(settings, encoder, call, len(ids), vector)
         exact = vector if spec.method == "full" else exact
         row = dict(
             kind="embed", method=label, seq_len=n, batch=1, heads=encoder.model.config.num_heads,
-            head_dim=encoder.model.config.head_dim, dtype=_name(settings.e2e_dtype),
-            ms=median_ms(call, settings.device, settings.e2e_repeats, min(settings.warmup, 1)),
-            graph_ms=None, speedup_vs_full=None, peak_bytes=int(peak_memory_during(call)),
+            head_dim=encoder.model.config.head_dim, dtype=_name(settings.e2e_dtype), ms=ms,
+            graph_ms=graph_ms, graph_cosine=graph_cosine, speedup_vs_full=None, peak_bytes=peak,
             rel_err=rel_err(vector, exact) if exact is not None else None,
             cosine=torch.nn.functional.cosine_similarity(vector, exact).item() if exact is not None else None,
             device=settings.device_label, spec=spec.used_knobs(), backend="sdpa" if spec.method == "full" else "auto",
@@ -229,6 +238,24 @@ def bench_embed(settings: Settings, encoder, n: int, rows: list) -> None:
         print(_progress(row), flush=True)
     _speedups(group)
     rows += group
+
+
+def _embed_graph_ms(settings: Settings, encoder, call, tokens: int, eager: Tensor) -> tuple[float | None, float | None]:
+    """Median ms of `call` with the encoder's layers replayed from CUDA graphs, and the cosine
+    of its vector to the eager one; (None, None) without graphs (CPU, --no-graphs) or for an
+    input longer than they take."""
+    from .timing import median_ms
+
+    graphs = encoder.graphs
+    if graphs is None or not settings.graphs or not graphs.takes([tokens]):
+        return None, None
+    captured = graphs.counts["captured"]
+    call()  # this batch shape's eager warm-up
+    vector = call()  # captured, then replayed
+    if graphs.counts["captured"] == captured:
+        print(f"  CUDA graphs: nothing captured for {tokens} tokens (failed: {graphs.counts['failed']})", flush=True)
+    ms = median_ms(call, settings.device, settings.e2e_repeats, 0)
+    return ms, torch.nn.functional.cosine_similarity(vector, eager).item()
 
 
 def load_model(settings: Settings, dtype: torch.dtype):

@@ -100,7 +100,7 @@ def record_spec(spec, n: int, head_dim: int, dtype: torch.dtype, heads: int = HE
     """`record_call` for any AttentionSpec of an approximate method, on (1, heads, n, head_dim).
     With `ops`, the call's torch ops are appended as (name, bytes read, bytes written)."""
     from kernels.dispatch import clustered_stages, smyrf_stages
-    from kernels.hashing import on_device
+    from kernels.hashing import clear_device_constants
     from kernels.stages import run_clustered, run_smyrf
 
     from .timing import counting_launches
@@ -117,7 +117,7 @@ def record_spec(spec, n: int, head_dim: int, dtype: torch.dtype, heads: int = HE
         launches.append(Launch(kernel, tuple(grid), tuple(as_dtype), dict(kwargs), tuple(shapes)))
 
     q, k, v = (torch.empty(1, heads, n, head_dim, dtype=dtype, device="meta").as_subclass(_SaysCuda) for _ in range(3))
-    on_device.cache_clear()  # its cache must not hand meta tensors to a later, real call
+    clear_device_constants()  # on_device's cache must not hand meta tensors to a later, real call
     try:
         with counting_launches(launch=keep):
             pipeline(q, k, v, spec, None, head_dim**-0.5)  # the warm-up copies the constants
@@ -125,7 +125,7 @@ def record_spec(spec, n: int, head_dim: int, dtype: torch.dtype, heads: int = HE
         with counting_launches(launch=keep, ops=ops) as counts:
             pipeline(q, k, v, spec, None, head_dim**-0.5)
     finally:
-        on_device.cache_clear()
+        clear_device_constants()
     return launches, dict(counts)
 
 

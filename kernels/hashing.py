@@ -8,8 +8,10 @@ same on every device and for every batch the request lands in.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -20,11 +22,42 @@ def seeded_generator(seed: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + stream) % (2**63))
 
 
-@functools.lru_cache(maxsize=128)
+# The list that `holding_device_constants` collects into, while its block runs.
+_HOLDER: contextvars.ContextVar[list[Tensor] | None] = contextvars.ContextVar("device_constants", default=None)
+
+
 def on_device(make: Callable[..., Tensor], args: tuple, device: torch.device) -> Tensor:
-    """`make(*args)`, a seeded CPU tensor, copied to `device` once and kept. The GPU paths
-    use it so that a call neither waits on a host-to-device copy nor breaks CUDA-graph capture."""
+    """`make(*args)`, a seeded CPU tensor, copied to `device` once and kept (the last 128
+    kept). The GPU paths use it so that a call neither waits on a host-to-device copy nor
+    breaks CUDA-graph capture. A captured graph reads the tensor by address after the cache
+    may have let it go: capture inside `holding_device_constants` and keep what it collects."""
+    tensor = _device_constant(make, args, device)
+    holder = _HOLDER.get()
+    if holder is not None:
+        holder.append(tensor)
+    return tensor
+
+
+@functools.lru_cache(maxsize=128)
+def _device_constant(make: Callable[..., Tensor], args: tuple, device: torch.device) -> Tensor:
     return make(*args).to(device)
+
+
+def clear_device_constants() -> None:
+    """Forget every tensor `on_device` kept (a graph that holds one keeps it alive)."""
+    _device_constant.cache_clear()
+
+
+@contextlib.contextmanager
+def holding_device_constants() -> Iterator[list[Tensor]]:
+    """Within the block, every tensor `on_device` hands out is also appended to the yielded
+    list, so that whoever captures a CUDA graph there can keep the constants it reads alive."""
+    held: list[Tensor] = []
+    token = _HOLDER.set(held)
+    try:
+        yield held
+    finally:
+        _HOLDER.reset(token)
 
 
 def hash_planes(heads: int, dim: int, bits: int, seed: int) -> Tensor:

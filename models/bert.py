@@ -76,8 +76,8 @@ class BertAttention(nn.Module):
         def heads(y: Tensor) -> Tensor:
             return y.view(t, self.num_heads, -1)  # (T, H, D)
 
-        def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
-            return attention(q, k, v, spec, backend=backend, check=packed.check)
+        def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, mask: Tensor | None) -> Tensor:
+            return attention(q, k, v, spec, key_padding_mask=mask, backend=backend, check=packed.check)
 
         o = packed.attend(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), attend)
         return self.out(o.reshape(t, c))
@@ -119,6 +119,9 @@ class BertModel(nn.Module):
 
     def begin(self, input_ids: Tensor, packed: Packed, backend: str = "auto", adapter: int | None = None) -> Pass:
         return Pass(self.embeddings(input_ids, packed), packed, backend)
+
+    def tables(self, state: Pass) -> None:
+        """No tables: the layers read the layout's groups and mask only."""
 
     def advance(self, state: Pass) -> None:
         state.x = self.layers[state.done](state.x, state.packed, state.backend)

@@ -8,6 +8,9 @@ Two levels:
   (models.packing: the token-wise layers on real tokens only, attention per sequence by its
   own spec), pooled. The service's scheduler, which forms its own batches, calls this, and
   `finish` cuts and normalises what it returns.
+On CUDA (`graphs`), a batch whose inputs are at most `graphs.max_length` tokens long is
+padded to length buckets instead, and its layers are replayed from CUDA graphs
+(models.graphs); its vectors are the unpadded ones within rounding.
 Build one with `models.load_encoder`.
 """
 
@@ -26,8 +29,9 @@ from kernels import BACKENDS, AttentionSpec
 from .calibration import Calibration
 from .cost import CostModel
 from .forward import Pass
+from .graphs import LayerGraphs
 from .inputs import InputTooLong, is_int, prepare_inputs
-from .packing import pack
+from .packing import bucket_length, pack
 from .plan import UnknownAdapter, plan
 from .pooling import PoolingConfig, pool
 from .prompts import Prompts
@@ -45,14 +49,16 @@ class Encoder:
     checkpoint folder it was loaded from; backend: the `kernels.attention` backend every
     attention layer is called with; calibration: the table "auto" picks from for a target
     fidelity (None: auto goes by its length threshold); cost: what an input's work is
-    estimated from (models.cost).
+    estimated from (models.cost); graphs: the CUDA graphs its layers replay (models.graphs;
+    None: every layer runs eagerly, on unpadded batches).
     """
 
     def __init__(
         self, model: nn.Module, tokenizer: TextTokenizer, pooling: PoolingConfig, *, name: str, architecture: str,
         native_positions: int, max_input_tokens: int, position_extension: str | None, pad_token_id: int,
         vocab_size: int, folder: Path | None = None, adapters: tuple[str, ...] = (), prompts: Prompts | None = None,
-        backend: str = "auto", calibration: Calibration | None = None, source: tuple | None = None,
+        backend: str = "auto", calibration: Calibration | None = None, source: dict[str, Any] | None = None,
+        graphs: LayerGraphs | None = None,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -71,7 +77,8 @@ class Encoder:
         self.prompts = prompts or Prompts()
         self.backend = backend
         self.calibration = calibration
-        self._source = source  # load_encoder's (path, max_input_tokens, device, backend), to load it again
+        self.graphs = graphs
+        self._source = source  # load_encoder's arguments but dtype, to load it again
         self._float32: Encoder | None = None
         first = next(model.parameters())
         self.device = first.device
@@ -97,7 +104,10 @@ class Encoder:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "backend": self.backend,
-        }
+            "cuda_graphs": None if self.graphs is None else {
+                "signatures": self.graphs.capacity, "max_length": self.graphs.max_length,
+            },
+        }  # fmt: skip
 
     def tokenize(self, texts: Sequence[str]) -> list[Tokens]:
         """Token ids and character offsets of each text, special tokens included, untruncated."""
@@ -212,10 +222,12 @@ class Encoder:
             if not isinstance(spec, AttentionSpec) or spec.method == "auto":
                 raise ValueError(f"specs: each must be a concrete kernels.AttentionSpec (plan resolves auto), got {spec!r}")
         adapter_index = self._adapter_index(adapter)
-        input_ids, packed = pack(sequences, specs, self.device)
+        graphs = self.graphs if self.graphs is not None and self.graphs.takes([len(s) for s in sequences]) else None
+        pad_id = self.pad_token_id if 0 <= self.pad_token_id < self.vocab_size else 0
+        input_ids, packed = pack(sequences, specs, self.device, bucket_length if graphs else None, pad_id)
         with torch.inference_mode():
             state = self.model.begin(input_ids, dataclasses.replace(packed, check=check), self.backend, adapter_index)
-        return Forward(self.model, state, self.pooling.mode)
+        return Forward(self.model, state, self.pooling.mode, graphs)
 
     def float32(self) -> Encoder:
         """This encoder in float32, the precision fidelity is measured against: itself when it
@@ -228,8 +240,9 @@ class Encoder:
                 raise ValueError("float32: this encoder was not built by load_encoder; load a float32 one")
             from .loader import load_encoder
 
-            path, limit, device, backend = self._source
-            self._float32 = load_encoder(path, max_input_tokens=limit, device=device, dtype=torch.float32, backend=backend)
+            self._float32 = load_encoder(**self._source, dtype=torch.float32)
+            if self.graphs is not None and self._float32.graphs is not None:
+                self._float32.graphs.on_event = self.graphs.on_event  # counted with this encoder's
         return self._float32
 
     def check_dimensions(self, dimensions: int | None) -> None:
@@ -251,13 +264,15 @@ class Forward:
     """One packed batch's forward pass, run a layer at a time (`Encoder.start`).
 
     A scheduler steps it, can drop sequences between steps (`keep`), and reads the pooled
-    vectors or the token states once `finished`.
+    vectors or the token states once `finished`. With `graphs` (a padded layout), each step
+    goes through them (models.graphs: replayed once captured for the batch's signature).
     """
 
-    def __init__(self, model: nn.Module, state: Pass, pooling: str):
+    def __init__(self, model: nn.Module, state: Pass, pooling: str, graphs: LayerGraphs | None = None):
         self.model = model
         self.state = state
         self.pooling = pooling
+        self.graphs = graphs
         self.layers = len(model.layers)
 
     @property
@@ -272,11 +287,15 @@ class Forward:
     def step(self) -> None:
         """Run the next layer."""
         with torch.inference_mode():
-            self.model.advance(self.state)
+            if self.graphs is not None:
+                self.graphs.step(self.model, self.state)
+            else:
+                self.model.advance(self.state)
 
     def keep(self, sequences: list[int]) -> None:
         """Go on with these sequences only (indices in the order started, ascending); they are
-        renumbered 0.. in that order."""
+        renumbered 0.. in that order. Each keeps its slot: the kept layout is a signature of
+        its own for the graphs."""
         with torch.inference_mode():
             self.state.keep(sequences)
 

@@ -59,8 +59,8 @@ class EuroBertAttention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
-        def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
-            return attention(q, k, v, spec, backend=backend, check=packed.check)
+        def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, mask: Tensor | None) -> Tensor:
+            return attention(q, k, v, spec, key_padding_mask=mask, backend=backend, check=packed.check)
 
         return self.o_proj(packed.attend(q, k, v, attend).reshape(t, c))
 
@@ -109,13 +109,17 @@ class EuroBertModel(nn.Module):
     def begin(self, input_ids: Tensor, packed: Packed, backend: str = "auto", adapter: int | None = None) -> Pass:
         return Pass(self.embed_tokens(input_ids), packed, backend)
 
-    def advance(self, state: Pass) -> None:
+    def tables(self, state: Pass) -> None:
+        """The rotary angles of every token, in `state.cache`."""
         cfg = self.config
-        rotary = state.cached("rotary", lambda: packed_rotary(
+        state.cached("rotary", lambda: packed_rotary(
             state.packed, cfg.head_dim, cfg.rope_theta, state.x.device,
             cfg.rope_type, cfg.rope_factor, cfg.rope_original_positions,
         ))  # fmt: skip
-        state.x = self.layers[state.done](state.x, state.packed, rotary, state.backend)
+
+    def advance(self, state: Pass) -> None:
+        self.tables(state)
+        state.x = self.layers[state.done](state.x, state.packed, state.cache["rotary"], state.backend)
         state.done += 1
 
     def end(self, state: Pass) -> Tensor:

@@ -2,7 +2,10 @@
 
 Every encoder model splits its forward into `begin` (the embeddings), `advance` (one layer)
 and `end` (the final norm, if any), over one `Pass`: the packed batch's hidden states and
-what the layers share. `run_pass` chains them; `Pass.keep` drops sequences between layers, so
+what the layers share. `tables` builds, into `Pass.cache`, whatever the layers compute from
+the layout beyond its groups and padding mask (rotary angles); `advance` reads the layout
+only through those, so a CUDA graph of a layer (models.graphs) can be handed another layout
+of the same shape. `run_pass` chains them; `Pass.keep` drops sequences between layers, so
 the inputs of a cancelled request leave a running batch and the rest go on unchanged.
 """
 
@@ -50,6 +53,8 @@ class LayeredModel(Protocol):
     layers: Any
 
     def begin(self, input_ids: Tensor, packed: Packed, backend: str = "auto", adapter: int | None = None) -> Pass: ...
+
+    def tables(self, state: Pass) -> None: ...
 
     def advance(self, state: Pass) -> None: ...
 

@@ -18,10 +18,13 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from kernels import backend_for
+
 from . import bert, eurobert, modernbert, rotary_bert
 from .calibration import CalibrationError, find_calibration, load_calibration
 from .config import BERT_FAMILY, ROTARY_BERT_FAMILY, EncoderConfig
 from .encoder import Encoder
+from .graphs import CudaGraphs, LayerGraphs
 from .pooling import read_pooling
 from .precision import dtype_name, resolve_dtype
 from .prompts import read_prompts
@@ -29,6 +32,9 @@ from .tokenization import TextTokenizer
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 DEFAULT_MAX_INPUT_TOKENS = 32768  # for the default model, whose checkpoint knows 512
+# CUDA graphs (models.graphs): batch signatures kept captured, and the longest input graphed.
+DEFAULT_CUDA_GRAPHS = 16
+DEFAULT_CUDA_GRAPH_MAX_LENGTH = 8192
 
 _LEGACY_NAMES = ((r"\.gamma$", ".weight"), (r"\.beta$", ".bias"))
 # torch.nn.utils.parametrize names (Jina v3 stores its LoRA adapters this way).
@@ -41,6 +47,7 @@ _PARAMETRIZATION_NAMES = (
 def load_encoder(
     path: str | Path | None, max_input_tokens: int | None = None, device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None, backend: str = "auto", calibration: str | Path | None = None,
+    cuda_graphs: int = DEFAULT_CUDA_GRAPHS, cuda_graph_max_length: int = DEFAULT_CUDA_GRAPH_MAX_LENGTH,
 ) -> Encoder:
     """Load an encoder.
 
@@ -57,6 +64,10 @@ def load_encoder(
     calibration: the table "auto" picks from for a target fidelity; None = the folder's
         calibration.<device kind>[-bf16].json or the table shipped for the model, device
         kind and dtype, if any.
+    cuda_graphs: on CUDA with the triton backend, the batch signatures whose layers are kept
+        captured in CUDA graphs (models.graphs); 0 = none, every layer runs eagerly on unpadded
+        batches. Elsewhere ignored. cuda_graph_max_length: batches with a longer input run
+        eagerly, unpadded.
     Raises UnsupportedArchitecture for a model we do not implement, FileNotFoundError for a
     folder that lacks a needed file.
     """
@@ -87,6 +98,10 @@ def load_encoder(
     dtype = torch.float32 if dtype is None else resolve_dtype(dtype, device)
     if not dtype.is_floating_point:
         raise ValueError(f"dtype: must be a floating-point torch dtype, got {dtype}")
+    if isinstance(cuda_graphs, bool) or not isinstance(cuda_graphs, int) or cuda_graphs < 0:
+        raise ValueError(f"cuda_graphs: must be a non-negative integer (0 = off), got {cuda_graphs!r}")
+    if isinstance(cuda_graph_max_length, bool) or not isinstance(cuda_graph_max_length, int) or cuda_graph_max_length < 1:
+        raise ValueError(f"cuda_graph_max_length: must be a positive integer, got {cuda_graph_max_length!r}")
 
     state = _read_state_dict(folder, config)
     extension = None
@@ -121,8 +136,26 @@ def load_encoder(
         prompts=read_prompts(folder),
         backend=backend,
         calibration=table,
-        source=(path, limit, torch.device(device), backend),
+        source=dict(
+            path=path, max_input_tokens=limit, device=torch.device(device), backend=backend,
+            cuda_graphs=cuda_graphs, cuda_graph_max_length=cuda_graph_max_length,
+        ),
+        graphs=_graphs(torch.device(device), dtype, backend, cuda_graphs, cuda_graph_max_length),
     )
+
+
+def _graphs(device: torch.device, dtype: torch.dtype, backend: str, signatures: int, max_length: int) -> LayerGraphs | None:
+    """The CUDA graphs an encoder's layers replay: on CUDA, where the triton backend runs
+    (its pipelines have static shapes and no host sync; the reference's K-means stops early
+    on a host-side test, which a graph cannot hold)."""
+    if device.type != "cuda" or signatures == 0:
+        return None
+    try:
+        if backend_for(device, dtype, backend) != "triton":
+            return None
+    except ValueError:  # a backend that cannot run here fails at its first call, graphs or not
+        return None
+    return LayerGraphs(CudaGraphs(device), capacity=signatures, max_length=max_length)
 
 
 def extend_positions(table: Tensor, offset: int, native: int, target: int) -> Tensor:

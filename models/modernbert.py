@@ -52,10 +52,10 @@ class ModernBertAttention(nn.Module):
         q, k, v = self.Wqkv(x).view(t, 3, self.num_heads, -1).unbind(1)  # (T, H, D) each
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
 
-        def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
+        def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, mask: Tensor | None) -> Tensor:
             if self.window is None:
-                return attention(q, k, v, spec, backend=backend, check=packed.check)
-            return local_attention(q, k, v, self.window)
+                return attention(q, k, v, spec, key_padding_mask=mask, backend=backend, check=packed.check)
+            return local_attention(q, k, v, self.window, key_padding_mask=mask)
 
         return self.Wo(packed.attend(q, k, v, attend).reshape(t, c))
 
@@ -109,14 +109,20 @@ class ModernBertModel(nn.Module):
     def begin(self, input_ids: Tensor, packed: Packed, backend: str = "auto", adapter: int | None = None) -> Pass:
         return Pass(self.embeddings(input_ids), packed, backend)
 
+    def tables(self, state: Pass) -> None:
+        """The rotary angles of every token for each theta its layers use, in `state.cache`."""
+        cfg = self.config
+        for theta in {self._theta(layer) for layer in self.layers}:
+            state.cached(f"rotary {theta}", lambda: packed_rotary(state.packed, cfg.head_dim, theta, state.x.device))
+
     def advance(self, state: Pass) -> None:
-        cfg, layer = self.config, self.layers[state.done]
-        theta = cfg.global_rope_theta if layer.is_global else cfg.local_rope_theta
-        rotary = state.cached(
-            f"rotary {theta}", lambda: packed_rotary(state.packed, cfg.head_dim, theta, state.x.device)
-        )
-        state.x = layer(state.x, state.packed, rotary, state.backend)
+        layer = self.layers[state.done]
+        self.tables(state)
+        state.x = layer(state.x, state.packed, state.cache[f"rotary {self._theta(layer)}"], state.backend)
         state.done += 1
 
     def end(self, state: Pass) -> Tensor:
         return self.final_norm(state.x)
+
+    def _theta(self, layer: ModernBertLayer) -> float:
+        return self.config.global_rope_theta if layer.is_global else self.config.local_rope_theta

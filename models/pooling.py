@@ -74,11 +74,11 @@ def _pooling_mode(config: dict) -> str:
 
 def pool(hidden: Tensor, packed: Packed, mode: str) -> Tensor:
     """hidden: (T, C) token states of a packed batch -> (B, C) float32, one row per sequence
-    in the caller's order (`Packed.unsort`)."""
+    in the caller's order (`Packed.unsort`), over its real tokens only."""
     if mode not in POOLING_MODES:
         raise ValueError(f"pooling mode: must be one of {', '.join(POOLING_MODES)}, got {mode!r}")
     hidden = hidden.float()
-    parts = hidden.split(list(packed.lengths))
+    parts = packed.parts(hidden)
     if mode == "cls":
         pooled = torch.stack([part[0] for part in parts])
     elif mode == "lasttoken":

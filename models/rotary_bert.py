@@ -91,8 +91,8 @@ class RotaryBertAttention(nn.Module):
         def heads(y: Tensor) -> Tensor:
             return y.view(t, self.num_heads, -1)  # (T, H, D)
 
-        def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
-            return attention(q, k, v, spec, backend=backend, check=packed.check)
+        def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, mask: Tensor | None) -> Tensor:
+            return attention(q, k, v, spec, key_padding_mask=mask, backend=backend, check=packed.check)
 
         q = apply_rotary(heads(self.q(x, adapter)), *rotary, interleaved=self.interleaved)
         k = apply_rotary(heads(self.k(x, adapter)), *rotary, interleaved=self.interleaved)
@@ -145,12 +145,17 @@ class RotaryBertModel(nn.Module):
     def begin(self, input_ids: Tensor, packed: Packed, backend: str = "auto", adapter: int | None = None) -> Pass:
         return Pass(self.embeddings(input_ids, adapter), packed, backend, adapter)
 
-    def advance(self, state: Pass) -> None:
+    def tables(self, state: Pass) -> None:
+        """The rotary angles of every token, in `state.cache`."""
         cfg = self.config
-        rotary = state.cached("rotary", lambda: packed_rotary(
+        state.cached("rotary", lambda: packed_rotary(
             state.packed, cfg.head_dim, cfg.rope_theta, state.x.device,
             cfg.rope_type, cfg.rope_factor, cfg.rope_original_positions, cfg.rope_interleaved,
         ))  # fmt: skip
+
+    def advance(self, state: Pass) -> None:
+        self.tables(state)
+        rotary = state.cache["rotary"]
         state.x = self.layers[state.done](state.x, state.packed, rotary, state.adapter, state.backend)
         state.done += 1
 

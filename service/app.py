@@ -62,7 +62,8 @@ def load_model(settings: Settings) -> Encoder:
     device and dtype: the concrete
     one ("reference", "native" or "triton") that every attention call then names, and that
     /info and clusterserve_build_info show; and with its calibration table (the configured
-    one, else one found for the model and device kind). ValueError when the configured
+    one, else one found for the model and device kind); on CUDA with the triton backend,
+    with its CUDA graphs unless `cuda_graphs` is off. ValueError when the configured
     backend cannot run; CalibrationError for a configured table that is missing, a malformed
     one, or one for another model."""
     from models import load_encoder
@@ -77,6 +78,8 @@ def load_model(settings: Settings) -> Encoder:
         dtype=dtype,
         backend=backend,
         calibration=settings.calibration,
+        cuda_graphs=settings.cuda_graph_signatures if settings.cuda_graphs else 0,
+        cuda_graph_max_length=settings.cuda_graph_max_length,
     )
 
 
@@ -142,6 +145,8 @@ def _load_and_start(state: ServiceState, load: Callable[[Settings], Encoder]) ->
     try:
         encoder = load(settings)
         log_calibration(encoder)
+        if encoder.graphs is not None:  # counted from the warm-up on
+            encoder.graphs.on_event = state.metrics.cuda_graph_event
         if settings.warmup:
             _warm_up(encoder, state)
         throughput = measure_throughput(encoder)
@@ -166,6 +171,11 @@ def _load_and_start(state: ServiceState, load: Callable[[Settings], Encoder]) ->
         "ready: %s on %s in %s (%s attention backend), up to %d tokens per input",
         encoder.name, encoder.device, dtype, encoder.backend, encoder.max_input_tokens,
     )  # fmt: skip
+    if encoder.graphs is not None:
+        log.info(
+            "CUDA graphs: layers replayed for up to %d batch shapes, inputs up to %d tokens (padded to length buckets)",
+            encoder.graphs.capacity, encoder.graphs.max_length,
+        )  # fmt: skip
 
 
 def measure_throughput(encoder: Encoder, tokens: int = 1024) -> Throughput:

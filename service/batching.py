@@ -444,6 +444,8 @@ class Batcher:
     def _free_memory(self) -> None:
         """Give back what a failed forward pass held, so the retry (and later batches) can use it."""
         gc.collect()
+        if self.encoder.graphs is not None:
+            self.encoder.graphs.clear()  # each captured batch shape holds a memory pool
         if self.encoder.device.type == "cuda":
             torch.cuda.empty_cache()
 

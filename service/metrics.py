@@ -22,6 +22,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kernels import APPROXIMATE_METHODS, METHODS
+from models.graphs import EVENTS, LayerGraphs
 
 from .errors import FAILURE_REASONS
 
@@ -91,6 +92,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.cuda_graph_events = Counter(
+            "clusterserve_cuda_graph_events",
+            "CUDA graphs: layers captured and replayed; batch shapes whose capture failed (they run eagerly) "
+            "and batch shapes dropped by the LRU",
+            ["event"],
+            registry=r,
+        )
         self._add_gauges()
         self._create_children()
 
@@ -101,6 +109,9 @@ class Metrics:
         self.inflight = Gauge("clusterserve_inflight_requests", "embedding requests admitted and not yet answered", registry=r)
         self.running_batches = Gauge(
             "clusterserve_running_batches", "batches whose forward pass is under way (they run a layer at a time)", registry=r
+        )
+        self.cuda_graph_signatures = Gauge(
+            "clusterserve_cuda_graph_signatures", "batch shapes whose layers are captured in CUDA graphs now", registry=r
         )
         self.device_memory = Gauge(
             "clusterserve_device_memory_bytes",
@@ -145,6 +156,16 @@ class Metrics:
             self.failures.labels(reason=reason)
         for reason in STOP_REASONS:
             self.stopped_inputs.labels(reason=reason)
+        for event in EVENTS:
+            self.cuda_graph_events.labels(event=event)
+
+    def cuda_graph_event(self, event: str) -> None:
+        """Count one of models.graphs.EVENTS (the encoder's graphs call it)."""
+        self.cuda_graph_events.labels(event=event).inc()
+
+    def update_graphs(self, graphs: LayerGraphs | None) -> None:
+        """Refresh the captured-signatures gauge (called on each scrape)."""
+        self.cuda_graph_signatures.set(0 if graphs is None else graphs.signatures)
 
     def set_build_info(self, version: str, model: str, device: str, backend: str, dtype: str) -> None:
         self.build_info.clear()

@@ -130,6 +130,17 @@ class Settings(BaseSettings):
         "route, status, tokens, times)",
     )
     warmup: bool = Field(True, description="run each method once at start-up before turning ready")
+    cuda_graphs: bool = Field(
+        True,
+        description="on CUDA with the triton backend: pad batches to length buckets and replay each layer from a "
+        "CUDA graph captured per batch shape (on/off; docs/backends.md)",
+    )
+    cuda_graph_signatures: int = Field(
+        16, ge=1, description="batch shapes (length buckets, specs, adapter) kept captured; least recently used dropped"
+    )
+    cuda_graph_max_length: int = Field(
+        8192, ge=1, description="batches with an input longer than this run eagerly and unpadded"
+    )
 
     @field_validator("cors_origins", mode="before")
     @classmethod

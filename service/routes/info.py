@@ -50,6 +50,8 @@ async def info(request: Request) -> JSONResponse:
             "backend": encoder.backend,
             "device": str(encoder.device),
             "dtype": model.get("dtype"),
+            # CUDA graphs of the layers: batch shapes kept and the longest input graphed; null = off
+            "cuda_graphs": model.get("cuda_graphs"),
             "auth": state.settings.api_key is not None,
         }
     )

@@ -16,4 +16,5 @@ async def metrics(request: Request) -> Response:
     state = get_state(request)
     device = state.encoder.device if state.encoder is not None else None
     state.metrics.update_memory(device)
+    state.metrics.update_graphs(state.encoder.graphs if state.encoder is not None else None)
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -53,7 +53,8 @@ def test_packed_attention_runs_each_group_as_one_call_on_its_own_tokens():
     q = torch.randn(10, 2, 8)
     shapes = []
 
-    def attend(q, k, v, spec):
+    def attend(q, k, v, spec, mask):
+        assert mask is None  # unpadded: no padding to mask
         shapes.append(tuple(q.shape))
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 

@@ -88,6 +88,7 @@ class FakeEncoder:
     position_extension = None
     backend = "reference"
     calibration = None
+    graphs = None  # no CUDA graphs (models.graphs)
     cost = CostModel(per_token=1.0, heads=1, head_dim=1, global_layers=1)  # work = tokens + attention
 
     def __init__(

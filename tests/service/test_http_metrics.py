@@ -24,6 +24,9 @@ SERIES = {
     "clusterserve_layers": ("counter", set()),
     "clusterserve_running_batches": ("gauge", set()),
     "clusterserve_stopped_inputs": ("counter", {"reason"}),
+    # CUDA graphs (docs/metrics.md): events, and batch shapes captured now; 0 without graphs.
+    "clusterserve_cuda_graph_events": ("counter", {"event"}),
+    "clusterserve_cuda_graph_signatures": ("gauge", set()),
 }
 
 
@@ -50,6 +53,9 @@ async def test_every_series_before_the_first_request_and_counts_after():
                      dtype="float32") == 1
         assert value(before, "clusterserve_device_memory_bytes", "clusterserve_device_memory_bytes", kind="rss") > 0
         assert value(before, "clusterserve_request_failures", "clusterserve_request_failures_total", reason="invalid_field") == 0
+        for event in ("captured", "replayed", "failed", "evicted"):
+            assert value(before, "clusterserve_cuda_graph_events", "clusterserve_cuda_graph_events_total", event=event) == 0
+        assert value(before, "clusterserve_cuda_graph_signatures", "clusterserve_cuda_graph_signatures") == 0
 
         ok = await http.post("/v1/embeddings", json={"input": ["hello world", "abc"], "attention": {"method": "full"}})
         assert ok.status_code == 200

@@ -219,6 +219,7 @@ def test_info(client):
     assert info["limits"]["max_client_batch_size"] == 8
     assert info["limits"]["max_body_bytes"] == 64 * 1024
     assert info["backend"] == cpu_backend() and info["device"] == "cpu"
+    assert info["cuda_graphs"] is None  # a CPU replays no CUDA graphs
     methods = info["attention"]["methods"]
     assert set(methods) == {"full", "clustered", "i-clustered", "smyrf", "auto"}
     default = AttentionSpec()

@@ -8,17 +8,19 @@ from service_helpers import fake_app, running
 
 from kernels import AttentionSpec
 from service.__main__ import parse_settings
+from service.app import load_model
 from service.settings import Settings
 
 
 def test_defaults_match_the_contract(monkeypatch):
-    for name in ("HOST", "PORT", "MODEL", "METHOD", "API_KEY", "TARGET_FIDELITY"):
+    for name in ("HOST", "PORT", "MODEL", "METHOD", "API_KEY", "TARGET_FIDELITY", "CUDA_GRAPHS", "CUDA_GRAPH_SIGNATURES"):
         monkeypatch.delenv(f"CLUSTERSERVE_{name}", raising=False)
     settings = Settings()
     assert (settings.host, settings.port, settings.model) == ("127.0.0.1", 8000, None)
     # A request that names nothing runs auto aiming at 0.98 through the calibration table.
     assert settings.default_spec() == AttentionSpec(method="auto") and settings.target_fidelity == 0.98
     assert settings.api_key is None and settings.cors_origins == []
+    assert settings.cuda_graphs is True and settings.cuda_graph_signatures == 16  # used on CUDA only
 
 
 def test_environment_variables(monkeypatch):
@@ -55,11 +57,25 @@ def test_flags_override_the_environment(monkeypatch):
     assert str(settings.model) == "/tmp"
 
 
+@pytest.mark.parametrize("word, on", [("on", True), ("off", False), ("true", True), ("0", False)])
+def test_cuda_graphs_on_or_off_and_what_load_model_asks_for(monkeypatch, word, on):
+    monkeypatch.setenv("CLUSTERSERVE_CUDA_GRAPHS", word)
+    monkeypatch.setenv("CLUSTERSERVE_CUDA_GRAPH_SIGNATURES", "5")
+    settings = Settings(device="cpu", dtype="float32")
+    assert (settings.cuda_graphs, settings.cuda_graph_signatures, settings.cuda_graph_max_length) == (on, 5, 8192)
+    asked = {}
+    monkeypatch.setattr("models.load_encoder", lambda *args, **kwargs: asked.update(kwargs))
+    load_model(settings)
+    assert (asked["cuda_graphs"], asked["cuda_graph_max_length"]) == (5 if on else 0, 8192)
+    assert parse_settings(["--no-cuda-graphs"]).cuda_graphs is False
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [({"clusters": 0}, "clusters"), ({"bits": 64}, "bits"), ({"method": "linear"}, "method"),
      ({"auto_method": "full"}, "auto_method"), ({"max_batch_tokens": 0}, "max_batch_tokens"),
-     ({"device": "tpu9"}, "device"), ({"port": 70000}, "port"), ({"target_fidelity": 1.5}, "target_fidelity")],
+     ({"device": "tpu9"}, "device"), ({"port": 70000}, "port"), ({"target_fidelity": 1.5}, "target_fidelity"),
+     ({"cuda_graph_signatures": 0}, "cuda_graph_signatures"), ({"cuda_graph_max_length": 0}, "cuda_graph_max_length")],
 )
 def test_bad_settings_stop_start_up(kwargs, field):
     with pytest.raises(ValidationError, match=field):
