@@ -127,7 +127,8 @@ async def test_target_fidelity_picks_exact_short_and_the_fastest_faithful_long(t
         assert short["method"] == "full" and short["calibration_bucket"] == 64
         assert long["method"] == "i-clustered" and long["clusters"] == 50 and long["seed"] == 3
         assert (long["calibrated_fidelity"], long["calibrated_speedup"], long["calibration_bucket"]) == (0.992, 5.0, 512)
-        assert [[spec.method for spec in call["specs"]] for call in encoder.calls] == [["full", "i-clustered"]]
+        # Each ran its own spec (in batches of their own: their work is unlike).
+        assert sorted(spec.method for call in encoder.calls for spec in call["specs"]) == ["full", "i-clustered"]
 
         low = await http.post("/v1/embeddings", json={"input": texts[1], "attention": {"target_fidelity": 0.9}})
         assert low.json()["attention"]["method"] == "smyrf"
