@@ -118,12 +118,18 @@ def _counted_run(kernel, counts: dict[str, int], mode: _OpCounter, launch):
 
 def triton_kernels() -> list:
     """Every Triton kernel of kernels/*_triton.py (the module-level `*_kernel` functions)."""
+    import importlib
+    import pkgutil
+
     import triton
 
-    from kernels import clustered_triton, hashing_triton, kmeans_triton, smyrf_triton
+    import kernels
 
     found = []
-    for module in (hashing_triton, kmeans_triton, clustered_triton, smyrf_triton):
+    for info in pkgutil.iter_modules(kernels.__path__):
+        if not info.name.endswith("_triton"):
+            continue
+        module = importlib.import_module(f"kernels.{info.name}")
         for name, value in vars(module).items():
             if name.endswith("_kernel") and isinstance(value, triton.runtime.KernelInterface):
                 found.append(value)

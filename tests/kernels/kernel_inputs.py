@@ -26,3 +26,31 @@ def qkv(b=2, h=2, n=48, m=None, d=16, dv=None, dtype=torch.float32, seed=0, stru
 def padding_mask(b, m, lengths):
     """(B, M) bool, True for the first lengths[i] tokens of row i."""
     return torch.arange(m)[None, :] < torch.tensor(lengths)[:, None]
+
+
+def several_programs_per_head(monkeypatch):
+    """Shrink the row tiles of the Triton kernels that cut a head into chunks to 16 rows, so
+    the few dozen tokens of a test give each head several programs: the per-chunk partials
+    and the launches that reduce them across programs really run."""
+    from kernels import cluster_layout_triton, hamming_triton, lloyd_triton, smyrf_triton
+
+    for module, name in ((hamming_triton, "BLOCK_N"), (lloyd_triton, "BLOCK_N"), (cluster_layout_triton, "BLOCK_N"),
+                         (smyrf_triton, "HASH_TILE")):
+        monkeypatch.setattr(module, name, 16)
+
+
+def poison_empty(monkeypatch):
+    """Make torch.empty return filled tensors (NaN for floats, the most negative integer,
+    True), so an output element or a scratch entry that a kernel reads without writing it
+    shows up in the results."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        if out.dtype.is_floating_point:
+            return out.fill_(float("nan"))
+        if out.dtype == torch.bool:
+            return out.fill_(True)
+        return out.fill_(torch.iinfo(out.dtype).min)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
