@@ -36,14 +36,16 @@ from torch import Tensor
 from .blocks import pow2_block
 from .triton_helpers import any_set, chunking, cluster_block, count_real, mma, one_hot, scalar_at, upcast
 
-# Queries per tile (a chunk is whole tiles), centroids per tile of the search and the votes,
-# and the bit tile of the codes (<= 63 bits). The assignment runs 8 warps: its (BLOCK_N,
-# BLOCK_C) similarities and (BLOCK_C, BLOCK_BITS) votes stay in registers.
+# Queries per tile (a chunk is whole tiles), centroids per tile of the search and the votes
+# (up to BLOCK_C clusters, one pass with the centroids' signs and the votes in registers),
+# and the bit tile of the codes (<= 63 bits). The assignment runs 8 warps.
 BLOCK_N = 64
 BLOCK_C = 128
 BLOCK_BITS = 64
 NUM_WARPS = 8
-VOTE_BLOCK_C = 64
+# Nearest centroid as one max: KEY_SCALE x similarity - cluster, exact in float32 for up to
+# 8192 clusters (spec.clusters <= 4096).
+KEY_SCALE = 8192
 # Clusters per step of the initial placement (a (clusters, queries) int64 match matrix).
 INITIAL_BLOCK_C = 32
 # Donor levels: 0 for padded queries, 1 + the Hamming distance (0..63) for real ones.
@@ -54,46 +56,25 @@ COUNT_BLOCK = 4096
 
 
 @triton.jit
-def _is_set(codes, BITS, BLOCK_BITS: tl.constexpr):
-    """int64 codes (rows,) -> (rows, BLOCK_BITS) bool, bit b of each code (False past BITS);
-    shifts on the two 32-bit halves, which take half the registers of 64-bit ones."""
+def _signs(codes, BLOCK_BITS: tl.constexpr):
+    """int64 codes (rows,) -> (rows, BLOCK_BITS) float16, +1 where bit b is set, else -1.
+    Bits past the code's are 0 in every code: -1 on both sides of a dot, a constant +1 each.
+    Shifts run on the two 32-bit halves, which take half the registers of 64-bit ones."""
     bit = tl.arange(0, BLOCK_BITS)
     word = tl.where(bit[None, :] < 32, codes.to(tl.int32)[:, None], (codes >> 32).to(tl.int32)[:, None])
-    return (((word >> (bit[None, :] & 31)) & 1) == 1) & (bit[None, :] < BITS)
+    return (((word >> (bit[None, :] & 31)) & 1).to(tl.float16) * 2 - 1).to(tl.float16)
 
 
 @triton.jit
-def _signs(codes, BITS, BLOCK_BITS: tl.constexpr):
-    """int64 codes (rows,) -> (rows, BLOCK_BITS) float16 +-1 per bit, 0 past BITS."""
-    bit = tl.arange(0, BLOCK_BITS)
-    return tl.where(bit[None, :] < BITS, tl.where(_is_set(codes, BITS, BLOCK_BITS), 1.0, -1.0), 0.0).to(tl.float16)
-
-
-@triton.jit
-def _bits(codes, BITS, BLOCK_BITS: tl.constexpr):
-    """int64 codes (rows,) -> (rows, BLOCK_BITS) float16 0/1 per bit, 0 past BITS."""
-    return _is_set(codes, BITS, BLOCK_BITS).to(tl.float32).to(tl.float16)
-
-
-@triton.jit
-def _nearest_code(codes, centroids_row, C, BITS,
-                  BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_BITS: tl.constexpr, UPCAST: tl.constexpr):
-    """Nearest centroid code of each code (ties to the lowest cluster) and its Hamming distance."""
-    query_signs = _signs(codes, BITS, BLOCK_BITS)
-    best = tl.full([BLOCK_N], -1.0e9, tl.float32)
-    best_cluster = tl.zeros([BLOCK_N], tl.int64)
-    for start in range(0, C, BLOCK_C):
-        cols = start + tl.arange(0, BLOCK_C)
-        centroid_signs = _signs(tl.load(centroids_row + cols, mask=cols < C, other=0), BITS, BLOCK_BITS)
-        # +-1 . +-1 = BITS - 2 x Hamming distance, exact in float32.
-        similarity = mma(query_signs, tl.trans(centroid_signs), UPCAST)
-        similarity = tl.where(cols[None, :] < C, similarity, -1.0e9)
-        block_best = tl.max(similarity, axis=1)
-        block_cluster = (start + tl.argmax(similarity, axis=1)).to(tl.int64)
-        closer = block_best > best  # strictly: an earlier block keeps its ties
-        best = tl.where(closer, block_best, best)
-        best_cluster = tl.where(closer, block_cluster, best_cluster)
-    return best_cluster, ((BITS - best) * 0.5).to(tl.int32)
+def _keyed_similarity(query_signs, centroids_row, c_start, C, BLOCK_C: tl.constexpr, BLOCK_BITS: tl.constexpr,
+                      UPCAST: tl.constexpr):
+    """KEY_SCALE x (+-1 . +-1) - c for the centroids [c_start, c_start + BLOCK_C): the largest
+    is the nearest centroid, ties to the lowest index, in one max; exact in float32 (|key|
+    < 2^20). query_signs are already scaled by KEY_SCALE (exact in float16)."""
+    cols = c_start + tl.arange(0, BLOCK_C)
+    centroid_signs = _signs(tl.load(centroids_row + cols, mask=cols < C, other=0), BLOCK_BITS)
+    key = mma(query_signs, tl.trans(centroid_signs), UPCAST) - cols.to(tl.float32)[None, :]
+    return tl.where(cols[None, :] < C, key, float("-inf"))
 
 
 @triton.jit
@@ -156,21 +137,23 @@ def _hamming_initial_kernel(
 def _hamming_assign_kernel(
     codes_ptr, query_mask_ptr, centroids_ptr, flags_in_ptr, level_ptr,
     part_votes_ptr, part_counts_ptr, part_levels_ptr, assign_ptr,
-    H, N, C, BITS, CHUNK, CHUNKS, BLOCKS,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, VOTE_BLOCK_C: tl.constexpr, BLOCK_BITS: tl.constexpr,
-    LEVELS: tl.constexpr, FLAG_BLOCK: tl.constexpr, COUNT_BLOCK: tl.constexpr,
-    FINAL: tl.constexpr, EXACT_CASE: tl.constexpr, UPCAST: tl.constexpr,
+    H, N, C, CHUNK, CHUNKS, BLOCKS,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_BITS: tl.constexpr, LEVELS: tl.constexpr,
+    FLAG_BLOCK: tl.constexpr, COUNT_BLOCK: tl.constexpr, KEY_SCALE: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, FINAL: tl.constexpr, EXACT_CASE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One chunk of one (batch, head) against the current centroids (B * H, C).
 
     An iteration (not FINAL) writes the chunk's votes part_votes (B * H, CHUNKS, C, BLOCK_BITS)
-    and member counts part_counts (B * H, CHUNKS, C) int32, each query's donor level
-    (B * H, N) int8 and the chunk's level histogram part_levels (B * H, CHUNKS, LEVELS); the
-    assignments go to `assign` as scratch. It does nothing when its head's centroids did not
-    change in the previous iteration (flags_in, one per cluster block; the first iteration's
-    come from the initial kernel). FINAL writes the
-    assignments (B, H, N) int64, padded queries at C, and with EXACT_CASE a sequence with no
-    more real queries than clusters gives each its rank among them.
+    int32 (the sum of the members' +-1 signs: the majority bit is set where it is > 0) and
+    member counts part_counts (B * H, CHUNKS, C), each query's donor level (B * H, N) int8
+    and the chunk's level histogram part_levels (B * H, CHUNKS, LEVELS). With ONE_BLOCK (C <=
+    BLOCK_C) the centroids' signs stay in registers and the votes are summed in the same pass;
+    else the assignments go to `assign` as scratch and a second pass sums the votes block by
+    block. It does nothing when its head's centroids did not change in the previous
+    iteration (flags_in, one per cluster block; the first iteration's come from the initial
+    kernel). FINAL writes the assignments (B, H, N) int64, padded queries at C, and with
+    EXACT_CASE a sequence with no more real queries than clusters gives each its rank.
     """
     chunk = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -191,41 +174,68 @@ def _hamming_assign_kernel(
         if FINAL and EXACT_CASE:
             rank_seen = count_real(mask_row, 0, start, COUNT_BLOCK)
             exact = rank_seen + count_real(mask_row, start, N, COUNT_BLOCK) <= C
+        cols = tl.arange(0, BLOCK_C)
+        if ONE_BLOCK:  # loop invariant: the centroids' signs, read once
+            centroid_signs = _signs(tl.load(centroids_row + cols, mask=cols < C, other=0), BLOCK_BITS)
         histogram = tl.zeros([LEVELS], tl.int32)
+        votes = tl.zeros([BLOCK_C, BLOCK_BITS], tl.float32)
+        members = tl.zeros([BLOCK_C], tl.int32)
         for first in range(start, stop, BLOCK_N):
             rows = first + tl.arange(0, BLOCK_N)
             in_range = rows < stop
-            codes = tl.load(codes_row + rows, mask=in_range, other=0)
-            cluster, distance = _nearest_code(codes, centroids_row, C, BITS, BLOCK_N, BLOCK_C, BLOCK_BITS, UPCAST)
+            query_signs = _signs(tl.load(codes_row + rows, mask=in_range, other=0), BLOCK_BITS)
+            scaled = query_signs * KEY_SCALE
+            if ONE_BLOCK:
+                key = mma(scaled, tl.trans(centroid_signs), UPCAST) - cols.to(tl.float32)[None, :]
+                best = tl.max(tl.where(cols[None, :] < C, key, float("-inf")), axis=1)
+            else:
+                best = tl.full([BLOCK_N], float("-inf"), tl.float32)
+                for c_start in range(0, C, BLOCK_C):
+                    best = tl.maximum(best, tl.max(_keyed_similarity(scaled, centroids_row, c_start, C, BLOCK_C,
+                                                                     BLOCK_BITS, UPCAST), axis=1))
+            similarity = tl.math.ceil(best / KEY_SCALE)  # over all BLOCK_BITS positions
+            cluster = (similarity * KEY_SCALE - best).to(tl.int32)
             real = (tl.load(mask_row + rows, mask=in_range, other=0) != 0) & in_range
             cluster = tl.where(real, cluster, C)
             if FINAL:
                 rank = rank_seen + tl.cumsum(real.to(tl.int32), axis=0) - 1
-                cluster = tl.where(exact & real, rank.to(tl.int64), cluster)
+                cluster = tl.where(exact & real, rank, cluster)
                 rank_seen += tl.sum(real.to(tl.int32), axis=0)
+                tl.store(assign_row + rows, cluster.to(tl.int64), mask=in_range)
             else:
+                distance = ((BLOCK_BITS - similarity) * 0.5).to(tl.int32)
                 level = tl.where(real, 1 + distance, 0)
                 tl.store(level_ptr + bh * N + rows, level.to(tl.int8), mask=in_range)
                 histogram += tl.histogram(level, LEVELS, mask=in_range)
-            tl.store(assign_row + rows, cluster, mask=in_range)
+                if ONE_BLOCK:
+                    votes += mma(one_hot(cluster, cols, tl.float16), query_signs, UPCAST)
+                    members += tl.histogram(cluster, BLOCK_C, mask=real)
+                else:
+                    tl.store(assign_row + rows, cluster.to(tl.int64), mask=in_range)
         if not FINAL:
-            tl.store(part_levels_ptr + (bh * CHUNKS + chunk) * LEVELS + tl.arange(0, LEVELS), histogram)
-            tl.debug_barrier()  # the chunk's assignments, stored above, are read back by other threads
+            part = bh * CHUNKS + chunk
+            tl.store(part_levels_ptr + part * LEVELS + tl.arange(0, LEVELS), histogram)
             bit = tl.arange(0, BLOCK_BITS)
-            for c_start in range(0, C, VOTE_BLOCK_C):
-                cols = c_start + tl.arange(0, VOTE_BLOCK_C)
-                votes = tl.zeros([VOTE_BLOCK_C, BLOCK_BITS], tl.float32)
-                members = tl.zeros([VOTE_BLOCK_C], tl.float32)
-                for first in range(start, stop, BLOCK_N):
-                    rows = first + tl.arange(0, BLOCK_N)
-                    members_of = one_hot(tl.load(assign_row + rows, mask=rows < stop, other=C), cols, tl.float16)
-                    codes = tl.load(codes_row + rows, mask=rows < stop, other=0)
-                    votes += mma(members_of, _bits(codes, BITS, BLOCK_BITS), UPCAST)
-                    members += tl.sum(members_of.to(tl.float32), axis=1)
-                part = (bh * CHUNKS + chunk) * C + cols
-                tl.store(part_votes_ptr + part[:, None] * BLOCK_BITS + bit[None, :], votes.to(tl.int32),
+            if ONE_BLOCK:
+                tl.store(part_votes_ptr + (part * C + cols)[:, None] * BLOCK_BITS + bit[None, :], votes.to(tl.int32),
                          mask=cols[:, None] < C)
-                tl.store(part_counts_ptr + part, members.to(tl.int32), mask=cols < C)
+                tl.store(part_counts_ptr + part * C + cols, members, mask=cols < C)
+            else:
+                tl.debug_barrier()  # the chunk's assignments, stored above, are read back by other threads
+                for c_start in range(0, C, BLOCK_C):
+                    block_cols = c_start + cols
+                    votes = tl.zeros([BLOCK_C, BLOCK_BITS], tl.float32)
+                    members = tl.zeros([BLOCK_C], tl.int32)
+                    for first in range(start, stop, BLOCK_N):
+                        rows = first + tl.arange(0, BLOCK_N)
+                        cluster = tl.load(assign_row + rows, mask=rows < stop, other=C).to(tl.int32)
+                        query_signs = _signs(tl.load(codes_row + rows, mask=rows < stop, other=0), BLOCK_BITS)
+                        votes += mma(one_hot(cluster, block_cols, tl.float16), query_signs, UPCAST)
+                        local = cluster - c_start
+                        members += tl.histogram(local, BLOCK_C, mask=(local >= 0) & (local < BLOCK_C))
+                    tl.store(part_votes_ptr + (part * C + block_cols)[:, None] * BLOCK_BITS + bit[None, :],
+                             votes.to(tl.int32), mask=block_cols[:, None] < C)
+                    tl.store(part_counts_ptr + part * C + block_cols, members, mask=block_cols < C)
 
 
 @triton.jit
@@ -264,7 +274,7 @@ def _hamming_update_kernel(
     CHUNK_BLOCK: tl.constexpr, FLAG_BLOCK: tl.constexpr, SCAN: tl.constexpr,
 ):
     """New centroids of PER_PROGRAM clusters of one (batch, head): the majority vote of their
-    members' bits (ties to 0), summed over the chunks in chunk order, and for the e-th empty
+    members' bits (ties to 0), the chunks' signed votes summed in chunk order, and for the e-th empty
     cluster (in cluster order) the code of the e-th farthest query, the padded ones after the
     real ones (more empty clusters than queries: the rest take the last). flags_out says
     whether any of them changed; a head that did not change before is left as it is."""
@@ -294,7 +304,7 @@ def _hamming_update_kernel(
                 votes += tl.load(part_votes_ptr + part[:, None] * BLOCK_BITS + bit[None, :], mask=in_block[:, None],
                                  other=0)
                 members += tl.load(part_counts_ptr + part, mask=in_block, other=0)
-            majority = (2 * votes > members[:, None]) & (bit[None, :] < BITS)
+            majority = (votes > 0) & (bit[None, :] < BITS)  # ties (votes 0) to 0
             code = tl.sum(majority.to(tl.int64) << bit[None, :], axis=1)
             empty = ((members == 0) & in_block).to(tl.int32)
             if tl.sum(empty, axis=0) > 0:
@@ -349,13 +359,13 @@ def hamming_kmeans_triton(
         EXACT_CASE=exact_case,
     )
     common = dict(BLOCK_BITS=BLOCK_BITS, LEVELS=LEVELS, FLAG_BLOCK=flag_block)
-    assign_blocks = dict(BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, VOTE_BLOCK_C=VOTE_BLOCK_C, COUNT_BLOCK=COUNT_BLOCK,
-                         UPCAST=upcast(codes), num_warps=NUM_WARPS)
+    assign_blocks = dict(BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, COUNT_BLOCK=COUNT_BLOCK, KEY_SCALE=KEY_SCALE,
+                         ONE_BLOCK=clusters <= BLOCK_C, UPCAST=upcast(codes), num_warps=NUM_WARPS)
     for it in range(iterations):
         flags_in, flags_out = flags[(it + 1) % 2], flags[it % 2]
         _hamming_assign_kernel[grid](
             codes, mask, centroids, flags_in, level, part_votes, part_counts, part_levels, assign,
-            h, n, clusters, bits, chunk, chunks, blocks,
+            h, n, clusters, chunk, chunks, blocks,
             FINAL=False, EXACT_CASE=False, **assign_blocks, **common,
         )
         _hamming_update_kernel[(blocks, b * h)](
@@ -366,7 +376,7 @@ def hamming_kmeans_triton(
         )
     _hamming_assign_kernel[grid](
         codes, mask, centroids, flags, level, part_votes, part_counts, part_levels, assign,
-        h, n, clusters, bits, chunk, chunks, blocks,
+        h, n, clusters, chunk, chunks, blocks,
         FINAL=True, EXACT_CASE=exact_case, **assign_blocks, **common,
     )
     return assign

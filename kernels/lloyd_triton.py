@@ -31,13 +31,27 @@ import triton.language as tl
 from torch import Tensor
 
 from .blocks import pow2_block
-from .triton_helpers import any_set, chunking, cluster_block, count_real, dot_split_right, mma, one_hot, upcast
+from .triton_helpers import (
+    any_set,
+    chunking,
+    cluster_block,
+    count_real,
+    dot_parts,
+    dot_split_right,
+    mma,
+    one_hot,
+    split_parts,
+    upcast,
+)
 
 # Queries per tile (a chunk is whole tiles) and centroids per tile of the search and the sums;
 # the launches over queries run 8 warps (three split-precision dots and their operands).
 BLOCK_N = 64
 BLOCK_C = 64
 NUM_WARPS = 8
+# Means per tile of the nearest-mean search: up to this many, they are read and split into
+# half-precision parts once per program.
+NEAREST_BLOCK_C = 128
 # Mask bytes per step of a count of real queries.
 COUNT_BLOCK = 4096
 # Key of no query: below every real or padded query's key.
@@ -245,7 +259,7 @@ def _nearest_kernel(
     stride_xb, stride_xh, stride_xn, stride_xd,
     H, N, C, D, CHUNK, CHUNKS,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
-    COUNT_BLOCK: tl.constexpr, LAST: tl.constexpr, EXACT_CASE: tl.constexpr,
+    COUNT_BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, LAST: tl.constexpr, EXACT_CASE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """One chunk's nearest means (B * H, C, D) float32, written to assign (B, H, N) in place,
@@ -264,23 +278,39 @@ def _nearest_kernel(
     dims = tl.arange(0, HEAD_DIM)
     moved = tl.full([], 0, tl.int32)
     if any_set(moved_in_ptr + bh * CHUNKS, CHUNKS, CHUNK_BLOCK):
+        if ONE_BLOCK:  # loop invariant: the means, split once for the half-precision dots
+            cols = tl.arange(0, BLOCK_C)
+            centroids = tl.load(means_ptr + (bh * C + cols)[:, None] * D + dims[None, :],
+                                mask=(cols[:, None] < C) & (dims[None, :] < D), other=0.0)
+            bias = tl.where(cols < C, -tl.sum(centroids * centroids, axis=1), float("-inf"))
+            centroids = tl.trans(centroids)
+            if x_ptr.dtype.element_ty != tl.float32:
+                hi, mid, lo, scale = split_parts(centroids, x_ptr.dtype.element_ty)
         for first in range(start, stop, BLOCK_N):
             rows = first + tl.arange(0, BLOCK_N)
             x = _rows(x_head, rows, stop, D, stride_xn, stride_xd, HEAD_DIM)
-            best = tl.full([BLOCK_N], float("-inf"), tl.float32)
-            best_cluster = tl.zeros([BLOCK_N], tl.int64)
-            for c_start in range(0, C, BLOCK_C):
-                cols = c_start + tl.arange(0, BLOCK_C)
-                centroids = tl.load(means_ptr + (bh * C + cols)[:, None] * D + dims[None, :],
-                                    mask=(cols[:, None] < C) & (dims[None, :] < D), other=0.0)
-                # argmin |x - c|^2 = argmax 2 x.c - |c|^2
-                scores = 2 * dot_split_right(x, tl.trans(centroids), UPCAST) - tl.sum(centroids * centroids, axis=1)[None, :]
-                scores = tl.where(cols[None, :] < C, scores, float("-inf"))
-                block_best = tl.max(scores, axis=1)
-                block_cluster = (c_start + tl.argmax(scores, axis=1)).to(tl.int64)
-                closer = block_best > best  # strictly: an earlier block keeps its ties
-                best = tl.where(closer, block_best, best)
-                best_cluster = tl.where(closer, block_cluster, best_cluster)
+            if ONE_BLOCK:
+                # argmin |x - c|^2 = argmax 2 x.c - |c|^2, ties to the lowest cluster
+                if x_ptr.dtype.element_ty == tl.float32:
+                    scores = 2 * tl.dot(x, centroids, input_precision="ieee") + bias[None, :]
+                else:
+                    scores = 2 * dot_parts(x, hi, mid, lo, scale, UPCAST) + bias[None, :]
+                best_cluster = tl.argmax(scores, axis=1).to(tl.int64)
+            else:
+                best = tl.full([BLOCK_N], float("-inf"), tl.float32)
+                best_cluster = tl.zeros([BLOCK_N], tl.int64)
+                for c_start in range(0, C, BLOCK_C):
+                    cols = c_start + tl.arange(0, BLOCK_C)
+                    centroids = tl.load(means_ptr + (bh * C + cols)[:, None] * D + dims[None, :],
+                                        mask=(cols[:, None] < C) & (dims[None, :] < D), other=0.0)
+                    scores = (2 * dot_split_right(x, tl.trans(centroids), UPCAST)
+                              - tl.sum(centroids * centroids, axis=1)[None, :])
+                    scores = tl.where(cols[None, :] < C, scores, float("-inf"))
+                    block_best = tl.max(scores, axis=1)
+                    block_cluster = (c_start + tl.argmax(scores, axis=1)).to(tl.int64)
+                    closer = block_best > best  # strictly: an earlier block keeps its ties
+                    best = tl.where(closer, block_best, best)
+                    best_cluster = tl.where(closer, block_cluster, best_cluster)
             real = tl.load(mask_row + rows, mask=rows < stop, other=0) != 0
             cluster = tl.where(real, best_cluster, C)
             old = tl.load(assign_row + rows, mask=rows < stop, other=C)
@@ -382,7 +412,8 @@ def refine_clusters_triton(
         _nearest_kernel[grid](
             q, mask, buffers.means, moved_in, moved_out, out, buffers.part_sums, buffers.part_counts, *q.stride(),
             h, n, clusters, d, chunk, chunks,
-            BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, COUNT_BLOCK=COUNT_BLOCK, LAST=it == iterations - 1,
+            BLOCK_N=BLOCK_N, BLOCK_C=NEAREST_BLOCK_C, COUNT_BLOCK=COUNT_BLOCK, ONE_BLOCK=clusters <= NEAREST_BLOCK_C,
+            LAST=it == iterations - 1,
             EXACT_CASE=exact_case, UPCAST=upcast(q), num_warps=NUM_WARPS, **flags,
         )
     return out

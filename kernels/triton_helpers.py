@@ -57,8 +57,8 @@ def mma(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _parts(b, HALF: tl.constexpr):
-    """float32 b as hi + mid / S + lo / S^2 in the half dtype HALF."""
+def split_parts(b, HALF: tl.constexpr):
+    """float32 b as hi + mid / S + lo / S^2 in the half dtype HALF: (hi, mid, lo, S)."""
     if HALF == tl.bfloat16:
         scale = 256.0
     else:
@@ -71,13 +71,19 @@ def _parts(b, HALF: tl.constexpr):
 
 
 @triton.jit
+def dot_parts(a, hi, mid, lo, scale, UPCAST: tl.constexpr):
+    """a @ b for a half and b given as its split_parts (split once, used by many dots)."""
+    return mma(a, hi, UPCAST) + (mma(a, mid, UPCAST) + mma(a, lo, UPCAST) / scale) / scale
+
+
+@triton.jit
 def dot_split_right(a, b, UPCAST: tl.constexpr):
     """a @ b for a in its dtype (half or float32) and b float32, with float32 accuracy."""
     if a.dtype == tl.float32:
         product = tl.dot(a, b, input_precision="ieee")
     else:
-        hi, mid, lo, scale = _parts(b, a.dtype)
-        product = mma(a, hi, UPCAST) + (mma(a, mid, UPCAST) + mma(a, lo, UPCAST) / scale) / scale
+        hi, mid, lo, scale = split_parts(b, a.dtype)
+        product = dot_parts(a, hi, mid, lo, scale, UPCAST)
     return product
 
 
@@ -87,7 +93,7 @@ def dot_split_left(a, b, UPCAST: tl.constexpr):
     if b.dtype == tl.float32:
         product = tl.dot(a, b, input_precision="ieee")
     else:
-        hi, mid, lo, scale = _parts(a, b.dtype)
+        hi, mid, lo, scale = split_parts(a, b.dtype)
         product = mma(hi, b, UPCAST) + (mma(mid, b, UPCAST) + mma(lo, b, UPCAST) / scale) / scale
     return product
 

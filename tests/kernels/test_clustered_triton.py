@@ -39,7 +39,7 @@ from kernels.kmeans import (  # noqa: E402
 from kernels.stages import CentroidAttention, cluster_queries  # noqa: E402
 
 triton_clustered = pytest.importorskip("kernels.clustered_triton")
-from kernels import hamming_triton  # noqa: E402
+from kernels import hamming_triton, lloyd_triton  # noqa: E402
 from kernels.cluster_layout_triton import ClusterLayout, cluster_layout_triton  # noqa: E402
 from kernels.clustered import cluster_tiles  # noqa: E402
 from kernels.hamming_triton import hamming_kmeans_triton  # noqa: E402
@@ -98,10 +98,14 @@ def _signs(n, d=16, bits=63, seed=0, duplicates=None):
         (30, [30, 30], 4, 0, 1, None),
         (64, [64, 50], 40, 4, 6, None),  # many ties, donors from several chunks
         (20, [20, 6], 24, 3, 63, None),  # more empty clusters than queries: the rest take the last donor
+        (64, [64, 50], 40, 4, 8, "blocks of 16"),  # clusters in several blocks: votes in a second pass
     ],
 )
-def test_hamming_kmeans_equals_the_reference(n, lengths, clusters, iterations, bits, duplicates, poisoned):
+def test_hamming_kmeans_equals_the_reference(n, lengths, clusters, iterations, bits, duplicates, poisoned, monkeypatch):
     assert chunking(n, 2, hamming_triton.BLOCK_N)[0] >= 2  # the votes and donors cross programs
+    if duplicates == "blocks of 16":
+        monkeypatch.setattr(hamming_triton, "BLOCK_C", 16)
+        duplicates = None
     _, signs = _signs(n, bits=bits, duplicates=duplicates)
     mask = padding_mask(2, n, lengths)
     offsets = initial_offsets(2, seed=1)
@@ -126,9 +130,11 @@ def test_refinement_equals_the_reference(n, lengths, clusters, duplicates, poiso
     print(f"ties within float rounding: {ties}")
 
 
+@pytest.mark.parametrize("block", [32, 128])
 @pytest.mark.parametrize("first, second", [(5, 18), (3, 35)])
-def test_refinement_ties_go_to_the_lowest_cluster_within_and_across_blocks(first, second):
-    # The kernel scans clusters in blocks of 32: 5 and 18 share one, 3 and 35 do not.
+def test_refinement_ties_go_to_the_lowest_cluster_within_and_across_blocks(first, second, block, monkeypatch):
+    # Blocks of 32 means: 5 and 18 share one, 3 and 35 do not; 128 holds all 40 (read once).
+    monkeypatch.setattr(lloyd_triton, "NEAREST_BLOCK_C", block)
     assert_exact_ties_go_to_the_lowest_cluster(refine_clusters_triton, first, second, 40)
 
 
