@@ -10,7 +10,7 @@ is the reference; the tiles are the same).
                             members of that cluster before it
 
 Integer counts only; each place in the order has one writer. The offsets launch has one
-program per head and touches chunks x clusters integers: a few microseconds.
+program per head and reads chunks x clusters integers in a few loads: a few microseconds.
 """
 
 from __future__ import annotations
@@ -68,28 +68,26 @@ def _layout_counts_kernel(
 def _layout_offsets_kernel(
     part_counts_ptr, offsets_ptr, start_ptr, size_ptr, tile_end_ptr,
     C, CHUNKS,
-    TILE: tl.constexpr, BLOCK_C: tl.constexpr,
+    TILE: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
 ):
     """Per cluster: start, size and tile_end (B * H, C); per chunk and cluster, where the
     chunk's members of the cluster begin in the order (B * H, CHUNKS, C)."""
     bh = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, CHUNK_BLOCK)
     members_before = 0
     tiles_before = 0
     for c_start in range(0, C, BLOCK_C):
         cols = c_start + tl.arange(0, BLOCK_C)
-        sizes = tl.zeros([BLOCK_C], tl.int32)
-        for chunk in range(0, CHUNKS):
-            sizes += tl.load(part_counts_ptr + (bh * CHUNKS + chunk) * C + cols, mask=cols < C, other=0)
+        part = (bh * CHUNKS + chunks[:, None]) * C + cols[None, :]
+        in_part = (chunks[:, None] < CHUNKS) & (cols[None, :] < C)
+        counts = tl.load(part_counts_ptr + part, mask=in_part, other=0)  # (CHUNK_BLOCK, BLOCK_C)
+        sizes = tl.sum(counts, axis=0)
         starts = members_before + tl.cumsum(sizes, axis=0) - sizes
         tile_ends = tiles_before + tl.cumsum((sizes + TILE - 1) // TILE, axis=0)
         tl.store(start_ptr + bh * C + cols, starts, mask=cols < C)
         tl.store(size_ptr + bh * C + cols, sizes, mask=cols < C)
         tl.store(tile_end_ptr + bh * C + cols, tile_ends, mask=cols < C)
-        running = starts
-        for chunk in range(0, CHUNKS):
-            part = (bh * CHUNKS + chunk) * C + cols
-            tl.store(offsets_ptr + part, running, mask=cols < C)
-            running += tl.load(part_counts_ptr + part, mask=cols < C, other=0)
+        tl.store(offsets_ptr + part, starts[None, :] + tl.cumsum(counts, axis=0) - counts, mask=in_part)
         members_before += tl.sum(sizes, axis=0)
         tiles_before += tl.sum((sizes + TILE - 1) // TILE, axis=0)
 
@@ -137,7 +135,8 @@ def cluster_layout_triton(assign: Tensor, clusters: int, tile: int) -> ClusterLa
     )
     _layout_offsets_kernel[(b * h,)](
         part_counts, offsets, layout.start, layout.size, layout.tile_end, clusters, chunks,
-        TILE=tile, BLOCK_C=pow2_block(clusters, 16, 1024),
+        TILE=tile, BLOCK_C=pow2_block(clusters, 16, max(16, 8192 // pow2_block(chunks, 1))),
+        CHUNK_BLOCK=pow2_block(chunks, 1),
     )
     _layout_scatter_kernel[(chunks, b * h)](
         assign, offsets, layout.order, n, clusters, chunk, chunks, BLOCK_N=BLOCK_N, BLOCK_C=block_c,

@@ -34,57 +34,74 @@ import triton.language as tl
 from torch import Tensor
 
 from .blocks import pow2_block
-from .triton_helpers import any_set, chunking, cluster_block, count_real, mma, one_hot, scalar_at, upcast
+from .triton_helpers import (
+    any_set,
+    chunking,
+    cluster_block,
+    count_real,
+    mma,
+    one_hot,
+    scalar_at,
+    sum_chunks,
+    sum_chunks_2d,
+    upcast,
+)
 
 # Queries per tile (a chunk is whole tiles), centroids per tile of the search and the votes
 # (up to BLOCK_C clusters, one pass with the centroids' signs and the votes in registers),
-# and the bit tile of the codes (<= 63 bits). The assignment runs 8 warps.
-BLOCK_N = 64
+# and the bit tile of the codes (<= 63 bits). The assignment runs 8 warps (two warpgroups
+# of int8 wgmma, 64 queries each).
+BLOCK_N = 128
 BLOCK_C = 128
 BLOCK_BITS = 64
 NUM_WARPS = 8
-# Nearest centroid as one max: KEY_SCALE x similarity - cluster, exact in float32 for up to
-# 8192 clusters (spec.clusters <= 4096).
-KEY_SCALE = 8192
-# Clusters per step of the initial placement (a (clusters, queries) int64 match matrix).
+# Queries and clusters per step of the initial placement (a (clusters, queries) int64 match
+# matrix) and of the signs it writes.
+INITIAL_BLOCK_N = 64
 INITIAL_BLOCK_C = 32
 # Donor levels: 0 for padded queries, 1 + the Hamming distance (0..63) for real ones.
 LEVELS = 128
 # Positions per step of a donor's look-up in its chunk, and mask bytes per step of a count.
 SCAN = 1024
 COUNT_BLOCK = 4096
+# Chunks per load when the update sums the chunks' counts and votes.
+CHUNK_GROUP = 16
 
 
 @triton.jit
 def _signs(codes, BLOCK_BITS: tl.constexpr):
-    """int64 codes (rows,) -> (rows, BLOCK_BITS) float16, +1 where bit b is set, else -1.
-    Bits past the code's are 0 in every code: -1 on both sides of a dot, a constant +1 each.
-    Shifts run on the two 32-bit halves, which take half the registers of 64-bit ones."""
+    """int64 codes (rows,) -> (rows, BLOCK_BITS) int8, +1 where bit b is set, else -1. Bits
+    past the code's are 0 in every code: -1 on both sides of a dot, a constant +1 each."""
     bit = tl.arange(0, BLOCK_BITS)
     word = tl.where(bit[None, :] < 32, codes.to(tl.int32)[:, None], (codes >> 32).to(tl.int32)[:, None])
-    return (((word >> (bit[None, :] & 31)) & 1).to(tl.float16) * 2 - 1).to(tl.float16)
+    return (((word >> (bit[None, :] & 31)) & 1) * 2 - 1).to(tl.int8)
 
 
 @triton.jit
-def _keyed_similarity(query_signs, centroids_row, c_start, C, BLOCK_C: tl.constexpr, BLOCK_BITS: tl.constexpr,
-                      UPCAST: tl.constexpr):
-    """KEY_SCALE x (+-1 . +-1) - c for the centroids [c_start, c_start + BLOCK_C): the largest
-    is the nearest centroid, ties to the lowest index, in one max; exact in float32 (|key|
-    < 2^20). query_signs are already scaled by KEY_SCALE (exact in float16)."""
-    cols = c_start + tl.arange(0, BLOCK_C)
-    centroid_signs = _signs(tl.load(centroids_row + cols, mask=cols < C, other=0), BLOCK_BITS)
-    key = mma(query_signs, tl.trans(centroid_signs), UPCAST) - cols.to(tl.float32)[None, :]
-    return tl.where(cols[None, :] < C, key, float("-inf"))
+def _key_bias(cols, C):
+    """KEY_SCALE - 1 - cluster for the clusters `cols`, far below any key past C."""
+    return tl.where(cols < C, 8191 - cols, -(1 << 30))
+
+
+@triton.jit
+def _nearest_key(query_signs, centroid_signs, bias, UPCAST: tl.constexpr):
+    """(64 + similarity) x KEY_SCALE + bias of each query and centroid (similarity: the +-1
+    dot product over BLOCK_BITS, bits - 2 x the Hamming distance, exact in int32; bias from
+    _key_bias): the largest key is the nearest centroid, ties to the lowest cluster, in one
+    max. KEY_SCALE = 2^13 > any cluster index (spec.clusters <= 4096)."""
+    similarity = mma(query_signs, tl.trans(centroid_signs), UPCAST).to(tl.int32)
+    return ((64 + similarity) << 13) + bias[None, :]
 
 
 @triton.jit
 def _hamming_initial_kernel(
-    codes_ptr, query_mask_ptr, offsets_ptr, centroids_ptr, flags_ptr,
+    codes_ptr, query_mask_ptr, offsets_ptr, centroids_ptr, flags_ptr, signs_ptr,
     H, N, C, CHUNK, BLOCKS,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, COUNT_BLOCK: tl.constexpr, FLAG_BLOCK: tl.constexpr,
-    EXACT_CASE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_BITS: tl.constexpr, COUNT_BLOCK: tl.constexpr,
+    FLAG_BLOCK: tl.constexpr, EXACT_CASE: tl.constexpr,
 ):
-    """Cluster j starts at the query of rank floor((j + offset) n_real / C) among the real
+    """Each query's code as +-1 signs (B * H, N, BLOCK_BITS) int8, which every iteration
+    reads. Cluster j starts at the query of rank floor((j + offset) n_real / C) among the real
     queries, then the padded ones (kmeans.initial_centroid_positions). Program (p, bh) writes
     the clusters whose rank falls in its chunk: each cluster has exactly one writer. The
     first program of a head sets its flags (B * H, BLOCKS): iterate, unless EXACT_CASE and no
@@ -105,6 +122,11 @@ def _hamming_initial_kernel(
         iterate = (n_real > C) | (not EXACT_CASE)
         tl.store(flags_ptr + bh * BLOCKS + blocks, tl.zeros([FLAG_BLOCK], tl.int32) + iterate.to(tl.int32),
                  mask=blocks < BLOCKS)
+    bit = tl.arange(0, BLOCK_BITS)
+    for first in range(start, stop, BLOCK_N):
+        rows = first + tl.arange(0, BLOCK_N)
+        signs = _signs(tl.load(codes_row + rows, mask=rows < stop, other=0), BLOCK_BITS)
+        tl.store(signs_ptr + (bh * N + rows)[:, None] * BLOCK_BITS + bit[None, :], signs, mask=rows[:, None] < stop)
     offset = tl.load(offsets_ptr + head)
     for c_start in range(0, C, BLOCK_C):
         cols = c_start + tl.arange(0, BLOCK_C)
@@ -135,14 +157,15 @@ def _hamming_initial_kernel(
 
 @triton.jit
 def _hamming_assign_kernel(
-    codes_ptr, query_mask_ptr, centroids_ptr, flags_in_ptr, level_ptr,
+    signs_ptr, query_mask_ptr, centroids_ptr, flags_in_ptr, level_ptr,
     part_votes_ptr, part_counts_ptr, part_levels_ptr, assign_ptr,
     H, N, C, CHUNK, CHUNKS, BLOCKS,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_BITS: tl.constexpr, LEVELS: tl.constexpr,
-    FLAG_BLOCK: tl.constexpr, COUNT_BLOCK: tl.constexpr, KEY_SCALE: tl.constexpr,
+    FLAG_BLOCK: tl.constexpr, COUNT_BLOCK: tl.constexpr,
     ONE_BLOCK: tl.constexpr, FINAL: tl.constexpr, EXACT_CASE: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """One chunk of one (batch, head) against the current centroids (B * H, C).
+    """One chunk of one (batch, head), its queries' signs (B * H, N, BLOCK_BITS) int8 against
+    the current centroid codes (B * H, C), on int8 tensor cores.
 
     An iteration (not FINAL) writes the chunk's votes part_votes (B * H, CHUNKS, C, BLOCK_BITS)
     int32 (the sum of the members' +-1 signs: the majority bit is set where it is > 0) and
@@ -161,9 +184,10 @@ def _hamming_assign_kernel(
     start = chunk * CHUNK
     stop = tl.minimum(start + CHUNK, N)
     mask_row = query_mask_ptr + batch * N
-    codes_row = codes_ptr + bh * N
+    signs_head = signs_ptr + bh * N * BLOCK_BITS
     assign_row = assign_ptr + bh * N
     centroids_row = centroids_ptr + bh * C
+    bit = tl.arange(0, BLOCK_BITS)
     if FINAL:
         active = True
     else:
@@ -177,65 +201,65 @@ def _hamming_assign_kernel(
         cols = tl.arange(0, BLOCK_C)
         if ONE_BLOCK:  # loop invariant: the centroids' signs, read once
             centroid_signs = _signs(tl.load(centroids_row + cols, mask=cols < C, other=0), BLOCK_BITS)
+            bias = _key_bias(cols, C)
         histogram = tl.zeros([LEVELS], tl.int32)
-        votes = tl.zeros([BLOCK_C, BLOCK_BITS], tl.float32)
-        members = tl.zeros([BLOCK_C], tl.int32)
+        votes = tl.zeros([BLOCK_C, BLOCK_BITS], tl.int32)
         for first in range(start, stop, BLOCK_N):
             rows = first + tl.arange(0, BLOCK_N)
             in_range = rows < stop
-            query_signs = _signs(tl.load(codes_row + rows, mask=in_range, other=0), BLOCK_BITS)
-            scaled = query_signs * KEY_SCALE
+            query_signs = tl.load(signs_head + rows[:, None] * BLOCK_BITS + bit[None, :], mask=in_range[:, None],
+                                  other=-1)
             if ONE_BLOCK:
-                key = mma(scaled, tl.trans(centroid_signs), UPCAST) - cols.to(tl.float32)[None, :]
-                best = tl.max(tl.where(cols[None, :] < C, key, float("-inf")), axis=1)
+                best = tl.max(_nearest_key(query_signs, centroid_signs, bias, UPCAST), axis=1)
             else:
-                best = tl.full([BLOCK_N], float("-inf"), tl.float32)
+                best = tl.full([BLOCK_N], -1, tl.int32)
                 for c_start in range(0, C, BLOCK_C):
-                    best = tl.maximum(best, tl.max(_keyed_similarity(scaled, centroids_row, c_start, C, BLOCK_C,
-                                                                     BLOCK_BITS, UPCAST), axis=1))
-            similarity = tl.math.ceil(best / KEY_SCALE)  # over all BLOCK_BITS positions
-            cluster = (similarity * KEY_SCALE - best).to(tl.int32)
+                    block_signs = _signs(tl.load(centroids_row + c_start + cols, mask=c_start + cols < C, other=0),
+                                         BLOCK_BITS)
+                    best = tl.maximum(best, tl.max(_nearest_key(query_signs, block_signs, _key_bias(c_start + cols, C),
+                                                                UPCAST), axis=1))
+            similarity = (best >> 13) - 64  # over all BLOCK_BITS positions
             real = (tl.load(mask_row + rows, mask=in_range, other=0) != 0) & in_range
-            cluster = tl.where(real, cluster, C)
+            cluster = tl.where(real, 8191 - (best & 8191), C)
             if FINAL:
                 rank = rank_seen + tl.cumsum(real.to(tl.int32), axis=0) - 1
                 cluster = tl.where(exact & real, rank, cluster)
                 rank_seen += tl.sum(real.to(tl.int32), axis=0)
                 tl.store(assign_row + rows, cluster.to(tl.int64), mask=in_range)
             else:
-                distance = ((BLOCK_BITS - similarity) * 0.5).to(tl.int32)
-                level = tl.where(real, 1 + distance, 0)
+                level = tl.where(real, 1 + ((BLOCK_BITS - similarity) >> 1), 0)  # 1 + the Hamming distance
                 tl.store(level_ptr + bh * N + rows, level.to(tl.int8), mask=in_range)
                 histogram += tl.histogram(level, LEVELS, mask=in_range)
                 if ONE_BLOCK:
-                    votes += mma(one_hot(cluster, cols, tl.float16), query_signs, UPCAST)
-                    members += tl.histogram(cluster, BLOCK_C, mask=real)
+                    votes += mma(one_hot(cluster, cols, tl.int8), query_signs, UPCAST).to(tl.int32)
                 else:
                     tl.store(assign_row + rows, cluster.to(tl.int64), mask=in_range)
         if not FINAL:
             part = bh * CHUNKS + chunk
             tl.store(part_levels_ptr + part * LEVELS + tl.arange(0, LEVELS), histogram)
-            bit = tl.arange(0, BLOCK_BITS)
             if ONE_BLOCK:
-                tl.store(part_votes_ptr + (part * C + cols)[:, None] * BLOCK_BITS + bit[None, :], votes.to(tl.int32),
-                         mask=cols[:, None] < C)
-                tl.store(part_counts_ptr + part * C + cols, members, mask=cols < C)
+                _store_votes(part_votes_ptr, part_counts_ptr, votes, part, cols, C, BLOCK_BITS)
             else:
                 tl.debug_barrier()  # the chunk's assignments, stored above, are read back by other threads
                 for c_start in range(0, C, BLOCK_C):
-                    block_cols = c_start + cols
-                    votes = tl.zeros([BLOCK_C, BLOCK_BITS], tl.float32)
-                    members = tl.zeros([BLOCK_C], tl.int32)
+                    votes = tl.zeros([BLOCK_C, BLOCK_BITS], tl.int32)
                     for first in range(start, stop, BLOCK_N):
                         rows = first + tl.arange(0, BLOCK_N)
                         cluster = tl.load(assign_row + rows, mask=rows < stop, other=C).to(tl.int32)
-                        query_signs = _signs(tl.load(codes_row + rows, mask=rows < stop, other=0), BLOCK_BITS)
-                        votes += mma(one_hot(cluster, block_cols, tl.float16), query_signs, UPCAST)
-                        local = cluster - c_start
-                        members += tl.histogram(local, BLOCK_C, mask=(local >= 0) & (local < BLOCK_C))
-                    tl.store(part_votes_ptr + (part * C + block_cols)[:, None] * BLOCK_BITS + bit[None, :],
-                             votes.to(tl.int32), mask=block_cols[:, None] < C)
-                    tl.store(part_counts_ptr + part * C + block_cols, members, mask=block_cols < C)
+                        query_signs = tl.load(signs_head + rows[:, None] * BLOCK_BITS + bit[None, :],
+                                              mask=rows[:, None] < stop, other=-1)
+                        votes += mma(one_hot(cluster, c_start + cols, tl.int8), query_signs, UPCAST).to(tl.int32)
+                    _store_votes(part_votes_ptr, part_counts_ptr, votes, part, c_start + cols, C, BLOCK_BITS)
+
+
+@triton.jit
+def _store_votes(part_votes_ptr, part_counts_ptr, votes, part, cols, C, BLOCK_BITS: tl.constexpr):
+    """A chunk's signed votes of clusters `cols`, and their member counts: every code's last
+    bit position is past its bits (<= 63), so each member voted -1 there."""
+    bit = tl.arange(0, BLOCK_BITS)
+    tl.store(part_votes_ptr + (part * C + cols)[:, None] * BLOCK_BITS + bit[None, :], votes, mask=cols[:, None] < C)
+    members = -tl.sum(tl.where(bit[None, :] == BLOCK_BITS - 1, votes, 0), axis=1)
+    tl.store(part_counts_ptr + part * C + cols, members, mask=cols < C)
 
 
 @triton.jit
@@ -271,7 +295,7 @@ def _hamming_update_kernel(
     part_votes_ptr, part_counts_ptr, part_levels_ptr,
     N, C, BITS, CHUNK, CHUNKS, BLOCKS, PER_PROGRAM,
     BLOCK_C: tl.constexpr, COUNT_C: tl.constexpr, BLOCK_BITS: tl.constexpr, LEVELS: tl.constexpr,
-    CHUNK_BLOCK: tl.constexpr, FLAG_BLOCK: tl.constexpr, SCAN: tl.constexpr,
+    CHUNK_BLOCK: tl.constexpr, CHUNK_GROUP: tl.constexpr, FLAG_BLOCK: tl.constexpr, SCAN: tl.constexpr,
 ):
     """New centroids of PER_PROGRAM clusters of one (batch, head): the majority vote of their
     members' bits (ties to 0), the chunks' signed votes summed in chunk order, and for the e-th empty
@@ -285,32 +309,28 @@ def _hamming_update_kernel(
         first_cluster = block * PER_PROGRAM
         last_cluster = tl.minimum(first_cluster + PER_PROGRAM, C)
         # Empty clusters before this program's, from every cluster's member count.
+        counts_head = part_counts_ptr + bh * CHUNKS * C
         empties_before = 0
         for c_start in range(0, first_cluster, COUNT_C):
             cols = c_start + tl.arange(0, COUNT_C)
-            counts = tl.zeros([COUNT_C], tl.int32)
-            for chunk in range(0, CHUNKS):
-                counts += tl.load(part_counts_ptr + (bh * CHUNKS + chunk) * C + cols, mask=cols < first_cluster, other=1)
-            empties_before += tl.sum((counts == 0).to(tl.int32), axis=0)
+            counts = sum_chunks(counts_head, C, CHUNKS, cols, cols < first_cluster, CHUNK_GROUP)
+            empties_before += tl.sum(((counts == 0) & (cols < first_cluster)).to(tl.int32), axis=0)
         bit = tl.arange(0, BLOCK_BITS).to(tl.int64)
         index = tl.arange(0, BLOCK_C)
         for c_start in range(first_cluster, last_cluster, BLOCK_C):
             cols = c_start + index
             in_block = cols < last_cluster
-            votes = tl.zeros([BLOCK_C, BLOCK_BITS], tl.int32)
-            members = tl.zeros([BLOCK_C], tl.int32)
-            for chunk in range(0, CHUNKS):
-                part = (bh * CHUNKS + chunk) * C + cols
-                votes += tl.load(part_votes_ptr + part[:, None] * BLOCK_BITS + bit[None, :], mask=in_block[:, None],
-                                 other=0)
-                members += tl.load(part_counts_ptr + part, mask=in_block, other=0)
+            votes = sum_chunks_2d(part_votes_ptr + bh * CHUNKS * C * BLOCK_BITS, C * BLOCK_BITS, CHUNKS,
+                                  cols[:, None] * BLOCK_BITS + bit[None, :], in_block[:, None] & (bit[None, :] >= 0),
+                                  CHUNK_GROUP // 2)
+            members = sum_chunks(counts_head, C, CHUNKS, cols, in_block, CHUNK_GROUP)
             majority = (votes > 0) & (bit[None, :] < BITS)  # ties (votes 0) to 0
             code = tl.sum(majority.to(tl.int64) << bit[None, :], axis=1)
             empty = ((members == 0) & in_block).to(tl.int32)
             if tl.sum(empty, axis=0) > 0:
-                level_counts = tl.zeros([LEVELS], tl.int32)
-                for chunk in range(0, CHUNKS):
-                    level_counts += tl.load(part_levels_ptr + (bh * CHUNKS + chunk) * LEVELS + tl.arange(0, LEVELS))
+                levels = tl.arange(0, LEVELS)
+                level_counts = sum_chunks(part_levels_ptr + bh * CHUNKS * LEVELS, LEVELS, CHUNKS, levels, levels >= 0,
+                                          CHUNK_GROUP)
                 through = tl.cumsum(level_counts, axis=0, reverse=True)  # donors at this level or above
                 empty_rank = empties_before + tl.cumsum(empty, axis=0) - 1
                 for i in range(0, BLOCK_C):
@@ -347,6 +367,7 @@ def hamming_kmeans_triton(
     centroids = torch.empty(b * h, clusters, dtype=torch.int64, device=device)
     flags = torch.empty(2, b * h, blocks, dtype=torch.int32, device=device)
     level = torch.empty(b * h, n, dtype=torch.int8, device=device)
+    signs = torch.empty(b * h, n, BLOCK_BITS, dtype=torch.int8, device=device)
     part_votes = torch.empty(b * h, chunks, clusters, BLOCK_BITS, dtype=torch.int32, device=device)
     part_counts = torch.empty(b * h, chunks, clusters, dtype=torch.int32, device=device)
     part_levels = torch.empty(b * h, chunks, LEVELS, dtype=torch.int32, device=device)
@@ -354,28 +375,28 @@ def hamming_kmeans_triton(
     grid = (chunks, b * h)
     flag_block = pow2_block(blocks, 1)
     _hamming_initial_kernel[grid](
-        codes, mask, offsets, centroids, flags[1], h, n, clusters, chunk, blocks,
-        BLOCK_N=BLOCK_N, BLOCK_C=INITIAL_BLOCK_C, COUNT_BLOCK=COUNT_BLOCK, FLAG_BLOCK=flag_block,
-        EXACT_CASE=exact_case,
+        codes, mask, offsets, centroids, flags[1], signs, h, n, clusters, chunk, blocks,
+        BLOCK_N=min(BLOCK_N, INITIAL_BLOCK_N), BLOCK_C=INITIAL_BLOCK_C, BLOCK_BITS=BLOCK_BITS, COUNT_BLOCK=COUNT_BLOCK,
+        FLAG_BLOCK=flag_block, EXACT_CASE=exact_case,
     )
     common = dict(BLOCK_BITS=BLOCK_BITS, LEVELS=LEVELS, FLAG_BLOCK=flag_block)
-    assign_blocks = dict(BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, COUNT_BLOCK=COUNT_BLOCK, KEY_SCALE=KEY_SCALE,
-                         ONE_BLOCK=clusters <= BLOCK_C, UPCAST=upcast(codes), num_warps=NUM_WARPS)
+    assign_blocks = dict(BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, COUNT_BLOCK=COUNT_BLOCK, ONE_BLOCK=clusters <= BLOCK_C,
+                         UPCAST=upcast(codes), num_warps=NUM_WARPS)
     for it in range(iterations):
         flags_in, flags_out = flags[(it + 1) % 2], flags[it % 2]
         _hamming_assign_kernel[grid](
-            codes, mask, centroids, flags_in, level, part_votes, part_counts, part_levels, assign,
+            signs, mask, centroids, flags_in, level, part_votes, part_counts, part_levels, assign,
             h, n, clusters, chunk, chunks, blocks,
             FINAL=False, EXACT_CASE=False, **assign_blocks, **common,
         )
         _hamming_update_kernel[(blocks, b * h)](
             codes, centroids, flags_in, flags_out, level, part_votes, part_counts, part_levels,
             n, clusters, bits, chunk, chunks, blocks, per_program,
-            BLOCK_C=min(per_program, 16), COUNT_C=pow2_block(clusters, 16, 1024), CHUNK_BLOCK=pow2_block(chunks, 1),
-            SCAN=SCAN, **common,
+            BLOCK_C=min(per_program, 16), COUNT_C=pow2_block(clusters, 16, 256), CHUNK_BLOCK=pow2_block(chunks, 1),
+            CHUNK_GROUP=CHUNK_GROUP, SCAN=SCAN, **common,
         )
     _hamming_assign_kernel[grid](
-        codes, mask, centroids, flags, level, part_votes, part_counts, part_levels, assign,
+        signs, mask, centroids, flags, level, part_votes, part_counts, part_levels, assign,
         h, n, clusters, chunk, chunks, blocks,
         FINAL=True, EXACT_CASE=exact_case, **assign_blocks, **common,
     )

@@ -41,6 +41,8 @@ from .triton_helpers import (
     mma,
     one_hot,
     split_parts,
+    sum_chunks,
+    sum_chunks_2d,
     upcast,
 )
 
@@ -52,8 +54,10 @@ NUM_WARPS = 8
 # Means per tile of the nearest-mean search: up to this many, they are read and split into
 # half-precision parts once per program.
 NEAREST_BLOCK_C = 128
-# Mask bytes per step of a count of real queries.
+# Mask bytes per step of a count of real queries; chunks per load when the means kernel sums
+# the chunks' sums and counts.
 COUNT_BLOCK = 4096
+CHUNK_GROUP = 16
 # Key of no query: below every real or padded query's key.
 NO_KEY = -(1 << 62)
 
@@ -119,9 +123,10 @@ def _means_kernel(
     part_sums_ptr, part_counts_ptr, moved_ptr, means_ptr, members_ptr, empty_list_ptr, n_empty_ptr,
     C, D, CHUNKS, PER_PROGRAM,
     BLOCK_C: tl.constexpr, COUNT_C: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
+    CHUNK_GROUP: tl.constexpr,
 ):
     """Means (B * H, C, D) float32 (0 if empty) and counts (B * H, C) int64 of PER_PROGRAM
-    clusters, summed over the chunks in chunk order; the e-th empty cluster (cluster order)
+    clusters, summed over the chunks in a fixed order; the e-th empty cluster (cluster order)
     in empty_list (B * H, C) int32, their number in n_empty (B * H,). Nothing is written for a
     head whose assignments did not move in the previous step (moved, one flag per chunk)."""
     block = tl.program_id(0)
@@ -129,14 +134,12 @@ def _means_kernel(
     if any_set(moved_ptr + bh * CHUNKS, CHUNKS, CHUNK_BLOCK):
         first_cluster = block * PER_PROGRAM
         last_cluster = tl.minimum(first_cluster + PER_PROGRAM, C)
+        counts_head = part_counts_ptr + bh * CHUNKS * C
         empties_before = 0
         empties = 0
         for c_start in range(0, C, COUNT_C):
             cols = c_start + tl.arange(0, COUNT_C)
-            counts = tl.zeros([COUNT_C], tl.int32)
-            for chunk in range(0, CHUNKS):
-                counts += tl.load(part_counts_ptr + (bh * CHUNKS + chunk) * C + cols, mask=cols < C, other=1)
-            empty = (counts == 0).to(tl.int32)
+            empty = ((sum_chunks(counts_head, C, CHUNKS, cols, cols < C, CHUNK_GROUP) == 0) & (cols < C)).to(tl.int32)
             empties_before += tl.sum(tl.where(cols < first_cluster, empty, 0), axis=0)
             empties += tl.sum(empty, axis=0)
         if block == 0:
@@ -145,13 +148,9 @@ def _means_kernel(
         for c_start in range(first_cluster, last_cluster, BLOCK_C):
             cols = c_start + tl.arange(0, BLOCK_C)
             in_block = cols < last_cluster
-            sums = tl.zeros([BLOCK_C, HEAD_DIM], tl.float32)
-            members = tl.zeros([BLOCK_C], tl.int32)
-            for chunk in range(0, CHUNKS):
-                part = (bh * CHUNKS + chunk) * C + cols
-                sums += tl.load(part_sums_ptr + part[:, None] * D + dims[None, :],
-                                mask=in_block[:, None] & (dims[None, :] < D), other=0.0)
-                members += tl.load(part_counts_ptr + part, mask=in_block, other=0)
+            sums = sum_chunks_2d(part_sums_ptr + bh * CHUNKS * C * D, C * D, CHUNKS, cols[:, None] * D + dims[None, :],
+                                 in_block[:, None] & (dims[None, :] < D), CHUNK_GROUP // 2)
+            members = sum_chunks(counts_head, C, CHUNKS, cols, in_block, CHUNK_GROUP)
             means = tl.math.div_rn(sums, tl.maximum(members, 1).to(tl.float32)[:, None])
             tl.store(means_ptr + (bh * C + cols)[:, None] * D + dims[None, :], means,
                      mask=in_block[:, None] & (dims[None, :] < D))
@@ -370,8 +369,8 @@ def _means(x: Tensor, buffers: _Buffers, moved: Tensor, clusters: int, chunks: i
     _means_kernel[(triton.cdiv(clusters, per_program), b * h)](
         buffers.part_sums, buffers.part_counts, moved, buffers.means, buffers.members, buffers.empty_list,
         buffers.n_empty, clusters, d, chunks, per_program,
-        BLOCK_C=min(per_program, 16), COUNT_C=pow2_block(clusters, 16, 1024), HEAD_DIM=pow2_block(d),
-        CHUNK_BLOCK=pow2_block(chunks, 1),
+        BLOCK_C=min(per_program, 16), COUNT_C=pow2_block(clusters, 16, 256), HEAD_DIM=pow2_block(d),
+        CHUNK_BLOCK=pow2_block(chunks, 1), CHUNK_GROUP=CHUNK_GROUP,
     )
 
 

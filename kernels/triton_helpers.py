@@ -148,6 +148,31 @@ def any_set(flags_row, COUNT, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def sum_chunks(part_ptr, chunk_stride, CHUNKS, offsets, mask, GROUP: tl.constexpr):
+    """The sum over chunks of part_ptr[chunk * chunk_stride + offsets], offsets 1-d, GROUP
+    chunks a load (so a reduction over the programs of a head is a few loads deep)."""
+    total = tl.zeros(offsets.shape, part_ptr.dtype.element_ty)
+    for first in range(0, CHUNKS, GROUP):
+        chunks = first + tl.arange(0, GROUP)
+        values = tl.load(part_ptr + chunks[:, None] * chunk_stride + offsets[None, :],
+                         mask=(chunks[:, None] < CHUNKS) & mask[None, :], other=0)
+        total += tl.sum(values, axis=0)
+    return total
+
+
+@triton.jit
+def sum_chunks_2d(part_ptr, chunk_stride, CHUNKS, offsets, mask, GROUP: tl.constexpr):
+    """`sum_chunks` for 2-d offsets."""
+    total = tl.zeros(offsets.shape, part_ptr.dtype.element_ty)
+    for first in range(0, CHUNKS, GROUP):
+        chunks = first + tl.arange(0, GROUP)
+        values = tl.load(part_ptr + chunks[:, None, None] * chunk_stride + offsets[None, :, :],
+                         mask=(chunks[:, None, None] < CHUNKS) & mask[None, :, :], other=0)
+        total += tl.sum(values, axis=0)
+    return total
+
+
+@triton.jit
 def scalar_at(vector, index, i):
     """The entry of a 1-d tensor at the position where `index` (its positions) equals i."""
     return tl.sum(tl.where(index == i, vector, 0), axis=0)
@@ -155,6 +180,10 @@ def scalar_at(vector, index, i):
 
 @triton.jit
 def one_hot(index, cols, dtype: tl.constexpr):
-    """(len(cols), len(index)) of 1 where cols[i] == index[j], else 0, in dtype (via float32:
-    the interpreter casts bool to bfloat16 bit patterns)."""
-    return (cols[:, None] == index[None, :]).to(tl.float32).to(dtype)
+    """(len(cols), len(index)) of 1 where cols[i] == index[j], else 0, in dtype (floats via
+    float32: the interpreter casts bool to bfloat16 bit patterns)."""
+    if dtype.is_floating():
+        hot = (cols[:, None] == index[None, :]).to(tl.float32).to(dtype)
+    else:
+        hot = (cols[:, None] == index[None, :]).to(dtype)
+    return hot
