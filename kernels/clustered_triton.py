@@ -5,10 +5,8 @@ they match is clustered.py.
     hash, cluster, refine, centroids   LSH codes (hashing_triton), Hamming K-means
                              (hamming_triton), Euclidean refinement and cluster means
                              (lloyd_triton), each spread over (chunks of queries, B * H)
-    _centroid_attention_kernel   one split of the keys for a block of centroids: the split's
-                                 online softmax of Q^c K^T * scale over the real keys and
-                                 its top-k logits, kept on chip (A^c is never written)
-    _centroid_combine_kernel     V^c = A^c V and the top-k keys of A^c, merged over the splits
+    centroid_attention_triton    V^c = A^c V and each cluster's top-k keys of A^c, the keys
+                                 split across programs (centroid_triton; A^c is never written)
     _broadcast_kernel            clustered: every query gets its centroid's row of V^c
     cluster_layout_triton        improved clustered: each cluster's queries in tiles (as
                                  clustered.cluster_tiles), a counting sort in three launches
@@ -21,8 +19,7 @@ float32; every dot of half-precision inputs runs on tensor cores (the split-prec
 triton_helpers keep float32 accuracy where one side is float32), float32 inputs use input_precision="ieee" (TF32 alone
 would miss the reference by ~1e-3). No host synchronisation: sizes that the reference reads
 from the data (the number of tiles) use their static bound, so a whole forward can be
-captured in a CUDA graph. The top-k is chosen on chip up to MAX_TOPK_ON_CHIP keys; a larger
-topk writes A^c and uses torch's top-k (clustered.centroid_attention).
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -33,8 +30,9 @@ import triton.language as tl
 from torch import Tensor
 
 from .blocks import pow2_block
+from .centroid_triton import centroid_attention_triton
 from .cluster_layout_triton import cluster_layout_triton
-from .clustered import TILE, centroid_attention
+from .clustered import TILE
 from .hamming_triton import hamming_kmeans_triton
 from .hashing import hash_planes, on_device
 from .hashing_triton import hash_codes_triton
@@ -42,137 +40,9 @@ from .kmeans import initial_offsets
 from .lloyd_triton import cluster_means_triton, refine_clusters_triton
 from .spec import AttentionSpec
 from .stages import CentroidAttention, ClusteredStages, applied_by_stages
-from .triton_helpers import dot_split_left, mma, online_softmax_step, rounded, upcast
+from .triton_helpers import mma, online_softmax_step, rounded, upcast
 
 LOG2E = 1.4426950408889634
-# Keys per split of the centroid pass (fewer splits below it), and at most this many splits.
-KEYS_PER_SPLIT = 2048
-MAX_SPLITS = 16
-# The largest top-k (rounded up to a power of two) that the centroid pass selects on chip.
-MAX_TOPK_ON_CHIP = 256
-
-
-@triton.jit
-def _logit_keys(logits, cols, M):
-    """One int64 per (row, key) that orders like the logit, then the lower key index: the
-    float32 bits made order-preserving as a signed int (negatives flip their magnitude bits),
-    above M - 1 - index. Columns past M get the lowest key."""
-    bits = logits.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    key = (ordered.to(tl.int64) << 32) | (M - 1 - cols).to(tl.int64)[None, :]
-    return tl.where(cols[None, :] < M, key, -(1 << 63))
-
-
-@triton.jit
-def _key_logits(keys):
-    """The logits that `_logit_keys` packed."""
-    ordered = (keys >> 32).to(tl.int32)
-    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _merge_top(top, candidates, TOP: tl.constexpr):
-    """The TOP largest keys of two (rows, TOP) sets."""
-    both = tl.reshape(tl.join(top, candidates), (top.shape[0], 2 * TOP))
-    return tl.topk(both, TOP)
-
-
-@triton.jit
-def _centroid_attention_kernel(
-    centroids_ptr, k_ptr, v_ptr, key_mask_ptr, part_values_ptr, part_max_ptr, part_sum_ptr, part_top_ptr,
-    stride_kb, stride_kh, stride_km, stride_kd,
-    stride_vb, stride_vh, stride_vm, stride_vd,
-    H, M, C, D, DV, SPLITS, CHUNK, scale,
-    BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-    TOP: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """A block of centroids against one split of the keys, [split CHUNK, (split + 1) CHUNK):
-    the split's online softmax (unnormalised values, running max and sum, in float32, base 2:
-    `scale` includes log2(e)) and, with TOP > 0, its TOP largest logits with their key
-    indices, kept on chip as it streams."""
-    split = tl.program_id(1)
-    bh = tl.program_id(2).to(tl.int64)
-    batch, head = bh // H, bh % H
-    rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    dims = tl.arange(0, HEAD_DIM)
-    vdims = tl.arange(0, VALUE_DIM)
-    in_rows = rows < C
-    centroids = tl.load(centroids_ptr + (bh * C + rows)[:, None] * D + dims[None, :],
-                        mask=in_rows[:, None] & (dims[None, :] < D), other=0.0)
-    k_head = k_ptr + batch * stride_kb + head * stride_kh
-    v_head = v_ptr + batch * stride_vb + head * stride_vh
-    row_max = tl.full([BLOCK_C], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_C], tl.float32)
-    acc = tl.zeros([BLOCK_C, VALUE_DIM], tl.float32)
-    top = tl.full([BLOCK_C, TOP if TOP > 0 else 1], -(1 << 63), tl.int64)
-    first = split * CHUNK
-    stop = tl.minimum(first + CHUNK, M)
-    for start in range(first, stop, BLOCK_M):
-        cols = start + tl.arange(0, BLOCK_M)
-        in_split = cols < stop
-        real = in_split & (tl.load(key_mask_ptr + batch * M + cols, mask=in_split, other=0) != 0)
-        keys = tl.load(k_head + cols[:, None] * stride_km + dims[None, :] * stride_kd,
-                       mask=real[:, None] & (dims[None, :] < D), other=0.0)
-        values = tl.load(v_head + cols[:, None] * stride_vm + vdims[None, :] * stride_vd,
-                         mask=real[:, None] & (vdims[None, :] < DV), other=0.0)
-        logits = dot_split_left(centroids, tl.trans(keys), UPCAST) * scale
-        logits = tl.where(real[None, :], logits, float("-inf"))
-        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, True, UPCAST)
-        if TOP > 0:
-            keyed = _logit_keys(logits, tl.where(in_split, cols, M), M)
-            top = _merge_top(top, tl.topk(keyed, TOP), TOP)
-    part = (bh * SPLITS + split) * C + rows
-    tl.store(part_values_ptr + part[:, None] * DV + vdims[None, :], acc,
-             mask=in_rows[:, None] & (vdims[None, :] < DV))
-    tl.store(part_max_ptr + part, row_max, mask=in_rows)
-    tl.store(part_sum_ptr + part, row_sum, mask=in_rows)
-    if TOP > 0:
-        slots = tl.arange(0, TOP)
-        tl.store(part_top_ptr + part[:, None] * TOP + slots[None, :], top, mask=in_rows[:, None])
-
-
-@triton.jit
-def _centroid_combine_kernel(
-    part_values_ptr, part_max_ptr, part_sum_ptr, part_top_ptr, values_ptr, top_index_ptr, top_probs_ptr,
-    M, C, DV, SPLITS, TOPK,
-    BLOCK_C: tl.constexpr, VALUE_DIM: tl.constexpr, TOP: tl.constexpr,
-):
-    """Merge the splits of a block of centroids: V^c by their softmax masses, and with TOP > 0
-    the TOPK most probable keys (indices and probabilities, 0 on padded keys) of all splits."""
-    bh = tl.program_id(1).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    vdims = tl.arange(0, VALUE_DIM)
-    in_rows = rows < C
-    row_max = tl.full([BLOCK_C], float("-inf"), tl.float32)
-    for split in range(0, SPLITS):
-        part = (bh * SPLITS + split) * C + rows
-        row_max = tl.maximum(row_max, tl.load(part_max_ptr + part, mask=in_rows, other=float("-inf")))
-    shift = tl.where(row_max == float("-inf"), 0.0, row_max)  # no real key: no inf - inf
-    row_sum = tl.zeros([BLOCK_C], tl.float32)
-    acc = tl.zeros([BLOCK_C, VALUE_DIM], tl.float32)
-    top = tl.full([BLOCK_C, TOP if TOP > 0 else 1], -(1 << 63), tl.int64)
-    for split in range(0, SPLITS):
-        part = (bh * SPLITS + split) * C + rows
-        weight = tl.math.exp2(tl.load(part_max_ptr + part, mask=in_rows, other=float("-inf")) - shift)
-        row_sum += weight * tl.load(part_sum_ptr + part, mask=in_rows, other=0.0)
-        acc += weight[:, None] * tl.load(part_values_ptr + part[:, None] * DV + vdims[None, :],
-                                         mask=in_rows[:, None] & (vdims[None, :] < DV), other=0.0)
-        if TOP > 0:
-            slots = tl.arange(0, TOP)
-            candidates = tl.load(part_top_ptr + part[:, None] * TOP + slots[None, :], mask=in_rows[:, None],
-                                 other=-(1 << 63))
-            top = _merge_top(top, candidates, TOP)
-    inv_sum = 1.0 / tl.where(row_sum > 0, row_sum, float("inf"))  # 0 where no key is real
-    tl.store(values_ptr + (bh * C + rows)[:, None] * DV + vdims[None, :], acc * inv_sum[:, None],
-             mask=in_rows[:, None] & (vdims[None, :] < DV))
-    if TOP > 0:
-        slots = tl.arange(0, TOP)
-        index = tl.minimum(tl.maximum(M - 1 - (top & 0xFFFFFFFF), 0), M - 1)
-        probs = tl.math.exp2(_key_logits(top) - shift[:, None]) * inv_sum[:, None]
-        out = (bh * C + rows)[:, None] * TOPK + slots[None, :]
-        written = in_rows[:, None] & (slots[None, :] < TOPK)
-        tl.store(top_index_ptr + out, index, mask=written)
-        tl.store(top_probs_ptr + out, probs, mask=written)
 
 
 @triton.jit
@@ -285,54 +155,6 @@ def refine_assignments_triton(q: Tensor, assign: Tensor, query_mask: Tensor, spe
 def centroids_triton(q: Tensor, assign: Tensor, clusters: int) -> Tensor:
     """The centroids stage on the device: member means (B, H, C, D) float32."""
     return cluster_means_triton(q, assign, clusters)[0]
-
-
-def centroid_attention_triton(
-    centroids: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, scale: float, topk: int
-) -> CentroidAttention:
-    """The centroid pass on the device: V^c = A^c V (B, H, C, Dv) float32 and, with topk > 0,
-    each cluster's top-k keys of A^c, chosen inside the kernels (A^c is never written) for
-    topk <= MAX_TOPK_ON_CHIP.
-
-    The keys are split across programs (enough of them to fill the GPU at long lengths), each
-    split keeping its online softmax and its top-k on chip; a second launch merges the splits.
-    centroids: (B, H, C, D) float32 contiguous; k: (B, H, M, D); v: (B, H, M, Dv); key_mask (B, M).
-    """
-    b, h, c, d = centroids.shape
-    m, dv = k.shape[2], v.shape[-1]
-    device = k.device
-    top = triton.next_power_of_2(topk) if topk else 0
-    if top > MAX_TOPK_ON_CHIP:
-        # Beyond what a program holds in registers: A^c in float32 and torch's top-k.
-        return centroid_attention(centroids, k.float(), v.float(), key_mask, scale, topk)
-    splits = max(1, min(MAX_SPLITS, triton.cdiv(m, KEYS_PER_SPLIT)))
-    block_m = max(64, top)
-    chunk = triton.cdiv(triton.cdiv(m, splits), block_m) * block_m
-    splits = triton.cdiv(m, chunk)
-    part_values = torch.empty(b * h, splits, c, dv, dtype=torch.float32, device=device)
-    part_max = torch.empty(b * h, splits, c, dtype=torch.float32, device=device)
-    part_sum = torch.empty(b * h, splits, c, dtype=torch.float32, device=device)
-    part_top = torch.empty(b * h, splits, c, max(top, 1), dtype=torch.int64, device=device)
-    block_c = 16
-    mask = key_mask.contiguous()
-    _centroid_attention_kernel[(triton.cdiv(c, block_c), splits, b * h)](
-        centroids, k, v, mask, part_values, part_max, part_sum, part_top,
-        *k.stride(), *v.stride(),
-        h, m, c, d, dv, splits, chunk, scale * LOG2E,
-        BLOCK_C=block_c, BLOCK_M=block_m, HEAD_DIM=pow2_block(d), VALUE_DIM=pow2_block(dv),
-        TOP=top, UPCAST=upcast(k),
-    )
-    values = torch.empty(b, h, c, dv, dtype=torch.float32, device=device)
-    top_index = torch.empty(b, h, c, max(topk, 1), dtype=torch.int64, device=device)
-    top_probs = torch.empty(b, h, c, max(topk, 1), dtype=torch.float32, device=device)
-    _centroid_combine_kernel[(triton.cdiv(c, block_c), b * h)](
-        part_values, part_max, part_sum, part_top, values, top_index, top_probs,
-        m, c, dv, splits, topk,
-        BLOCK_C=block_c, VALUE_DIM=pow2_block(dv), TOP=top,
-    )
-    if not topk:
-        return CentroidAttention(values)
-    return CentroidAttention(values, top_index, top_probs)
 
 
 def broadcast_triton(centroid_values: Tensor, assign: Tensor, dtype: torch.dtype) -> Tensor:

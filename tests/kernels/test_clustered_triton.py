@@ -39,7 +39,7 @@ from kernels.kmeans import (  # noqa: E402
 from kernels.stages import CentroidAttention, cluster_queries  # noqa: E402
 
 triton_clustered = pytest.importorskip("kernels.clustered_triton")
-from kernels import hamming_triton, lloyd_triton  # noqa: E402
+from kernels import centroid_triton, hamming_triton, lloyd_triton  # noqa: E402
 from kernels.cluster_layout_triton import ClusterLayout, cluster_layout_triton  # noqa: E402
 from kernels.clustered import cluster_tiles  # noqa: E402
 from kernels.hamming_triton import hamming_kmeans_triton  # noqa: E402
@@ -177,31 +177,43 @@ def test_cluster_layout_equals_the_reference(n, clusters, lengths, tile, poisone
     assert torch.equal(got_cluster, tile_cluster.flatten(0, 1))
 
 
-@pytest.mark.parametrize("d, dv, m", [(24, 16, 37), (128, 32, 20), (16, 16, 300)])
-def test_centroid_attention_equals_the_reference(d, dv, m, monkeypatch):
-    """The keys split across programs (64 keys a split here: m = 300 makes 5), each split's
-    online softmax and top-k kept on chip, then merged."""
-    monkeypatch.setattr(triton_clustered, "KEYS_PER_SPLIT", 64)
+@pytest.mark.parametrize("d, dv, m, topk", [(24, 16, 37, 4), (128, 32, 20, 4), (16, 16, 300, 4), (16, 16, 300, 16)])
+def test_centroid_attention_equals_the_reference(d, dv, m, topk, poisoned):
+    """The keys split across programs (m = 300 makes 5 splits): each split's online softmax and
+    lane maxima, merged, then each row's keys above its threshold kept and merged."""
     _, k, v = qkv(m=m, d=d, dv=dv)
     centroids = torch.randn(2, 2, 5, d, generator=torch.Generator().manual_seed(1))
     mask = padding_mask(2, m, [m - 3, 0])  # row 1 has no real key at all
     scale = d**-0.5
-    got = triton_clustered.centroid_attention_triton(centroids, k, v, mask, scale, 4)
+    got = centroid_triton.centroid_attention_triton(centroids, k, v, mask, scale, topk)
     expected = _centroid_attention(centroids, k, mask, scale)
     assert torch.allclose(got.values, expected @ v, atol=1e-5, rtol=0)
-    want_probs, want_index = expected.topk(4, dim=-1)
+    want_probs, want_index = expected.topk(topk, dim=-1)
     assert_topk_agree(got.top_index[0], want_index[0], expected[0])
     assert torch.allclose(got.top_probs, want_probs, atol=1e-6, rtol=0)
     assert (got.top_probs[1] == 0).all() and (got.values[1] == 0).all()
-    assert triton_clustered.centroid_attention_triton(centroids, k, v, mask, scale, 0).top_index is None
+    assert centroid_triton.centroid_attention_triton(centroids, k, v, mask, scale, 0).top_index is None
+
+
+def test_centroid_top_k_of_tied_logits_equals_the_reference(poisoned):
+    """Keys repeated: many logits tie (and equal the threshold); the top-k takes the lowest
+    indices among equals, as torch.topk over the probabilities does here."""
+    _, k, v = qkv(m=200, d=16)
+    k = k[:, :, torch.arange(200) % 7]
+    centroids = torch.randn(2, 2, 3, 16, generator=torch.Generator().manual_seed(2))
+    mask = padding_mask(2, 200, [200, 150])
+    got = centroid_triton.centroid_attention_triton(centroids, k, v, mask, 0.25, 8)
+    expected = _centroid_attention(centroids, k, mask, 0.25)
+    assert torch.allclose(got.top_probs, expected.topk(8, dim=-1).values, atol=1e-6, rtol=0)
+    assert_topk_agree(got.top_index, expected.topk(8, dim=-1).indices, expected)
 
 
 def test_centroid_attention_beyond_the_on_chip_topk_equals_the_reference(monkeypatch):
-    monkeypatch.setattr(triton_clustered, "MAX_TOPK_ON_CHIP", 4)
+    monkeypatch.setattr(centroid_triton, "MAX_TOPK_ON_CHIP", 4)
     _, k, v = qkv(m=30, d=16)
     centroids = torch.randn(2, 2, 5, 16, generator=torch.Generator().manual_seed(1))
     mask = padding_mask(2, 30, [30, 21])
-    got = triton_clustered.centroid_attention_triton(centroids, k, v, mask, 0.25, 6)
+    got = centroid_triton.centroid_attention_triton(centroids, k, v, mask, 0.25, 6)
     expected = _centroid_attention(centroids, k, mask, 0.25)
     assert torch.allclose(got.values, expected @ v, atol=1e-5, rtol=0)
     assert_topk_agree(got.top_index, expected.topk(6, dim=-1).indices, expected)
