@@ -6,17 +6,18 @@ each cluster's top-k keys of A^c. A^c is never written.
     _centroid_attention_kernel  (centroid blocks, splits, B * H)  a split of the keys against
                                 all of a head's centroids in one tile (up to 128: K and V are
                                 read once per head): the split's online softmax and, for the
-                                top-k, the largest logit of each of TOP lanes (key index mod TOP)
-    _centroid_combine_kernel    (centroid blocks of 16, B * H)  V^c from the splits, each row's
-                                softmax max and sum, and its threshold: the smallest lane
-                                maximum, at most the row's TOP-th largest logit (the TOP lane
-                                maxima are TOP distinct keys)
-    _centroid_topk_kernel       (centroid blocks of 16, top splits, B * H)  the logits again;
+                                top-k, the largest logit of each of 2 TOP lanes (key index mod
+                                2 TOP)
+    _centroid_combine_kernel    (centroid blocks of 8, B * H)  V^c from the splits, each row's
+                                softmax max and sum, and its threshold: the TOP-th largest lane
+                                maximum, at most the row's TOP-th largest logit (lane maxima
+                                are distinct keys)
+    _centroid_topk_kernel       (centroid blocks of 64, top splits, B * H)  the logits again;
                                 only keys at or above the threshold can be in the top-k (on
-                                real attention ~4 TOP of a row's M), and only those are kept:
+                                random logits ~1.5 TOP of a row's M), and only those are kept:
                                 a row's best candidate replaces the row's smallest kept key,
                                 repeated while a row has a candidate above it
-    _centroid_topk_combine_kernel  (centroid blocks of 16, B * H)  the splits' kept keys merged
+    _centroid_topk_combine_kernel  (centroid blocks of 8, B * H)  the splits' kept keys merged
                                 into the top-k, their indices and probabilities
 
 A block of keys costs the top-k a compare per logit and a few steps per candidate, instead of
@@ -34,14 +35,16 @@ from torch import Tensor
 from .blocks import pow2_block
 from .clustered import centroid_attention
 from .stages import CentroidAttention
-from .triton_helpers import TARGET_PROGRAMS, mma, online_softmax_step, split_parts, upcast
+from .triton_helpers import TARGET_PROGRAMS, dot_parts_left, online_softmax_step, split_parts, upcast
 
 LOG2E = 1.4426950408889634
 # The largest top-k (rounded up to a power of two) that the centroid pass selects on chip.
 MAX_TOPK_ON_CHIP = 256
-# Centroids per tile of the softmax pass (all of a head's up to this many) and of the top-k.
+# Centroids per tile of the softmax pass (all of a head's up to this many), of the top-k
+# filter, and of the two merges (8: enough programs for the GPU at batch 1).
 SOFTMAX_BLOCK_C = 128
-TOPK_BLOCK_C = 16
+TOPK_BLOCK_C = 64
+COMBINE_BLOCK_C = 8
 # A logit at the threshold may come out an ulp lower when recomputed by a differently tiled dot:
 # the top-k kernel keeps what is within this relative margin below it too.
 THRESHOLD_MARGIN = 1e-5
@@ -74,9 +77,7 @@ def _logits(parts, centroids, keys, scale, UPCAST: tl.constexpr):
     if keys.dtype == tl.float32:
         product = tl.dot(centroids, tl.trans(keys), input_precision="ieee")
     else:
-        hi, mid, lo, split = parts
-        key_rows = tl.trans(keys)
-        product = mma(hi, key_rows, UPCAST) + (mma(mid, key_rows, UPCAST) + mma(lo, key_rows, UPCAST) / split) / split
+        product = dot_parts_left(parts, tl.trans(keys), UPCAST)
     return product * scale
 
 
@@ -170,7 +171,8 @@ def _centroid_combine_kernel(
     tl.store(stats_ptr + (bh * C + rows) * 2, shift, mask=in_rows)
     tl.store(stats_ptr + (bh * C + rows) * 2 + 1, inv_sum, mask=in_rows)
     if LANES > 0:
-        tl.store(threshold_ptr + bh * C + rows, tl.min(lanes, axis=1), mask=in_rows)
+        # The TOP-th largest of the LANES = 2 TOP lane maxima: TOP distinct keys are at least it.
+        tl.store(threshold_ptr + bh * C + rows, tl.min(tl.topk(lanes, LANES // 2), axis=1), mask=in_rows)
 
 
 @triton.jit
@@ -183,7 +185,9 @@ def _centroid_topk_kernel(
 ):
     """A block of centroids against one split of the keys: the TOP largest keys (_logit_keys)
     of each row among those whose logit is at least its threshold, to part_top (B * H, SPLITS,
-    C, TOP) int64 (unsorted; NO_KEY where fewer)."""
+    C, TOP) int64 (unsorted; NO_KEY where fewer). A block's logits are filtered as floats
+    (against the threshold, then the row's smallest kept logit); while a row has a candidate
+    left, its best one replaces the row's smallest kept key if larger, and leaves them."""
     split = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
     batch, head = bh // H, bh % H
@@ -196,11 +200,10 @@ def _centroid_topk_kernel(
     parts = split_parts(centroids, k_ptr.dtype.element_ty)  # loop invariant
     k_head = k_ptr + batch * stride_kb + head * stride_kh
     threshold = tl.load(threshold_ptr + bh * C + rows, mask=in_rows, other=0.0)
-    threshold = threshold - MARGIN * (tl.abs(threshold) + 1.0)
-    floor = _logit_keys(threshold[:, None], tl.zeros([1], tl.int32) + M - 1, M)  # (BLOCK_C, 1)
-    floor = tl.where(in_rows[:, None], floor, 0x7FFFFFFFFFFFFFFF)  # rows past C keep nothing
+    threshold = tl.where(in_rows, threshold - MARGIN * (tl.abs(threshold) + 1.0), float("inf"))
     top = tl.full([BLOCK_C, TOP], NO_KEY, tl.int64)
     top_min = tl.full([BLOCK_C], NO_KEY, tl.int64)
+    floor = threshold  # a logit below it cannot enter: the threshold, then the smallest kept logit
     first = split * CHUNK
     stop = tl.minimum(first + CHUNK, M)
     for start in range(first, stop, BLOCK_M):
@@ -210,14 +213,16 @@ def _centroid_topk_kernel(
         keys = tl.load(k_head + cols[:, None] * stride_km + dims[None, :] * stride_kd,
                        mask=real[:, None] & (dims[None, :] < D), other=0.0)
         logits = tl.where(real[None, :], _logits(parts, centroids, keys, scale, UPCAST), float("-inf"))
-        keyed = _logit_keys(logits, tl.where(in_split, cols, M), M)
-        live = tl.where((keyed >= floor) & (keyed > top_min[:, None]), keyed, NO_KEY)
-        while tl.max(tl.max(live, axis=1), axis=0) > NO_KEY:
-            best = tl.max(live, axis=1)  # each row's best candidate replaces its smallest kept key
-            replace = (slots[None, :] == tl.argmin(top, axis=1)[:, None]) & (best > top_min)[:, None]
-            top = tl.where(replace, best[:, None], top)
-            top_min = tl.min(top, axis=1)
-            live = tl.where((live != best[:, None]) & (live > top_min[:, None]), live, NO_KEY)
+        live = in_split[None, :] & (logits >= floor[:, None])
+        if tl.max(tl.max(live.to(tl.int32), axis=1), axis=0) > 0:
+            keyed = tl.where(live, _logit_keys(logits, cols, M), NO_KEY)
+            while tl.max(tl.max(keyed, axis=1), axis=0) > NO_KEY:
+                best = tl.max(keyed, axis=1)  # each row's best candidate replaces its smallest kept key
+                replace = (slots[None, :] == tl.argmin(top, axis=1)[:, None]) & (best > top_min)[:, None]
+                top = tl.where(replace, best[:, None], top)
+                top_min = tl.min(top, axis=1)
+                keyed = tl.where((keyed != best[:, None]) & (keyed > top_min[:, None]), keyed, NO_KEY)
+            floor = tl.maximum(floor, tl.where(top_min > NO_KEY, _key_logits(top_min), floor))
     part = (bh * SPLITS + split) * C + rows
     tl.store(part_top_ptr + part[:, None] * TOP + slots[None, :], top, mask=in_rows[:, None])
 
@@ -274,46 +279,47 @@ def centroid_attention_triton(
         # Beyond what a program holds in registers: A^c in float32 and torch's top-k.
         return centroid_attention(centroids, k.float(), v.float(), key_mask, scale, topk)
     mask = key_mask.contiguous()
-    block_m = max(64, top)
+    block_m = max(64, 2 * top)
     # All of a head's centroids in one tile, unless the top-k's lanes would not fit beside them.
-    block_c = pow2_block(c, 16, SOFTMAX_BLOCK_C if top <= 64 else TOPK_BLOCK_C)
+    block_c = pow2_block(c, 16, SOFTMAX_BLOCK_C if top <= 32 else 16)
     splits, chunk = _splits(m, b * h * triton.cdiv(c, block_c), block_m)
     part_values = torch.empty(b * h, splits, c, dv, dtype=torch.float32, device=device)
     part_max = torch.empty(b * h, splits, c, dtype=torch.float32, device=device)
     part_sum = torch.empty(b * h, splits, c, dtype=torch.float32, device=device)
-    part_lanes = torch.empty(b * h, splits, c, max(top, 1), dtype=torch.float32, device=device)
+    part_lanes = torch.empty(b * h, splits, c, max(2 * top, 1), dtype=torch.float32, device=device)
     _centroid_attention_kernel[(triton.cdiv(c, block_c), splits, b * h)](
         centroids, k, v, mask, part_values, part_max, part_sum, part_lanes,
         *k.stride(), *v.stride(),
         h, m, c, d, dv, splits, chunk, scale * LOG2E,
         BLOCK_C=block_c, BLOCK_M=block_m, HEAD_DIM=pow2_block(d), VALUE_DIM=pow2_block(dv),
-        LANES=top, UPCAST=upcast(k), num_warps=8 if block_c >= 64 else 4,
+        LANES=2 * top, UPCAST=upcast(k), num_warps=8 if block_c >= 64 else 4,
     )
     values = torch.empty(b, h, c, dv, dtype=torch.float32, device=device)
     stats = torch.empty(b * h, c, 2, dtype=torch.float32, device=device)
     threshold = torch.empty(b * h, c, dtype=torch.float32, device=device)
-    _centroid_combine_kernel[(triton.cdiv(c, TOPK_BLOCK_C), b * h)](
+    _centroid_combine_kernel[(triton.cdiv(c, COMBINE_BLOCK_C), b * h)](
         part_values, part_max, part_sum, part_lanes, values, stats, threshold,
         c, dv, splits,
-        BLOCK_C=TOPK_BLOCK_C, VALUE_DIM=pow2_block(dv), LANES=top,
+        BLOCK_C=COMBINE_BLOCK_C, VALUE_DIM=pow2_block(dv), LANES=2 * top,
     )
     if not topk:
         return CentroidAttention(values)
-    blocks = triton.cdiv(c, TOPK_BLOCK_C)
+    topk_block_c = pow2_block(c, 16, TOPK_BLOCK_C)
+    blocks = triton.cdiv(c, topk_block_c)
     top_splits, top_chunk = _splits(m, b * h * blocks, block_m)
     part_top = torch.empty(b * h, top_splits, c, top, dtype=torch.int64, device=device)
     _centroid_topk_kernel[(blocks, top_splits, b * h)](
         centroids, k, mask, threshold, part_top,
         *k.stride(),
         h, m, c, d, top_splits, top_chunk, scale * LOG2E,
-        BLOCK_C=TOPK_BLOCK_C, BLOCK_M=block_m, HEAD_DIM=pow2_block(d), TOP=top,
+        BLOCK_C=topk_block_c, BLOCK_M=block_m, HEAD_DIM=pow2_block(d), TOP=top,
         MARGIN=THRESHOLD_MARGIN, NO_KEY=NO_KEY, UPCAST=upcast(k),
     )
     top_index = torch.empty(b, h, c, topk, dtype=torch.int64, device=device)
     top_probs = torch.empty(b, h, c, topk, dtype=torch.float32, device=device)
-    _centroid_topk_combine_kernel[(blocks, b * h)](
+    _centroid_topk_combine_kernel[(triton.cdiv(c, COMBINE_BLOCK_C), b * h)](
         part_top, stats, top_index, top_probs,
         m, c, top_splits, topk,
-        BLOCK_C=TOPK_BLOCK_C, TOP=top,
+        BLOCK_C=COMBINE_BLOCK_C, TOP=top,
     )
     return CentroidAttention(values, top_index, top_probs)

@@ -25,9 +25,8 @@ from torch import Tensor
 from .blocks import pow2_block
 from .triton_helpers import chunking
 
-# Queries per tile of a chunk, and clusters per step of the counts and the scatter (whose
-# (BLOCK_N, BLOCK_C) membership matrix and its running sum stay in registers).
-BLOCK_N = 32
+# Queries per tile of a chunk, and clusters per step of the counts and the scatter.
+BLOCK_N = 64
 BLOCK_C = 128
 
 
@@ -99,23 +98,25 @@ def _layout_scatter_kernel(
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """order[offset(chunk, c) + rank] = position for each real query of this chunk, rank its
-    place among the chunk's members of cluster c (position order)."""
+    place among the chunk's members of cluster c (position order): the members in the tiles
+    before, plus those before it in its tile."""
     chunk = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     start = chunk * CHUNK
     stop = tl.minimum(start + CHUNK, N)
+    before = tl.arange(0, BLOCK_N)[None, :] < tl.arange(0, BLOCK_N)[:, None]  # (i, j): j before i
     for c_start in range(0, C, BLOCK_C):
-        cols = c_start + tl.arange(0, BLOCK_C)
         seen = tl.zeros([BLOCK_C], tl.int32)  # members of each cluster in the tiles before
         for first in range(start, stop, BLOCK_N):
             rows = first + tl.arange(0, BLOCK_N)
-            cluster = tl.load(assign_ptr + bh * N + rows, mask=rows < stop, other=C)
-            member = ((cluster[:, None] == cols[None, :]) & (cols[None, :] < C)).to(tl.int32)  # (BLOCK_N, BLOCK_C)
-            rank = tl.sum(member * (seen[None, :] + tl.cumsum(member, axis=0) - 1), axis=1)
-            mine = tl.sum(member, axis=1) > 0
+            cluster = tl.load(assign_ptr + bh * N + rows, mask=rows < stop, other=C).to(tl.int32)
+            local = cluster - c_start
+            mine = (local >= 0) & (local < BLOCK_C) & (cluster < C)
+            same = tl.sum(((cluster[:, None] == cluster[None, :]) & before).to(tl.int32), axis=1)
+            rank = tl.gather(seen, tl.where(mine, local, 0), 0) + same
             offset = tl.load(offsets_ptr + (bh * CHUNKS + chunk) * C + cluster, mask=mine, other=0)
             tl.store(order_ptr + bh * N + offset + rank, rows, mask=mine)
-            seen += tl.sum(member, axis=0)
+            seen += tl.histogram(local, BLOCK_C, mask=mine)
 
 
 def cluster_layout_triton(assign: Tensor, clusters: int, tile: int) -> ClusterLayout:

@@ -95,7 +95,7 @@ def _nearest_key(query_signs, centroid_signs, bias, UPCAST: tl.constexpr):
 
 @triton.jit
 def _hamming_initial_kernel(
-    codes_ptr, query_mask_ptr, offsets_ptr, centroids_ptr, flags_ptr, signs_ptr,
+    codes_ptr, query_mask_ptr, offsets_ptr, centroids_ptr, centroid_signs_ptr, flags_ptr, signs_ptr,
     H, N, C, CHUNK, BLOCKS,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_BITS: tl.constexpr, COUNT_BLOCK: tl.constexpr,
     FLAG_BLOCK: tl.constexpr, EXACT_CASE: tl.constexpr,
@@ -153,11 +153,13 @@ def _hamming_initial_kernel(
                 real_seen += tl.sum(real.to(tl.int32), axis=0)
                 padded_seen += tl.sum(padded.to(tl.int32), axis=0)
             tl.store(centroids_ptr + bh * C + cols, code, mask=mine)
+            tl.store(centroid_signs_ptr + (bh * C + cols)[:, None] * BLOCK_BITS + bit[None, :], _signs(code, BLOCK_BITS),
+                     mask=mine[:, None])
 
 
 @triton.jit
 def _hamming_assign_kernel(
-    signs_ptr, query_mask_ptr, centroids_ptr, flags_in_ptr, level_ptr,
+    signs_ptr, query_mask_ptr, centroid_signs_ptr, flags_in_ptr, level_ptr,
     part_votes_ptr, part_counts_ptr, part_levels_ptr, assign_ptr,
     H, N, C, CHUNK, CHUNKS, BLOCKS,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_BITS: tl.constexpr, LEVELS: tl.constexpr,
@@ -170,8 +172,8 @@ def _hamming_assign_kernel(
     An iteration (not FINAL) writes the chunk's votes part_votes (B * H, CHUNKS, C, BLOCK_BITS)
     int32 (the sum of the members' +-1 signs: the majority bit is set where it is > 0) and
     member counts part_counts (B * H, CHUNKS, C), each query's donor level (B * H, N) int8
-    and the chunk's level histogram part_levels (B * H, CHUNKS, LEVELS). With ONE_BLOCK (C <=
-    BLOCK_C) the centroids' signs stay in registers and the votes are summed in the same pass;
+    and the chunk's level histogram part_levels (B * H, CHUNKS, LEVELS). With ONE_BLOCK (all C
+    in one tile) the centroids' signs stay in registers and the votes are summed in the same pass;
     else the assignments go to `assign` as scratch and a second pass sums the votes block by
     block. It does nothing when its head's centroids did not change in the previous
     iteration (flags_in, one per cluster block; the first iteration's come from the initial
@@ -186,7 +188,7 @@ def _hamming_assign_kernel(
     mask_row = query_mask_ptr + batch * N
     signs_head = signs_ptr + bh * N * BLOCK_BITS
     assign_row = assign_ptr + bh * N
-    centroids_row = centroids_ptr + bh * C
+    centroid_signs_head = centroid_signs_ptr + bh * C * BLOCK_BITS
     bit = tl.arange(0, BLOCK_BITS)
     if FINAL:
         active = True
@@ -200,7 +202,8 @@ def _hamming_assign_kernel(
             exact = rank_seen + count_real(mask_row, start, N, COUNT_BLOCK) <= C
         cols = tl.arange(0, BLOCK_C)
         if ONE_BLOCK:  # loop invariant: the centroids' signs, read once
-            centroid_signs = _signs(tl.load(centroids_row + cols, mask=cols < C, other=0), BLOCK_BITS)
+            centroid_signs = tl.load(centroid_signs_head + cols[:, None] * BLOCK_BITS + bit[None, :],
+                                     mask=cols[:, None] < C, other=-1)
             bias = _key_bias(cols, C)
         histogram = tl.zeros([LEVELS], tl.int32)
         votes = tl.zeros([BLOCK_C, BLOCK_BITS], tl.int32)
@@ -214,8 +217,8 @@ def _hamming_assign_kernel(
             else:
                 best = tl.full([BLOCK_N], -1, tl.int32)
                 for c_start in range(0, C, BLOCK_C):
-                    block_signs = _signs(tl.load(centroids_row + c_start + cols, mask=c_start + cols < C, other=0),
-                                         BLOCK_BITS)
+                    block_signs = tl.load(centroid_signs_head + (c_start + cols)[:, None] * BLOCK_BITS + bit[None, :],
+                                          mask=(c_start + cols)[:, None] < C, other=-1)
                     best = tl.maximum(best, tl.max(_nearest_key(query_signs, block_signs, _key_bias(c_start + cols, C),
                                                                 UPCAST), axis=1))
             similarity = (best >> 13) - 64  # over all BLOCK_BITS positions
@@ -291,11 +294,12 @@ def _donor_position(level_row, part_levels_row, above, through, rank, N, CHUNK, 
 
 @triton.jit
 def _hamming_update_kernel(
-    codes_ptr, centroids_ptr, flags_in_ptr, flags_out_ptr, level_ptr,
+    codes_ptr, centroids_ptr, centroid_signs_ptr, flags_in_ptr, flags_out_ptr, level_ptr,
     part_votes_ptr, part_counts_ptr, part_levels_ptr,
     N, C, BITS, CHUNK, CHUNKS, BLOCKS, PER_PROGRAM,
     BLOCK_C: tl.constexpr, COUNT_C: tl.constexpr, BLOCK_BITS: tl.constexpr, LEVELS: tl.constexpr,
-    CHUNK_BLOCK: tl.constexpr, CHUNK_GROUP: tl.constexpr, FLAG_BLOCK: tl.constexpr, SCAN: tl.constexpr,
+    CHUNK_BLOCK: tl.constexpr, CHUNK_GROUP: tl.constexpr, VOTE_GROUP: tl.constexpr, FLAG_BLOCK: tl.constexpr,
+    SCAN: tl.constexpr,
 ):
     """New centroids of PER_PROGRAM clusters of one (batch, head): the majority vote of their
     members' bits (ties to 0), the chunks' signed votes summed in chunk order, and for the e-th empty
@@ -322,7 +326,7 @@ def _hamming_update_kernel(
             in_block = cols < last_cluster
             votes = sum_chunks_2d(part_votes_ptr + bh * CHUNKS * C * BLOCK_BITS, C * BLOCK_BITS, CHUNKS,
                                   cols[:, None] * BLOCK_BITS + bit[None, :], in_block[:, None] & (bit[None, :] >= 0),
-                                  CHUNK_GROUP // 2)
+                                  VOTE_GROUP)
             members = sum_chunks(counts_head, C, CHUNKS, cols, in_block, CHUNK_GROUP)
             majority = (votes > 0) & (bit[None, :] < BITS)  # ties (votes 0) to 0
             code = tl.sum(majority.to(tl.int64) << bit[None, :], axis=1)
@@ -344,6 +348,8 @@ def _hamming_update_kernel(
             old = tl.load(centroids_ptr + bh * C + cols, mask=in_block, other=0)
             changed += tl.sum(((old != code) & in_block).to(tl.int32), axis=0)
             tl.store(centroids_ptr + bh * C + cols, code, mask=in_block)
+            tl.store(centroid_signs_ptr + (bh * C + cols)[:, None] * BLOCK_BITS + bit[None, :],
+                     _signs(code, BLOCK_BITS), mask=in_block[:, None])
     tl.store(flags_out_ptr + bh * BLOCKS + block, (changed > 0).to(tl.int32))
 
 
@@ -365,6 +371,7 @@ def hamming_kmeans_triton(
     blocks = triton.cdiv(clusters, per_program)
     mask = query_mask.contiguous()
     centroids = torch.empty(b * h, clusters, dtype=torch.int64, device=device)
+    centroid_signs = torch.empty(b * h, clusters, BLOCK_BITS, dtype=torch.int8, device=device)
     flags = torch.empty(2, b * h, blocks, dtype=torch.int32, device=device)
     level = torch.empty(b * h, n, dtype=torch.int8, device=device)
     signs = torch.empty(b * h, n, BLOCK_BITS, dtype=torch.int8, device=device)
@@ -375,28 +382,31 @@ def hamming_kmeans_triton(
     grid = (chunks, b * h)
     flag_block = pow2_block(blocks, 1)
     _hamming_initial_kernel[grid](
-        codes, mask, offsets, centroids, flags[1], signs, h, n, clusters, chunk, blocks,
+        codes, mask, offsets, centroids, centroid_signs, flags[1], signs, h, n, clusters, chunk, blocks,
         BLOCK_N=min(BLOCK_N, INITIAL_BLOCK_N), BLOCK_C=INITIAL_BLOCK_C, BLOCK_BITS=BLOCK_BITS, COUNT_BLOCK=COUNT_BLOCK,
         FLAG_BLOCK=flag_block, EXACT_CASE=exact_case,
     )
     common = dict(BLOCK_BITS=BLOCK_BITS, LEVELS=LEVELS, FLAG_BLOCK=flag_block)
-    assign_blocks = dict(BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, COUNT_BLOCK=COUNT_BLOCK, ONE_BLOCK=clusters <= BLOCK_C,
+    one_block = clusters <= BLOCK_C
+    block_c = pow2_block(clusters, 16, BLOCK_C) if one_block else BLOCK_C
+    assign_blocks = dict(BLOCK_N=BLOCK_N, BLOCK_C=block_c, COUNT_BLOCK=COUNT_BLOCK, ONE_BLOCK=one_block,
                          UPCAST=upcast(codes), num_warps=NUM_WARPS)
     for it in range(iterations):
         flags_in, flags_out = flags[(it + 1) % 2], flags[it % 2]
         _hamming_assign_kernel[grid](
-            signs, mask, centroids, flags_in, level, part_votes, part_counts, part_levels, assign,
+            signs, mask, centroid_signs, flags_in, level, part_votes, part_counts, part_levels, assign,
             h, n, clusters, chunk, chunks, blocks,
             FINAL=False, EXACT_CASE=False, **assign_blocks, **common,
         )
         _hamming_update_kernel[(blocks, b * h)](
-            codes, centroids, flags_in, flags_out, level, part_votes, part_counts, part_levels,
+            codes, centroids, centroid_signs, flags_in, flags_out, level, part_votes, part_counts, part_levels,
             n, clusters, bits, chunk, chunks, blocks, per_program,
             BLOCK_C=min(per_program, 16), COUNT_C=pow2_block(clusters, 16, 256), CHUNK_BLOCK=pow2_block(chunks, 1),
-            CHUNK_GROUP=CHUNK_GROUP, SCAN=SCAN, **common,
+            CHUNK_GROUP=CHUNK_GROUP, VOTE_GROUP=max(1, 4096 // (min(per_program, 16) * BLOCK_BITS)), SCAN=SCAN,
+            **common,
         )
     _hamming_assign_kernel[grid](
-        signs, mask, centroids, flags, level, part_votes, part_counts, part_levels, assign,
+        signs, mask, centroid_signs, flags, level, part_votes, part_counts, part_levels, assign,
         h, n, clusters, chunk, chunks, blocks,
         FINAL=True, EXACT_CASE=exact_case, **assign_blocks, **common,
     )

@@ -52,8 +52,8 @@ BLOCK_N = 64
 BLOCK_C = 64
 NUM_WARPS = 8
 # Means per tile of the nearest-mean search: up to this many, they are read and split into
-# half-precision parts once per program.
-NEAREST_BLOCK_C = 128
+# half-precision parts once per program (more: tiles of 128).
+NEAREST_BLOCK_C = 256
 # Mask bytes per step of a count of real queries; chunks per load when the means kernel sums
 # the chunks' sums and counts.
 COUNT_BLOCK = 4096
@@ -78,15 +78,16 @@ def _chunk_sums(x_head, assign_row, part_sums_row, part_counts_row, start, stop,
     for c_start in range(0, C, BLOCK_C):
         cols = c_start + tl.arange(0, BLOCK_C)
         sums = tl.zeros([BLOCK_C, HEAD_DIM], tl.float32)
-        members = tl.zeros([BLOCK_C], tl.float32)
+        members = tl.zeros([BLOCK_C], tl.int32)
         for first in range(start, stop, BLOCK_N):
             rows = first + tl.arange(0, BLOCK_N)
             x = _rows(x_head, rows, stop, D, stride_xn, stride_xd, HEAD_DIM)
-            members_of = one_hot(tl.load(assign_row + rows, mask=rows < stop, other=C), cols, x.dtype)
-            sums += mma(members_of, x, UPCAST)
-            members += tl.sum(members_of.to(tl.float32), axis=1)
+            cluster = tl.load(assign_row + rows, mask=rows < stop, other=C).to(tl.int32)
+            sums += mma(one_hot(cluster, cols, x.dtype), x, UPCAST)
+            local = cluster - c_start
+            members += tl.histogram(local, BLOCK_C, mask=(local >= 0) & (local < BLOCK_C))
         tl.store(part_sums_row + cols[:, None] * D + dims[None, :], sums, mask=(cols[:, None] < C) & (dims[None, :] < D))
-        tl.store(part_counts_row + cols, members.to(tl.int32), mask=cols < C)
+        tl.store(part_counts_row + cols, members, mask=cols < C)
 
 
 @triton.jit
@@ -283,8 +284,7 @@ def _nearest_kernel(
                                 mask=(cols[:, None] < C) & (dims[None, :] < D), other=0.0)
             bias = tl.where(cols < C, -tl.sum(centroids * centroids, axis=1), float("-inf"))
             centroids = tl.trans(centroids)
-            if x_ptr.dtype.element_ty != tl.float32:
-                hi, mid, lo, scale = split_parts(centroids, x_ptr.dtype.element_ty)
+            parts = split_parts(centroids, x_ptr.dtype.element_ty)  # unused for float32 queries
         for first in range(start, stop, BLOCK_N):
             rows = first + tl.arange(0, BLOCK_N)
             x = _rows(x_head, rows, stop, D, stride_xn, stride_xd, HEAD_DIM)
@@ -293,7 +293,7 @@ def _nearest_kernel(
                 if x_ptr.dtype.element_ty == tl.float32:
                     scores = 2 * tl.dot(x, centroids, input_precision="ieee") + bias[None, :]
                 else:
-                    scores = 2 * dot_parts(x, hi, mid, lo, scale, UPCAST) + bias[None, :]
+                    scores = 2 * dot_parts(x, parts, UPCAST) + bias[None, :]
                 best_cluster = tl.argmax(scores, axis=1).to(tl.int64)
             else:
                 best = tl.full([BLOCK_N], float("-inf"), tl.float32)
@@ -394,6 +394,7 @@ def refine_clusters_triton(
     mask = query_mask.contiguous()
     grid = (chunks, b * h)
     flags = dict(HEAD_DIM=pow2_block(d), CHUNK_BLOCK=pow2_block(chunks, 1))
+    nearest_block = pow2_block(clusters, 16, NEAREST_BLOCK_C if clusters <= NEAREST_BLOCK_C else 128)
     _sums(q, assign, mask, out, buffers, clusters, chunk, chunks, exact_case)
     for it in range(iterations):
         moved_in, moved_out = buffers.moved[(it + 1) % 2], buffers.moved[it % 2]
@@ -411,7 +412,7 @@ def refine_clusters_triton(
         _nearest_kernel[grid](
             q, mask, buffers.means, moved_in, moved_out, out, buffers.part_sums, buffers.part_counts, *q.stride(),
             h, n, clusters, d, chunk, chunks,
-            BLOCK_N=BLOCK_N, BLOCK_C=NEAREST_BLOCK_C, COUNT_BLOCK=COUNT_BLOCK, ONE_BLOCK=clusters <= NEAREST_BLOCK_C,
+            BLOCK_N=BLOCK_N, BLOCK_C=nearest_block, COUNT_BLOCK=COUNT_BLOCK, ONE_BLOCK=clusters <= nearest_block,
             LAST=it == iterations - 1,
             EXACT_CASE=exact_case, UPCAST=upcast(q), num_warps=NUM_WARPS, **flags,
         )

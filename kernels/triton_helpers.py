@@ -3,11 +3,12 @@ online-softmax step, one count of real tokens, one rounding rule for stores, and
 spreads a head's rows over programs.
 
 Split-precision dots. A float32 operand b (centroids, probabilities, hash planes) is split
-into three parts of the half dtype, b = hi + mid / S + lo / S^2 with S = 2^8 (bfloat16) or
-2^11 (float16), and a @ b = a @ hi + (a @ mid) / S + (a @ lo) / S^2: three tensor-core dots
-with float32 accumulation whose products are exact (half x half fits float32), against the
-FMA units of one float32 dot. The split carries 24 bits of b, so decisions made on the result
-(signs, nearest centroids, top-k) agree with a float32 computation up to float32 rounding.
+into three parts of the half dtype, b = hi + mid / S + lo / S^2 with S = 1 for bfloat16 (it
+has float32's exponent range) and 2^11 for float16, and a @ b = a @ hi + (a @ mid) / S +
+(a @ lo) / S^2: three tensor-core dots with float32 accumulation whose products are exact
+(half x half fits float32), against the FMA units of one float32 dot. The split carries 24
+bits of b, so decisions made on the result (signs, nearest centroids, top-k) agree with a
+float32 computation up to float32 rounding.
 float32 inputs keep one float32 dot ("ieee": TF32 would round them to 10 bits).
 
 The upcast rule. Triton's interpreter multiplies bfloat16 bit patterns as integers in tl.dot
@@ -47,20 +48,21 @@ def cluster_block(clusters: int) -> int:
 
 
 @triton.jit
-def mma(a, b, UPCAST: tl.constexpr):
-    """a @ b with float32 accumulation; half operands on tensor cores, float32 ones in ieee."""
+def mma(a, b, UPCAST: tl.constexpr, acc=None):
+    """a @ b (+ acc) with float32 accumulation; half operands on tensor cores, float32 ones in ieee."""
     if UPCAST or a.dtype == tl.float32:
-        product = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        product = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        product = tl.dot(a, b)
+        product = tl.dot(a, b, acc)
     return product
 
 
 @triton.jit
 def split_parts(b, HALF: tl.constexpr):
-    """float32 b as hi + mid / S + lo / S^2 in the half dtype HALF: (hi, mid, lo, S)."""
+    """float32 b as hi + mid / S + lo / S^2 in the half dtype HALF: (hi, mid, lo, S). bfloat16
+    has float32's exponent range, so its parts need no scaling (S = 1); float16's do."""
     if HALF == tl.bfloat16:
-        scale = 256.0
+        scale = 1.0
     else:
         scale = 2048.0
     hi = b.to(HALF)
@@ -71,9 +73,26 @@ def split_parts(b, HALF: tl.constexpr):
 
 
 @triton.jit
-def dot_parts(a, hi, mid, lo, scale, UPCAST: tl.constexpr):
-    """a @ b for a half and b given as its split_parts (split once, used by many dots)."""
-    return mma(a, hi, UPCAST) + (mma(a, mid, UPCAST) + mma(a, lo, UPCAST) / scale) / scale
+def dot_parts(a, parts, UPCAST: tl.constexpr):
+    """a @ b for a half and b given as its split_parts (split once, used by many dots): the
+    small parts first, each dot accumulating onto the (scaled) sum of the ones before."""
+    hi, mid, lo, scale = parts
+    if hi.dtype == tl.bfloat16:
+        product = mma(a, hi, UPCAST, mma(a, mid, UPCAST, mma(a, lo, UPCAST)))
+    else:
+        product = mma(a, hi, UPCAST, mma(a, mid, UPCAST, mma(a, lo, UPCAST) / scale) / scale)
+    return product
+
+
+@triton.jit
+def dot_parts_left(parts, b, UPCAST: tl.constexpr):
+    """a @ b for b half and a given as its split_parts."""
+    hi, mid, lo, scale = parts
+    if hi.dtype == tl.bfloat16:
+        product = mma(hi, b, UPCAST, mma(mid, b, UPCAST, mma(lo, b, UPCAST)))
+    else:
+        product = mma(hi, b, UPCAST, mma(mid, b, UPCAST, mma(lo, b, UPCAST) / scale) / scale)
+    return product
 
 
 @triton.jit
@@ -82,8 +101,7 @@ def dot_split_right(a, b, UPCAST: tl.constexpr):
     if a.dtype == tl.float32:
         product = tl.dot(a, b, input_precision="ieee")
     else:
-        hi, mid, lo, scale = split_parts(b, a.dtype)
-        product = dot_parts(a, hi, mid, lo, scale, UPCAST)
+        product = dot_parts(a, split_parts(b, a.dtype), UPCAST)
     return product
 
 
@@ -93,8 +111,7 @@ def dot_split_left(a, b, UPCAST: tl.constexpr):
     if b.dtype == tl.float32:
         product = tl.dot(a, b, input_precision="ieee")
     else:
-        hi, mid, lo, scale = split_parts(a, b.dtype)
-        product = mma(hi, b, UPCAST) + (mma(mid, b, UPCAST) + mma(lo, b, UPCAST) / scale) / scale
+        product = dot_parts_left(split_parts(a, b.dtype), b, UPCAST)
     return product
 
 

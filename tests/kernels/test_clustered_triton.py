@@ -130,10 +130,10 @@ def test_refinement_equals_the_reference(n, lengths, clusters, duplicates, poiso
     print(f"ties within float rounding: {ties}")
 
 
-@pytest.mark.parametrize("block", [32, 128])
+@pytest.mark.parametrize("block", [32, 256])
 @pytest.mark.parametrize("first, second", [(5, 18), (3, 35)])
 def test_refinement_ties_go_to_the_lowest_cluster_within_and_across_blocks(first, second, block, monkeypatch):
-    # Blocks of 32 means: 5 and 18 share one, 3 and 35 do not; 128 holds all 40 (read once).
+    # Blocks of 32 means: 5 and 18 share one, 3 and 35 do not; 256 holds all 40 (read once).
     monkeypatch.setattr(lloyd_triton, "NEAREST_BLOCK_C", block)
     assert_exact_ties_go_to_the_lowest_cluster(refine_clusters_triton, first, second, 40)
 
