@@ -54,3 +54,18 @@ def poison_empty(monkeypatch):
         return out.fill_(torch.iinfo(out.dtype).min)
 
     monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def tile_positions(layout, n_tiles: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the tile kernel reads from a layout, as clustered.cluster_tiles gives it: positions
+    (B * H, T, tile) int64 (-1 in unused slots) and each tile's cluster (B * H, T) in [0, C]."""
+    tiles = torch.arange(n_tiles, device=layout.order.device)
+    clusters = layout.size.shape[1]
+    cluster = (layout.tile_end[:, None, :] <= tiles[None, :, None]).sum(-1)
+    c = cluster.clamp(max=clusters - 1)
+    first_tile = layout.tile_end.gather(1, c) - (layout.size.gather(1, c) + tile - 1) // tile
+    slot = (tiles[None, :] - first_tile)[..., None] * tile + torch.arange(tile, device=tiles.device)
+    valid = (slot < layout.size.gather(1, c)[..., None]) & (cluster < clusters)[..., None]
+    rank = (layout.start.gather(1, c)[..., None] + slot).clamp(0, layout.order.shape[1] - 1)
+    positions = layout.order.long().gather(1, rank.flatten(1)).view_as(rank)
+    return torch.where(valid, positions, -1), cluster

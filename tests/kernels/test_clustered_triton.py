@@ -15,7 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from kernel_inputs import padding_mask, poison_empty, qkv, several_programs_per_head  # noqa: E402
+from kernel_inputs import padding_mask, poison_empty, qkv, several_programs_per_head, tile_positions  # noqa: E402
 from ties import (  # noqa: E402
     assert_codes_agree,
     assert_exact_ties_go_to_the_lowest_cluster,
@@ -40,7 +40,7 @@ from kernels.stages import CentroidAttention, cluster_queries  # noqa: E402
 
 triton_clustered = pytest.importorskip("kernels.clustered_triton")
 from kernels import centroid_triton, hamming_triton, lloyd_triton  # noqa: E402
-from kernels.cluster_layout_triton import ClusterLayout, cluster_layout_triton  # noqa: E402
+from kernels.cluster_layout_triton import cluster_layout_triton  # noqa: E402
 from kernels.clustered import cluster_tiles  # noqa: E402
 from kernels.hamming_triton import hamming_kmeans_triton  # noqa: E402
 from kernels.hashing_triton import hash_codes_triton  # noqa: E402
@@ -146,21 +146,6 @@ def test_cluster_means_equal_the_reference(poisoned):
     means, members = cluster_means_triton(q, assign, 6)
     assert torch.allclose(means, cluster_means(q, assign, 6), atol=1e-6, rtol=0)
     assert torch.equal(members, _count_members(assign, 6).long())
-
-
-def tile_positions(layout: ClusterLayout, n_tiles: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the tile kernel reads from a layout, as clustered.cluster_tiles gives it: positions
-    (B * H, T, tile) int64 (-1 in unused slots) and each tile's cluster (B * H, T) in [0, C]."""
-    tiles = torch.arange(n_tiles)
-    clusters = layout.size.shape[1]
-    cluster = (layout.tile_end[:, None, :] <= tiles[None, :, None]).sum(-1)
-    c = cluster.clamp(max=clusters - 1)
-    first_tile = layout.tile_end.gather(1, c) - (layout.size.gather(1, c) + tile - 1) // tile
-    slot = (tiles[None, :] - first_tile)[..., None] * tile + torch.arange(tile)
-    valid = (slot < layout.size.gather(1, c)[..., None]) & (cluster < clusters)[..., None]
-    rank = (layout.start.gather(1, c)[..., None] + slot).clamp(0, layout.order.shape[1] - 1)
-    positions = layout.order.long().gather(1, rank.flatten(1)).view_as(rank)
-    return torch.where(valid, positions, -1), cluster
 
 
 @pytest.mark.parametrize("n, clusters, lengths, tile", [(50, 4, [50, 37], 4), (45, 7, [45, 45], 8), (40, 3, [40, 0], 32)])
