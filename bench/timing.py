@@ -57,7 +57,8 @@ def capture_graph(fn: Callable[[], object], device: torch.device) -> tuple[torch
 
 
 @contextmanager
-def counting_launches(launch: Callable[..., object] | None = None) -> Iterator[dict[str, int]]:
+def counting_launches(launch: Callable[..., object] | None = None, ops: list | None = None
+                      ) -> Iterator[dict[str, int]]:
     """Count, inside the block, the torch ops that launch a kernel (views and allocations left
     out: roughly one device kernel each) and the Triton kernel launches of the kernels/
     package. Yields {"torch_ops": n, "triton_launches": n}, filled in as the block runs.
@@ -65,10 +66,11 @@ def counting_launches(launch: Callable[..., object] | None = None) -> Iterator[d
     Only for a counting pass, never a timed one: it wraps each Triton kernel's `run` for
     the duration of the block (and the interpreter's own tensor copies are not counted).
     With `launch`, a launch calls launch(kernel, grid, args, kwargs) instead of the kernel:
-    the offline report records the launches of a call on fake tensors that way.
+    the offline report records the launches of a call on fake tensors that way. With `ops`,
+    each counted torch op is appended as (name, bytes read, bytes written) of its tensors.
     """
     counts = {"torch_ops": 0, "triton_launches": 0}
-    mode = _OpCounter(counts)
+    mode = _OpCounter(counts, ops)
     kernels = triton_kernels()
     own = [vars(kernel).get("run") for kernel in kernels]  # None: the class's method
     for kernel in kernels:
@@ -88,16 +90,31 @@ class _OpCounter(TorchDispatchMode):
     # Ops that allocate or alias without a kernel; everything else launches (about) one.
     _NO_KERNEL = ("empty", "detach", "lift_fresh", "alias", "_local_scalar_dense")
 
-    def __init__(self, counts: dict[str, int]):
+    def __init__(self, counts: dict[str, int], ops: list | None = None):
         super().__init__()
         self.counts = counts
+        self.ops = ops
         self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
+        out = func(*args, **(kwargs or {}))
         if not self.paused and not getattr(func, "is_view", False) and not name.startswith(self._NO_KERNEL):
             self.counts["torch_ops"] += 1
-        return func(*args, **(kwargs or {}))
+            if self.ops is not None:
+                self.ops.append((name, _nbytes((args, kwargs)), _nbytes(out)))
+        return out
+
+
+def _nbytes(tree) -> int:
+    """Bytes of the tensors in a nest of tuples, lists and dicts."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, (tuple, list)):
+        return sum(_nbytes(t) for t in tree)
+    if isinstance(tree, dict):
+        return sum(_nbytes(t) for t in tree.values())
+    return 0
 
 
 def _counted_run(kernel, counts: dict[str, int], mode: _OpCounter, launch):
@@ -117,7 +134,8 @@ def _counted_run(kernel, counts: dict[str, int], mode: _OpCounter, launch):
 
 
 def triton_kernels() -> list:
-    """Every Triton kernel of kernels/*_triton.py (the module-level `*_kernel` functions)."""
+    """Every Triton kernel of the kernels package: the module-level `*_kernel` functions of
+    each of its modules (found by walking the package, so a new kernel module is counted too)."""
     import importlib
     import pkgutil
 
@@ -125,12 +143,12 @@ def triton_kernels() -> list:
 
     import kernels
 
-    found = []
+    found: dict[int, object] = {}
     for info in pkgutil.iter_modules(kernels.__path__):
-        if not info.name.endswith("_triton"):
+        if info.name.startswith("_"):  # the native loops' shared libraries
             continue
         module = importlib.import_module(f"kernels.{info.name}")
         for name, value in vars(module).items():
             if name.endswith("_kernel") and isinstance(value, triton.runtime.KernelInterface):
-                found.append(value)
-    return found
+                found.setdefault(id(value), value)
+    return list(found.values())

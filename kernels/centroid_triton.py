@@ -27,6 +27,8 @@ a sorting network over every logit. Softmaxes run in base 2 (triton_helpers), th
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -214,14 +216,16 @@ def _centroid_topk_kernel(
                        mask=real[:, None] & (dims[None, :] < D), other=0.0)
         logits = tl.where(real[None, :], _logits(parts, centroids, keys, scale, UPCAST), float("-inf"))
         live = in_split[None, :] & (logits >= floor[:, None])
-        if tl.max(tl.max(live.to(tl.int32), axis=1), axis=0) > 0:
+        candidates = tl.max(tl.sum(live.to(tl.int32), axis=1), axis=0)  # a row takes at most one a round
+        if candidates > 0:
             keyed = tl.where(live, _logit_keys(logits, cols, M), NO_KEY)
-            while tl.max(tl.max(keyed, axis=1), axis=0) > NO_KEY:
-                best = tl.max(keyed, axis=1)  # each row's best candidate replaces its smallest kept key
-                replace = (slots[None, :] == tl.argmin(top, axis=1)[:, None]) & (best > top_min)[:, None]
-                top = tl.where(replace, best[:, None], top)
-                top_min = tl.min(top, axis=1)
-                keyed = tl.where((keyed != best[:, None]) & (keyed > top_min[:, None]), keyed, NO_KEY)
+            for _ in range(0, candidates):
+                if tl.max(tl.max(keyed, axis=1), axis=0) > NO_KEY:  # what is left may all be below the kept
+                    best = tl.max(keyed, axis=1)  # each row's best candidate replaces its smallest kept key
+                    replace = (slots[None, :] == tl.argmin(top, axis=1)[:, None]) & (best > top_min)[:, None]
+                    top = tl.where(replace, best[:, None], top)
+                    top_min = tl.min(top, axis=1)
+                    keyed = tl.where((keyed != best[:, None]) & (keyed > top_min[:, None]), keyed, NO_KEY)
             floor = tl.maximum(floor, tl.where(top_min > NO_KEY, _key_logits(top_min), floor))
     part = (bh * SPLITS + split) * C + rows
     tl.store(part_top_ptr + part[:, None] * TOP + slots[None, :], top, mask=in_rows[:, None])
@@ -323,3 +327,25 @@ def centroid_attention_triton(
         BLOCK_C=COMBINE_BLOCK_C, TOP=top,
     )
     return CentroidAttention(values, top_index, top_probs)
+
+
+def _topk_rounds(a: dict) -> dict:
+    """One program's split and its rounds of candidates per block of keys: on real attention a
+    row has about 1.3 TOP keys at or above its threshold, spread over the M keys; a block's
+    rounds are the most any of its rows has (a Poisson maximum)."""
+    per_row = 1.3 * a["TOP"] * a["BLOCK_M"] / max(a["M"], 1)
+    cdf, term, rounds, k = 0.0, math.exp(-per_row), 0.0, 0
+    while cdf < 1 - 1e-9 and k < a["BLOCK_M"]:
+        cdf += term
+        rounds += 1 - cdf ** a["BLOCK_C"]  # P(max > k)
+        k += 1
+        term *= per_row / k
+    return {"first": 0, "stop": min(a["CHUNK"], a["M"]), "candidates": rounds}
+
+
+# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
+# launch's arguments do not give, as one program sees them on average.
+LOOP_BOUNDS = {
+    "_centroid_attention_kernel": lambda a: {"first": 0, "stop": min(a["CHUNK"], a["M"])},
+    "_centroid_topk_kernel": _topk_rounds,
+}

@@ -207,4 +207,3 @@ TRITON = ClusteredStages(
     centroid_attention=centroid_attention_triton, sparse=improved_sparse_triton, broadcast=broadcast_triton,
     exact_case=applied_by_stages,
 )
-

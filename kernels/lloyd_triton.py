@@ -33,8 +33,10 @@ from torch import Tensor
 from .blocks import pow2_block
 from .triton_helpers import (
     any_set,
+    average_chunk,
     chunking,
     cluster_block,
+    cluster_range,
     count_real,
     dot_parts,
     dot_split_right,
@@ -431,3 +433,16 @@ def cluster_means_triton(x: Tensor, assign: Tensor, clusters: int) -> tuple[Tens
     _sums(x, assign, None, copy, buffers, clusters, chunk, chunks, exact_case=False)
     _means(x, buffers, buffers.moved[1], clusters, chunks)
     return buffers.means.view(b, h, clusters, d), buffers.members.view(b, h, clusters)
+
+
+# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
+# launch's arguments do not give, as one program sees them on average. The refinement's steps
+# on real queries left no cluster empty (the reference on real text): the candidates and donor
+# launches find nothing to do.
+LOOP_BOUNDS = {
+    "_sums_kernel": lambda a: average_chunk(a["N"], a["CHUNK"]),
+    "_means_kernel": lambda a: cluster_range(a["C"], a["PER_PROGRAM"]),
+    "_candidates_kernel": lambda a: {"start": 0, "stop": 0},
+    "_donor_kernel": lambda a: {"wanted": 0, "empties": 0},
+    "_nearest_kernel": lambda a: average_chunk(a["N"], a["CHUNK"]),
+}

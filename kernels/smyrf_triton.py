@@ -44,7 +44,7 @@ from .hashing import on_device
 from .smyrf import smyrf_cluster_count, smyrf_projections
 from .spec import AttentionSpec
 from .stages import SmyrfStages, sort_by_hash
-from .triton_helpers import chunking, count_real, dot_split_right, mma, online_softmax_step, rounded, upcast
+from .triton_helpers import average_chunk, chunking, count_real, dot_split_right, mma, online_softmax_step, rounded, upcast
 
 # Rows per tile of the norm and hash launches.
 HASH_TILE = 64
@@ -398,3 +398,20 @@ TRITON = SmyrfStages(
     name="triton", compute=lambda dtype: dtype, hash=hash_tokens_triton, sort=sort_by_hash,
     cluster_attention=cluster_attention_triton,
 )
+
+
+def _first_tile_keys(a: dict) -> dict:
+    """The key ranks the first tile of sorted queries streams (all tokens real): those of the
+    clusters its BLOCK_M ranks fall in."""
+    n, m, block_m = a["N"], a["M"], a["BLOCK_M"]
+    clusters = max(1, min(-(-max(n, m) // a["cluster_size"]), n, m))
+    last_cluster = (min(block_m, n) - 1) * clusters // n
+    return {"key_start": 0, "key_stop": -(-(last_cluster + 1) * m // clusters)}
+
+
+# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
+# launch's arguments do not give, as one program sees them.
+LOOP_BOUNDS = {
+    "_smyrf_attention_kernel": _first_tile_keys,
+    "_smyrf_norms_kernel": lambda a: average_chunk(max(a["N"], a["M"]), a["CHUNK"]),
+}

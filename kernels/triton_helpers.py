@@ -41,6 +41,19 @@ def chunking(n: int, heads: int, block: int) -> tuple[int, int]:
     return triton.cdiv(tiles, per_program), per_program * block
 
 
+def average_chunk(n: int, chunk: int) -> dict:
+    """For the offline cost model's LOOP_BOUNDS: the rows [start, stop) of a program in the
+    middle of a head's chunks (a count of the rows before it is half a head's on average)."""
+    start = (triton.cdiv(n, chunk) - 1) * chunk / 2
+    return {"start": start, "stop": min(start + chunk, n)}
+
+
+def cluster_range(clusters: int, per_program: int) -> dict:
+    """For LOOP_BOUNDS: the clusters [first_cluster, last_cluster) of a program in the middle."""
+    first = (triton.cdiv(clusters, per_program) - 1) * per_program / 2
+    return {"first_cluster": first, "last_cluster": min(first + per_program, clusters)}
+
+
 def cluster_block(clusters: int) -> int:
     """Clusters per program of a per-cluster reduction: about 16 programs a head, 8 to 256
     clusters each (each program also reads every cluster's member count)."""
