@@ -2,27 +2,24 @@
 arXiv:2007.04825): the triton backend's stages (kernels/stages.py runs them); the reference
 they match is clustered.py.
 
-    hash, cluster, refine, centroids   LSH codes (hashing_triton), Hamming K-means,
-                             Euclidean refinement and cluster means (kmeans_triton), one
-                             launch each
-    _centroid_attention_kernel   one split of the keys for a block of centroids: the split's
-                                 online softmax of Q^c K^T * scale over the real keys and
-                                 its top-k logits, kept on chip (A^c is never written)
-    _centroid_combine_kernel     V^c = A^c V and the top-k keys of A^c, merged over the splits
+    hash, cluster, refine, centroids   LSH codes (hashing_triton), Hamming K-means
+                             (hamming_triton), Euclidean refinement and cluster means
+                             (lloyd_triton), each spread over (chunks of queries, B * H)
+    centroid_attention_triton    V^c = A^c V and each cluster's top-k keys of A^c, the keys
+                                 split across programs (centroid_triton; A^c is never written)
     _broadcast_kernel            clustered: every query gets its centroid's row of V^c
-    _cluster_layout_kernel       improved clustered: each cluster's queries in tiles
-                                 (as clustered.cluster_tiles), one program per (batch, head)
+    cluster_layout_triton        improved clustered: each cluster's queries in tiles (as
+                                 clustered.cluster_tiles), a counting sort in three launches
     _improved_tile_kernel        one program per tile of one cluster's queries: exact softmax
                                  on the cluster's top-k keys, scaled to their centroid mass
                                  m_j, plus the centroid attention on the other keys (eq. 15)
 
-One call is 8 launches (7 for clustered) and the output's zero fill. Sums and softmaxes are
-float32; every dot of half-precision inputs runs on tensor cores (split_dot keeps float32
-accuracy where one side is float32), float32 inputs use input_precision="ieee" (TF32 alone
+The softmaxes run in base 2 (triton_helpers.online_softmax_step). Sums and softmaxes are
+float32; every dot of half-precision inputs runs on tensor cores (the split-precision dots of
+triton_helpers keep float32 accuracy where one side is float32), float32 inputs use input_precision="ieee" (TF32 alone
 would miss the reference by ~1e-3). No host synchronisation: sizes that the reference reads
 from the data (the number of tiles) use their static bound, so a whole forward can be
-captured in a CUDA graph. The top-k is chosen on chip up to MAX_TOPK_ON_CHIP keys; a larger
-topk writes A^c and uses torch's top-k (clustered.centroid_attention).
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -33,167 +30,19 @@ import triton.language as tl
 from torch import Tensor
 
 from .blocks import pow2_block
-from .clustered import TILE, centroid_attention
+from .centroid_triton import centroid_attention_triton
+from .cluster_layout_triton import cluster_layout_triton
+from .clustered import TILE
+from .hamming_triton import hamming_kmeans_triton
 from .hashing import hash_planes, on_device
 from .hashing_triton import hash_codes_triton
 from .kmeans import initial_offsets
-from .kmeans_triton import cluster_means_triton, hamming_kmeans_triton, refine_clusters_triton
+from .lloyd_triton import cluster_means_triton, refine_clusters_triton
 from .spec import AttentionSpec
-from .split_dot import dot_split_left, mma
 from .stages import CentroidAttention, ClusteredStages, applied_by_stages
+from .triton_helpers import mma, online_softmax_step, rounded, upcast
 
-# Running max of a softmax row before any real key: finite, so exp(m_old - m_new) is never NaN.
-_NO_MAX = -1.0e30
-# Keys per split of the centroid pass (fewer splits below it), and at most this many splits.
-KEYS_PER_SPLIT = 2048
-MAX_SPLITS = 16
-# The largest top-k (rounded up to a power of two) that the centroid pass selects on chip.
-MAX_TOPK_ON_CHIP = 256
-
-
-@triton.jit
-def _rounded(x, dtype: tl.constexpr):
-    """float32 x in dtype, rounded to nearest even as torch's .to(dtype) does. bfloat16 is
-    rounded by hand: Triton's interpreter truncates a plain cast (a GPU would round)."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(dtype)
-
-
-@triton.jit
-def _online_softmax_step(acc, row_max, row_sum, logits, values, UPCAST: tl.constexpr):
-    """Fold one block of logits (rows, keys) and its values (keys, Dv) into a running softmax;
-    the float32 probabilities meet half-precision values on tensor cores (split_dot)."""
-    new_max = tl.maximum(row_max, tl.max(logits, axis=1))
-    rescale = tl.exp(row_max - new_max)
-    p = tl.exp(logits - new_max[:, None])
-    row_sum = row_sum * rescale + tl.sum(p, axis=1)
-    acc = acc * rescale[:, None] + dot_split_left(p, values, UPCAST)
-    return acc, new_max, row_sum
-
-
-@triton.jit
-def _logit_keys(logits, cols, M):
-    """One int64 per (row, key) that orders like the logit, then the lower key index: the
-    float32 bits made order-preserving as a signed int (negatives flip their magnitude bits),
-    above M - 1 - index. Columns past M get the lowest key."""
-    bits = logits.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    key = (ordered.to(tl.int64) << 32) | (M - 1 - cols).to(tl.int64)[None, :]
-    return tl.where(cols[None, :] < M, key, -(1 << 63))
-
-
-@triton.jit
-def _key_logits(keys):
-    """The logits that `_logit_keys` packed."""
-    ordered = (keys >> 32).to(tl.int32)
-    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _merge_top(top, candidates, TOP: tl.constexpr):
-    """The TOP largest keys of two (rows, TOP) sets."""
-    both = tl.reshape(tl.join(top, candidates), (top.shape[0], 2 * TOP))
-    return tl.topk(both, TOP)
-
-
-@triton.jit
-def _centroid_attention_kernel(
-    centroids_ptr, k_ptr, v_ptr, key_mask_ptr, part_values_ptr, part_max_ptr, part_sum_ptr, part_top_ptr,
-    stride_kb, stride_kh, stride_km, stride_kd,
-    stride_vb, stride_vh, stride_vm, stride_vd,
-    H, M, C, D, DV, SPLITS, CHUNK, scale,
-    BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-    TOP: tl.constexpr, NO_MAX: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """A block of centroids against one split of the keys, [split CHUNK, (split + 1) CHUNK):
-    the split's online softmax (unnormalised values, running max and sum, in float32) and,
-    with TOP > 0, its TOP largest logits with their key indices, kept on chip as it streams."""
-    split = tl.program_id(1)
-    bh = tl.program_id(2).to(tl.int64)
-    batch, head = bh // H, bh % H
-    rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    dims = tl.arange(0, HEAD_DIM)
-    vdims = tl.arange(0, VALUE_DIM)
-    in_rows = rows < C
-    centroids = tl.load(centroids_ptr + (bh * C + rows)[:, None] * D + dims[None, :],
-                        mask=in_rows[:, None] & (dims[None, :] < D), other=0.0)
-    k_head = k_ptr + batch * stride_kb + head * stride_kh
-    v_head = v_ptr + batch * stride_vb + head * stride_vh
-    row_max = tl.full([BLOCK_C], NO_MAX, tl.float32)
-    row_sum = tl.zeros([BLOCK_C], tl.float32)
-    acc = tl.zeros([BLOCK_C, VALUE_DIM], tl.float32)
-    top = tl.full([BLOCK_C, TOP if TOP > 0 else 1], -(1 << 63), tl.int64)
-    first = split * CHUNK
-    stop = tl.minimum(first + CHUNK, M)
-    for start in range(first, stop, BLOCK_M):
-        cols = start + tl.arange(0, BLOCK_M)
-        in_split = cols < stop
-        real = in_split & (tl.load(key_mask_ptr + batch * M + cols, mask=in_split, other=0) != 0)
-        keys = tl.load(k_head + cols[:, None] * stride_km + dims[None, :] * stride_kd,
-                       mask=real[:, None] & (dims[None, :] < D), other=0.0)
-        values = tl.load(v_head + cols[:, None] * stride_vm + vdims[None, :] * stride_vd,
-                         mask=real[:, None] & (vdims[None, :] < DV), other=0.0)
-        logits = dot_split_left(centroids, tl.trans(keys), UPCAST) * scale
-        logits = tl.where(real[None, :], logits, float("-inf"))
-        acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, logits, values, UPCAST)
-        if TOP > 0:
-            keyed = _logit_keys(logits, tl.where(in_split, cols, M), M)
-            top = _merge_top(top, tl.topk(keyed, TOP), TOP)
-    part = (bh * SPLITS + split) * C + rows
-    tl.store(part_values_ptr + part[:, None] * DV + vdims[None, :], acc,
-             mask=in_rows[:, None] & (vdims[None, :] < DV))
-    tl.store(part_max_ptr + part, row_max, mask=in_rows)
-    tl.store(part_sum_ptr + part, row_sum, mask=in_rows)
-    if TOP > 0:
-        slots = tl.arange(0, TOP)
-        tl.store(part_top_ptr + part[:, None] * TOP + slots[None, :], top, mask=in_rows[:, None])
-
-
-@triton.jit
-def _centroid_combine_kernel(
-    part_values_ptr, part_max_ptr, part_sum_ptr, part_top_ptr, values_ptr, top_index_ptr, top_probs_ptr,
-    M, C, DV, SPLITS, TOPK,
-    BLOCK_C: tl.constexpr, VALUE_DIM: tl.constexpr, TOP: tl.constexpr, NO_MAX: tl.constexpr,
-):
-    """Merge the splits of a block of centroids: V^c by their softmax masses, and with TOP > 0
-    the TOPK most probable keys (indices and probabilities, 0 on padded keys) of all splits."""
-    bh = tl.program_id(1).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    vdims = tl.arange(0, VALUE_DIM)
-    in_rows = rows < C
-    row_max = tl.full([BLOCK_C], NO_MAX, tl.float32)
-    for split in range(0, SPLITS):
-        part = (bh * SPLITS + split) * C + rows
-        row_max = tl.maximum(row_max, tl.load(part_max_ptr + part, mask=in_rows, other=NO_MAX))
-    row_sum = tl.zeros([BLOCK_C], tl.float32)
-    acc = tl.zeros([BLOCK_C, VALUE_DIM], tl.float32)
-    top = tl.full([BLOCK_C, TOP if TOP > 0 else 1], -(1 << 63), tl.int64)
-    for split in range(0, SPLITS):
-        part = (bh * SPLITS + split) * C + rows
-        weight = tl.exp(tl.load(part_max_ptr + part, mask=in_rows, other=NO_MAX) - row_max)
-        row_sum += weight * tl.load(part_sum_ptr + part, mask=in_rows, other=0.0)
-        acc += weight[:, None] * tl.load(part_values_ptr + part[:, None] * DV + vdims[None, :],
-                                         mask=in_rows[:, None] & (vdims[None, :] < DV), other=0.0)
-        if TOP > 0:
-            slots = tl.arange(0, TOP)
-            candidates = tl.load(part_top_ptr + part[:, None] * TOP + slots[None, :], mask=in_rows[:, None],
-                                 other=-(1 << 63))
-            top = _merge_top(top, candidates, TOP)
-    inv_sum = 1.0 / tl.where(row_sum > 0, row_sum, float("inf"))  # 0 where no key is real
-    tl.store(values_ptr + (bh * C + rows)[:, None] * DV + vdims[None, :], acc * inv_sum[:, None],
-             mask=in_rows[:, None] & (vdims[None, :] < DV))
-    if TOP > 0:
-        slots = tl.arange(0, TOP)
-        index = tl.minimum(tl.maximum(M - 1 - (top & 0xFFFFFFFF), 0), M - 1)
-        probs = tl.exp(_key_logits(top) - row_max[:, None]) * inv_sum[:, None]
-        out = (bh * C + rows)[:, None] * TOPK + slots[None, :]
-        written = in_rows[:, None] & (slots[None, :] < TOPK)
-        tl.store(top_index_ptr + out, index, mask=written)
-        tl.store(top_probs_ptr + out, probs, mask=written)
+LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -214,72 +63,39 @@ def _broadcast_kernel(
     row = tl.load(values_ptr + (bh * C + cluster)[:, None] * DV + vdims[None, :],
                   mask=(cluster < C)[:, None] & in_vdims, other=0.0)
     out_ptrs = out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_on + vdims[None, :] * stride_od
-    tl.store(out_ptrs, _rounded(row, out_ptr.dtype.element_ty), mask=in_rows[:, None] & in_vdims)
-
-
-@triton.jit
-def _cluster_layout_kernel(
-    assign_ptr, positions_ptr,
-    N, C, T,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, TILE: tl.constexpr,
-):
-    """Lay one (batch, head)'s real queries out cluster by cluster in tiles of TILE slots:
-    cluster j owns ceil(size_j / TILE) consecutive tiles, its members fill them in position
-    order, and an unused slot holds -1. positions: (B, H, T * TILE) int64."""
-    bh = tl.program_id(0).to(tl.int64)
-    assign_row = assign_ptr + bh * N
-    positions_row = positions_ptr + bh * T * TILE
-    for start in range(0, T * TILE, BLOCK_N):
-        slots = start + tl.arange(0, BLOCK_N)
-        tl.store(positions_row + slots, tl.full([BLOCK_N], -1, tl.int64), mask=slots < T * TILE)
-    tl.debug_barrier()
-    tiles_before = 0  # tiles of the clusters before this block of clusters
-    for c_start in range(0, C, BLOCK_C):
-        cols = c_start + tl.arange(0, BLOCK_C)
-        sizes = tl.zeros([BLOCK_C], tl.int32)
-        for start in range(0, N, BLOCK_N):
-            rows = start + tl.arange(0, BLOCK_N)
-            assigned = tl.load(assign_row + rows, mask=rows < N, other=C)
-            sizes += tl.sum(((assigned[None, :] == cols[:, None]) & (cols[:, None] < C)).to(tl.int32), axis=1)
-        tiles = (sizes + TILE - 1) // TILE
-        first_slot = (tiles_before + tl.cumsum(tiles, axis=0) - tiles) * TILE  # (BLOCK_C,)
-        filled = tl.zeros([BLOCK_C], tl.int32)
-        for start in range(0, N, BLOCK_N):
-            rows = start + tl.arange(0, BLOCK_N)
-            assigned = tl.load(assign_row + rows, mask=rows < N, other=C)
-            member = ((assigned[:, None] == cols[None, :]) & (cols[None, :] < C)).to(tl.int32)  # (BLOCK_N, BLOCK_C)
-            rank = filled[None, :] + tl.cumsum(member, axis=0) - 1  # rank within the cluster
-            slot = tl.sum(member * (first_slot[None, :] + rank), axis=1)
-            tl.store(positions_row + slot, rows.to(tl.int64), mask=tl.sum(member, axis=1) > 0)
-            filled += tl.sum(member, axis=0)
-        tiles_before += tl.sum(tiles, axis=0)
+    tl.store(out_ptrs, rounded(row, out_ptr.dtype.element_ty), mask=in_rows[:, None] & in_vdims)
 
 
 @triton.jit
 def _improved_tile_kernel(
-    q_ptr, k_ptr, v_ptr, key_mask_ptr, positions_ptr, assign_ptr,
+    q_ptr, k_ptr, v_ptr, key_mask_ptr, order_ptr, start_ptr, size_ptr, tile_end_ptr,
     top_index_ptr, top_probs_ptr, centroid_values_ptr, out_ptr,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_km, stride_kd,
     stride_vb, stride_vh, stride_vm, stride_vd,
     stride_ob, stride_oh, stride_on, stride_od,
-    H, N, M, C, T, TOPK, D, DV, scale,
+    H, N, M, C, TOPK, D, DV, scale,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-    NO_MAX: tl.constexpr, UPCAST: tl.constexpr,
+    CLUSTER_BLOCK: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """One tile of one cluster's queries: out_i = m_j softmax(q_i K_top^T) V_top + V^b_j with
-    V^b_j = V^c_j - A^c_j[top] V_top, written at the queries' original positions. The tile's
-    cluster is its first query's; a tile whose first slot is empty is unused."""
+    """One tile of one cluster's queries (the layout of cluster_layout_triton; tile t belongs
+    to the cluster whose tiles end after it, none for an unused tile): out_i = m_j softmax(q_i
+    K_top^T) V_top + V^b_j with V^b_j = V^c_j - A^c_j[top] V_top, written at the queries'
+    original positions. `scale` includes log2(e): the softmax runs in base 2."""
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     batch, head = bh // H, bh % H
-    slots = (bh * T + tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-    position = tl.load(positions_ptr + slots)
-    valid = position >= 0
-    leader = tl.load(positions_ptr + (bh * T + tile) * BLOCK_M)
-    if leader >= 0:
-        cluster = tl.load(assign_ptr + bh * N + leader)
-        position = tl.where(valid, position, 0)
+    cluster = 0
+    for c_start in range(0, C, CLUSTER_BLOCK):
+        cols = c_start + tl.arange(0, CLUSTER_BLOCK)
+        cluster += tl.sum((tl.load(tile_end_ptr + bh * C + cols, mask=cols < C, other=tile + 1) <= tile).to(tl.int32),
+                          axis=0)
+    if cluster < C:
+        size = tl.load(size_ptr + bh * C + cluster)
+        first_tile = tl.load(tile_end_ptr + bh * C + cluster) - (size + BLOCK_M - 1) // BLOCK_M
+        slot = (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+        valid = slot < size
+        position = tl.load(order_ptr + bh * N + tl.load(start_ptr + bh * C + cluster) + slot, mask=valid, other=0)
         dims = tl.arange(0, HEAD_DIM)
         vdims = tl.arange(0, VALUE_DIM)
         queries = tl.load(
@@ -289,7 +105,7 @@ def _improved_tile_kernel(
         k_head = k_ptr + batch * stride_kb + head * stride_kh
         v_head = v_ptr + batch * stride_vb + head * stride_vh
         top_row = (bh * C + cluster) * TOPK
-        row_max = tl.full([BLOCK_M], NO_MAX, tl.float32)
+        row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, VALUE_DIM], tl.float32)
         top_mass = tl.zeros([BLOCK_K], tl.float32)  # m_j, summed at the end
@@ -308,14 +124,14 @@ def _improved_tile_kernel(
             # Queries and keys share a dtype: half products are exact, accumulated in float32.
             logits = mma(queries, tl.trans(keys), UPCAST) * scale
             logits = tl.where(real[None, :], logits, float("-inf"))
-            acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, logits, values, UPCAST)
+            acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, True, UPCAST)
         # A tile whose top-k keys are all padded has no exact part (the reference's NaN -> 0).
         exact = acc * (tl.sum(top_mass, axis=0) / tl.where(row_sum > 0, row_sum, float("inf")))[:, None]
         centroid_values = tl.load(centroid_values_ptr + (bh * C + cluster) * DV + vdims,
                                   mask=vdims < DV, other=0.0)
         out = exact + (centroid_values - top_values)[None, :]
         out_ptrs = out_ptr + batch * stride_ob + head * stride_oh + position[:, None] * stride_on + vdims[None, :] * stride_od
-        tl.store(out_ptrs, _rounded(out, out_ptr.dtype.element_ty), mask=valid[:, None] & (vdims[None, :] < DV))
+        tl.store(out_ptrs, rounded(out, out_ptr.dtype.element_ty), mask=valid[:, None] & (vdims[None, :] < DV))
 
 
 def hash_queries_triton(q: Tensor, spec: AttentionSpec) -> Tensor:
@@ -341,55 +157,6 @@ def centroids_triton(q: Tensor, assign: Tensor, clusters: int) -> Tensor:
     return cluster_means_triton(q, assign, clusters)[0]
 
 
-def centroid_attention_triton(
-    centroids: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, scale: float, topk: int
-) -> CentroidAttention:
-    """The centroid pass on the device: V^c = A^c V (B, H, C, Dv) float32 and, with topk > 0,
-    each cluster's top-k keys of A^c, chosen inside the kernels (A^c is never written) for
-    topk <= MAX_TOPK_ON_CHIP.
-
-    The keys are split across programs (enough of them to fill the GPU at long lengths), each
-    split keeping its online softmax and its top-k on chip; a second launch merges the splits.
-    centroids: (B, H, C, D) float32 contiguous; k: (B, H, M, D); v: (B, H, M, Dv); key_mask (B, M).
-    """
-    b, h, c, d = centroids.shape
-    m, dv = k.shape[2], v.shape[-1]
-    device = k.device
-    top = triton.next_power_of_2(topk) if topk else 0
-    if top > MAX_TOPK_ON_CHIP:
-        # Beyond what a program holds in registers: A^c in float32 and torch's top-k.
-        return centroid_attention(centroids, k.float(), v.float(), key_mask, scale, topk)
-    splits = max(1, min(MAX_SPLITS, triton.cdiv(m, KEYS_PER_SPLIT)))
-    block_m = max(64, top)
-    chunk = triton.cdiv(triton.cdiv(m, splits), block_m) * block_m
-    splits = triton.cdiv(m, chunk)
-    part_values = torch.empty(b * h, splits, c, dv, dtype=torch.float32, device=device)
-    part_max = torch.empty(b * h, splits, c, dtype=torch.float32, device=device)
-    part_sum = torch.empty(b * h, splits, c, dtype=torch.float32, device=device)
-    part_top = torch.empty(b * h, splits, c, max(top, 1), dtype=torch.int64, device=device)
-    block_c = 16
-    upcast = k.device.type == "cpu"
-    mask = key_mask.contiguous()
-    _centroid_attention_kernel[(triton.cdiv(c, block_c), splits, b * h)](
-        centroids, k, v, mask, part_values, part_max, part_sum, part_top,
-        *k.stride(), *v.stride(),
-        h, m, c, d, dv, splits, chunk, scale,
-        BLOCK_C=block_c, BLOCK_M=block_m, HEAD_DIM=pow2_block(d), VALUE_DIM=pow2_block(dv),
-        TOP=top, NO_MAX=_NO_MAX, UPCAST=upcast,
-    )
-    values = torch.empty(b, h, c, dv, dtype=torch.float32, device=device)
-    top_index = torch.empty(b, h, c, max(topk, 1), dtype=torch.int64, device=device)
-    top_probs = torch.empty(b, h, c, max(topk, 1), dtype=torch.float32, device=device)
-    _centroid_combine_kernel[(triton.cdiv(c, block_c), b * h)](
-        part_values, part_max, part_sum, part_top, values, top_index, top_probs,
-        m, c, dv, splits, topk,
-        BLOCK_C=block_c, VALUE_DIM=pow2_block(dv), TOP=top, NO_MAX=_NO_MAX,
-    )
-    if not topk:
-        return CentroidAttention(values)
-    return CentroidAttention(values, top_index, top_probs)
-
-
 def broadcast_triton(centroid_values: Tensor, assign: Tensor, dtype: torch.dtype) -> Tensor:
     """The broadcast stage: each query's row of V^c (B, H, C, Dv) under assign (B, H, N) -> (B, H, N, Dv)."""
     b, h, c, dv = centroid_values.shape
@@ -409,8 +176,8 @@ def improved_sparse_triton(
     q: Tensor, k: Tensor, v: Tensor, assign: Tensor, centroid: CentroidAttention, key_mask: Tensor, scale: float,
     dtype: torch.dtype,
 ) -> Tensor:
-    """The sparse stage (eq. 15): a layout launch puts each cluster's queries in tiles, then
-    one fused kernel runs the tiles.
+    """The sparse stage (eq. 15): three layout launches put each cluster's queries in tiles
+    (cluster_layout_triton), then one fused kernel runs the tiles.
 
     q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv), assign: (B, H, N) in [0, C] -> (B, H, N, Dv) in dtype.
     """
@@ -418,26 +185,20 @@ def improved_sparse_triton(
     m, dv = k.shape[2], v.shape[-1]
     clusters = centroid.values.shape[2]
     n_tiles = triton.cdiv(n, TILE) + clusters  # static bound on sum_j ceil(|cluster j| / TILE)
-    positions = torch.empty(b, h, n_tiles * TILE, dtype=torch.int64, device=q.device)
-    assign = assign.contiguous()
-    _cluster_layout_kernel[(b * h,)](
-        assign, positions, n, clusters, n_tiles,
-        BLOCK_N=64, BLOCK_C=64, TILE=TILE, num_warps=8,
-    )
+    layout = cluster_layout_triton(assign, clusters, TILE)
     out = torch.zeros(b, h, n, dv, dtype=dtype, device=q.device)  # padded queries stay 0
     top = centroid.top_index.shape[-1]
     _improved_tile_kernel[(n_tiles, b * h)](
-        q, k, v, key_mask.contiguous(), positions, assign,
+        q, k, v, key_mask.contiguous(), *layout,
         centroid.top_index, centroid.top_probs, centroid.values, out,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        h, n, m, clusters, n_tiles, top, d, dv, scale,
+        h, n, m, clusters, top, d, dv, scale * LOG2E,
         BLOCK_M=TILE, BLOCK_K=min(64, pow2_block(top)), HEAD_DIM=pow2_block(d), VALUE_DIM=pow2_block(dv),
-        NO_MAX=_NO_MAX, UPCAST=q.device.type == "cpu",
+        CLUSTER_BLOCK=pow2_block(clusters, 16, 1024), UPCAST=upcast(q),
     )
     return out
 
 
-# the kernels read float32, float16, bfloat16 and compute in float32
 # The kernels read float32, float16 and bfloat16 and compute in float32; the K-means kernels
 # write the exact case's ranks themselves.
 TRITON = ClusteredStages(
@@ -446,12 +207,3 @@ TRITON = ClusteredStages(
     centroid_attention=centroid_attention_triton, sparse=improved_sparse_triton, broadcast=broadcast_triton,
     exact_case=applied_by_stages,
 )
-
-
-
-# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
-# launch's arguments do not give, as one program sees them. A centroid-pass program streams one
-# split of the keys.
-LOOP_BOUNDS = {
-    "_centroid_attention_kernel": lambda a: {"first": 0, "stop": min(a["CHUNK"], a["M"])},
-}

@@ -2,7 +2,7 @@
 bias, sign and packing of the sign bits into one int64 per query, in one pass.
 
 Matches `hashing.hash_codes` (bit b set where projection b, bias included, is positive).
-Half-precision queries meet the float32 planes on tensor cores through split_dot (three
+Half-precision queries meet the float32 planes on tensor cores through triton_helpers (three
 half-precision parts of the planes), which keeps every sign that float32 keeps.
 The planes come from the same seeded CPU generator as the reference; they are copied to the
 device once per (heads, dim, bits, seed, device) and kept, because a blocking host-to-device
@@ -17,7 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .blocks import pow2_block
-from .split_dot import dot_split_right
+from .triton_helpers import dot_split_right, upcast
 
 # Codes are packed into one int64, so at most 63 bits (spec.bits <= 63): the tile is 64 wide.
 BLOCK_BITS = 64
@@ -70,6 +70,6 @@ def hash_codes_triton(x: Tensor, planes: Tensor) -> Tensor:
         *x.stride(),
         *planes.stride(),
         h, n, d, bits,
-        BLOCK_N=block_n, HEAD_DIM=pow2_block(d), BLOCK_BITS=BLOCK_BITS, UPCAST=x.device.type == "cpu",
+        BLOCK_N=block_n, HEAD_DIM=pow2_block(d), BLOCK_BITS=BLOCK_BITS, UPCAST=upcast(x),
     )
     return codes

@@ -3,9 +3,12 @@
 The triton backend's SMYRF stages (kernels/stages.py runs them); they match the reference in
 smyrf.py (same seed, same clusters, same output):
 
-1. `_smyrf_hash_kernel`, one program per (batch, head): max squared norms of the real
-   queries and keys, then for every round the hash of F(q) and G(k) (eq. 4 and 14) in
-   float32; padded tokens hash to +inf so they sort last.
+1. `_smyrf_norms_kernel`, (chunks of rows, B * H): each chunk's largest squared norm of the
+   real queries and of the real keys (chunks as triton_helpers.chunking cuts them); then
+   `_smyrf_hash_kernel`, (tiles of queries + tiles of keys, B * H): the radius from the
+   chunks' maxima (a max is exact in any order) and every round's hash of F(q) and G(k)
+   (eq. 4 and 14) as one dot per tile, float32-accurate (split-precision for half inputs);
+   padded tokens hash to +inf so they sort last.
 2. `torch.argsort(stable=True)` of the hashes, on device.
 3. `_smyrf_attention_kernel`, once per round: each program takes BLOCK_M consecutive
    sorted query ranks, gathers their rows of Q by index, and streams the contiguous run of
@@ -15,9 +18,11 @@ smyrf.py (same seed, same clusters, same output):
    block-diagonally and no per-cluster layout, slot size or host-side count is needed.
    The round's output and log-sum-exp are merged by softmax mass (eq. 15) into a float32
    accumulator at the query's original position; the last round writes the output dtype.
+   The softmax is triton_helpers.online_softmax_step, the probabilities rounded to the
+   values' dtype before P @ V, as flash attention does.
 
 No host synchronisation and no torch glue: the kernels count each sequence's real tokens
-from the mask; the grid depends only on shapes. A call is 1 + R launches and the sort
+from the mask; the grid depends only on shapes. A call is 2 + R launches and the sort
 stage's two argsorts. The hash directions come from the reference's CPU generator and are
 copied without a stream sync; capturing a CUDA graph needs them on the device beforehand,
 since a copy from pageable host memory cannot be captured.
@@ -39,25 +44,10 @@ from .hashing import on_device
 from .smyrf import smyrf_cluster_count, smyrf_projections
 from .spec import AttentionSpec
 from .stages import SmyrfStages, sort_by_hash
+from .triton_helpers import average_chunk, chunking, count_real, dot_split_right, mma, online_softmax_step, rounded, upcast
 
-
-@triton.jit
-def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """tl.dot with float32 accumulation; UPCAST multiplies in float32 (exact for half inputs)."""
-    if UPCAST:
-        product = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        product = tl.dot(a, b, input_precision=DOT_PRECISION)
-    return product
-
-
-@triton.jit
-def _load_rows(base, rows, n_rows, stride_n, stride_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows `rows` (< n_rows) of a (n_rows, HEAD_DIM) matrix as float32, zero padded."""
-    dims = tl.arange(0, BLOCK_D)
-    ptrs = base + rows[:, None] * stride_n + dims[None, :] * stride_d
-    valid = (rows[:, None] < n_rows) & (dims[None, :] < HEAD_DIM)
-    return tl.load(ptrs, mask=valid, other=0.0).to(tl.float32)
+# Rows per tile of the norm and hash launches.
+HASH_TILE = 64
 
 
 @triton.jit
@@ -70,89 +60,112 @@ def _real_rows(mask_row, rows, n_rows, USE_MASK: tl.constexpr):
 
 
 @triton.jit
-def _max_sq_norm(base, mask_row, n_rows, stride_n, stride_d,
-                 USE_MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_T: tl.constexpr):
-    """Largest squared norm over the real rows (0 if none)."""
+def _real_count(mask_row, n_rows, USE_MASK: tl.constexpr):
+    """Real tokens of one sequence: n_rows, or the True entries of its mask row."""
+    if USE_MASK:
+        total = count_real(mask_row, 0, n_rows, 4096)
+    else:
+        total = n_rows
+    return total
+
+
+@triton.jit
+def _max_sq_norm(base, mask_row, start, stop, n_rows, stride_n, stride_d,
+                 USE_MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Largest squared norm over the real rows in [start, min(stop, n_rows)) (0 if none)."""
+    dims = tl.arange(0, BLOCK_D)
     best = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    for start in range(0, n_rows, BLOCK_T):
-        rows = start + tl.arange(0, BLOCK_T)
-        x = _load_rows(base, rows, n_rows, stride_n, stride_d, HEAD_DIM, BLOCK_D)
-        sq = tl.sum(x * x, axis=1)
-        best = tl.maximum(best, tl.where(_real_rows(mask_row, rows, n_rows, USE_MASK), sq, 0.0))
+    for first in range(start, tl.minimum(stop, n_rows), BLOCK_T):
+        rows = first + tl.arange(0, BLOCK_T)
+        x = tl.load(base + rows[:, None] * stride_n + dims[None, :] * stride_d,
+                    mask=(rows[:, None] < stop) & (rows[:, None] < n_rows) & (dims[None, :] < HEAD_DIM),
+                    other=0.0).to(tl.float32)
+        real = _real_rows(mask_row, rows, tl.minimum(stop, n_rows), USE_MASK)
+        best = tl.maximum(best, tl.where(real, tl.sum(x * x, axis=1), 0.0))
     return tl.max(best, axis=0)
 
 
 @triton.jit
-def _store_hashes(base, proj, hashes, mask_row, radius, n_rows, rounds,
-                  stride_n, stride_d, stride_pr, stride_pd, stride_hr,
-                  EXTRA: tl.constexpr, USE_MASK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Hash every row for every round: x.a[:D] + sqrt(radius - |x|^2) * a[D + EXTRA].
+def _smyrf_norms_kernel(
+    Q, K, Mask, PartMax,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_km, stride_kd,
+    stride_maskb,
+    H, N, M, CHUNK, CHUNKS,
+    HAS_MASK: tl.constexpr, MASK_QUERIES: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Largest squared norms of the real queries and keys among rows [chunk CHUNK,
+    (chunk + 1) CHUNK) of one (batch, head): PartMax (B * H, CHUNKS, 2) float32."""
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    start = chunk * CHUNK
+    mask_row = Mask + b * stride_maskb
+    max_q = _max_sq_norm(Q + b * stride_qb + h * stride_qh, mask_row, start, start + CHUNK, N, stride_qn, stride_qd,
+                         MASK_QUERIES, HEAD_DIM, BLOCK_D, BLOCK_T)
+    max_k = _max_sq_norm(K + b * stride_kb + h * stride_kh, mask_row, start, start + CHUNK, M, stride_km, stride_kd,
+                         HAS_MASK, HEAD_DIM, BLOCK_D, BLOCK_T)
+    tl.store(PartMax + (bh * CHUNKS + chunk) * 2, max_q)
+    tl.store(PartMax + (bh * CHUNKS + chunk) * 2 + 1, max_k)
 
-    EXTRA = 1 for queries (F(q)'s last coordinate), 0 for keys (G(k)'s second-to-last).
-    """
+
+@triton.jit
+def _hash_tile(base, hashes, proj, mask_row, radius, first, n_rows, rounds_count, stride_n, stride_d, stride_pr,
+               stride_pd, stride_hr, EXTRA: tl.constexpr, USE_MASK: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr):
+    """Hashes of rows [first, first + BLOCK_T) for every round in one dot:
+    x @ a[:D] + sqrt(radius - |x|^2) a[D + EXTRA]; padded rows hash to +inf."""
+    rows = first + tl.arange(0, BLOCK_T)
     dims = tl.arange(0, BLOCK_D)
-    for start in range(0, n_rows, BLOCK_T):
-        rows = start + tl.arange(0, BLOCK_T)
-        x = _load_rows(base, rows, n_rows, stride_n, stride_d, HEAD_DIM, BLOCK_D)
-        extra = tl.sqrt(tl.maximum(radius - tl.sum(x * x, axis=1), 0.0))
-        real = _real_rows(mask_row, rows, n_rows, USE_MASK)
-        for r in range(rounds):
-            a = tl.load(proj + r * stride_pr + dims * stride_pd, mask=dims < HEAD_DIM, other=0.0)
-            a_extra = tl.load(proj + r * stride_pr + (HEAD_DIM + EXTRA) * stride_pd)
-            h = tl.sum(x * a[None, :], axis=1) + extra * a_extra
-            h = tl.where(real, h, float("inf"))
-            tl.store(hashes + r * stride_hr + rows, h, mask=rows < n_rows)
+    rounds = tl.arange(0, BLOCK_R)
+    x = tl.load(base + rows[:, None] * stride_n + dims[None, :] * stride_d,
+                mask=(rows[:, None] < n_rows) & (dims[None, :] < HEAD_DIM), other=0.0)
+    a = tl.load(proj + rounds[None, :] * stride_pr + dims[:, None] * stride_pd,
+                mask=(dims[:, None] < HEAD_DIM) & (rounds[None, :] < rounds_count), other=0.0)
+    a_extra = tl.load(proj + rounds * stride_pr + (HEAD_DIM + EXTRA) * stride_pd, mask=rounds < rounds_count, other=0.0)
+    sq = tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
+    extra = tl.sqrt(tl.maximum(radius - sq, 0.0))
+    hash_values = dot_split_right(x, a, UPCAST) + extra[:, None] * a_extra[None, :]
+    hash_values = tl.where(_real_rows(mask_row, rows, n_rows, USE_MASK)[:, None], hash_values, float("inf"))
+    tl.store(hashes + rounds[None, :] * stride_hr + rows[:, None], hash_values,
+             mask=(rows[:, None] < n_rows) & (rounds[None, :] < rounds_count))
 
 
 @triton.jit
 def _smyrf_hash_kernel(
-    Q, K, Proj, Mask, QHash, KHash,
+    Q, K, Proj, Mask, PartMax, QHash, KHash,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_km, stride_kd,
     stride_pr, stride_ph, stride_pd,
     stride_maskb,
     stride_qhashr, stride_qhashb, stride_qhashh,
     stride_khashr, stride_khashb, stride_khashh,
-    H, N, M, ROUNDS,
-    HAS_MASK: tl.constexpr, MASK_QUERIES: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    H, N, M, ROUNDS, CHUNKS, Q_TILES,
+    HAS_MASK: tl.constexpr, MASK_QUERIES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK_BLOCK: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Asymmetric transform and hashes of one (batch, head), all rounds.
-
-    QHash (R, B, H, N) and KHash (R, B, H, M) float32, contiguous in the last dim.
-    """
-    pid = tl.program_id(0)
-    b = (pid // H).to(tl.int64)
-    h = (pid % H).to(tl.int64)
-    q_base = Q + b * stride_qb + h * stride_qh
-    k_base = K + b * stride_kb + h * stride_kh
+    """The hashes of BLOCK_T queries (tiles below Q_TILES) or keys (the rest) of one (batch,
+    head) for every round: F(q)'s extra coordinate is the last (D + 1), G(k)'s the one before
+    (D); radius = the largest real squared norm of the queries + that of the keys, over the
+    chunks of PartMax. QHash (R, B, H, N) and KHash (R, B, H, M) float32."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    chunks = tl.arange(0, CHUNK_BLOCK)
+    maxima = PartMax + (bh * CHUNKS + chunks) * 2
+    radius = (tl.max(tl.load(maxima, mask=chunks < CHUNKS, other=0.0), axis=0)
+              + tl.max(tl.load(maxima + 1, mask=chunks < CHUNKS, other=0.0), axis=0))
     mask_row = Mask + b * stride_maskb
-    max_q = _max_sq_norm(q_base, mask_row, N, stride_qn, stride_qd, MASK_QUERIES, HEAD_DIM, BLOCK_D, BLOCK_T)
-    max_k = _max_sq_norm(k_base, mask_row, M, stride_km, stride_kd, HAS_MASK, HEAD_DIM, BLOCK_D, BLOCK_T)
-    radius = max_q + max_k
     proj = Proj + h * stride_ph
-    _store_hashes(q_base, proj, QHash + b * stride_qhashb + h * stride_qhashh, mask_row, radius, N, ROUNDS,
-                  stride_qn, stride_qd, stride_pr, stride_pd, stride_qhashr,
-                  1, MASK_QUERIES, HEAD_DIM, BLOCK_D, BLOCK_T)
-    _store_hashes(k_base, proj, KHash + b * stride_khashb + h * stride_khashh, mask_row, radius, M, ROUNDS,
-                  stride_km, stride_kd, stride_pr, stride_pd, stride_khashr,
-                  0, HAS_MASK, HEAD_DIM, BLOCK_D, BLOCK_T)
-
-
-@triton.jit
-def _real_count(mask_row, n_rows, USE_MASK: tl.constexpr, BLOCK: tl.constexpr):
-    """Real tokens of one sequence: n_rows, or the True entries of its mask row."""
-    if USE_MASK:
-        count = tl.zeros((BLOCK,), dtype=tl.int32)
-        for start in range(0, n_rows, BLOCK):
-            rows = start + tl.arange(0, BLOCK)
-            count += (tl.load(mask_row + rows, mask=rows < n_rows, other=0) != 0).to(tl.int32)
-        total = tl.sum(count, axis=0)
+    if tile < Q_TILES:
+        _hash_tile(Q + b * stride_qb + h * stride_qh, QHash + b * stride_qhashb + h * stride_qhashh, proj, mask_row,
+                   radius, tile * BLOCK_T, N, ROUNDS, stride_qn, stride_qd, stride_pr, stride_pd, stride_qhashr,
+                   1, MASK_QUERIES, HEAD_DIM, BLOCK_D, BLOCK_T, BLOCK_R, UPCAST)
     else:
-        total = n_rows
-    return total
+        _hash_tile(K + b * stride_kb + h * stride_kh, KHash + b * stride_khashb + h * stride_khashh, proj, mask_row,
+                   radius, (tile - Q_TILES) * BLOCK_T, M, ROUNDS, stride_km, stride_kd, stride_pr, stride_pd,
+                   stride_khashr, 0, HAS_MASK, HEAD_DIM, BLOCK_D, BLOCK_T, BLOCK_R, UPCAST)
 
 
 @triton.jit
@@ -170,7 +183,7 @@ def _smyrf_attention_kernel(
     H, N, M, cluster_size, qk_scale,
     HAS_MASK: tl.constexpr, MASK_QUERIES: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_FIRST: tl.constexpr, IS_LAST: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    IS_FIRST: tl.constexpr, IS_LAST: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One round of attention inside balanced clusters, merged into the running result.
 
@@ -188,8 +201,8 @@ def _smyrf_attention_kernel(
 
     # Per-batch counts and clusters, as in the reference: L = min(ceil(max(n, m) / cs), n, m) >= 1.
     mask_row = Mask + b * stride_maskb
-    n_real = _real_count(mask_row, N, MASK_QUERIES, 1024).to(tl.int64)
-    m_real = _real_count(mask_row, M, HAS_MASK, 1024).to(tl.int64)
+    n_real = _real_count(mask_row, N, MASK_QUERIES).to(tl.int64)
+    m_real = _real_count(mask_row, M, HAS_MASK).to(tl.int64)
     n_clusters = tl.minimum(tl.cdiv(tl.maximum(n_real, m_real), cluster_size), tl.minimum(n_real, m_real))
     n_clusters = tl.maximum(n_clusters, 1)
     n_safe = tl.maximum(n_real, 1)
@@ -229,18 +242,11 @@ def _smyrf_attention_kernel(
                     mask=key_valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
         v = tl.load(v_base + k_pos[:, None] * stride_vm + dims_v[None, :] * stride_vd,
                     mask=key_valid[:, None] & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
-        logits = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale
+        logits = mma(q, tl.trans(k), UPCAST) * qk_scale
         key_cluster = key_ranks * n_clusters // m_safe
         same_cluster = (query_cluster[:, None] == key_cluster[None, :]) & key_valid[None, :]
         logits = tl.where(same_cluster, logits, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(logits, axis=1))
-        # A row with no key yet keeps max -inf; subtract 0 there so no inf - inf appears.
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        probs = tl.math.exp2(logits - shift[:, None])
-        rescale = tl.math.exp2(row_max - shift)
-        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + _dot(probs.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
-        row_max = new_max
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, v, False, UPCAST)
 
     # A query whose cluster has no key (all keys padded) gets 0 and lse -inf, as in the reference.
     has_mass = row_sum > 0
@@ -268,7 +274,7 @@ def _smyrf_attention_kernel(
         out_ptrs = Out + b * stride_ob + h * stride_oh + q_pos[:, None] * stride_on + dims_v[None, :] * stride_od
         out = tl.where(rank_valid[:, None], out, 0.0)
         written = (rank_valid | padded_query)[:, None] & (dims_v[None, :] < HEAD_DIM_V)
-        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=written)
+        tl.store(out_ptrs, rounded(out, Out.dtype.element_ty), mask=written)
     else:
         tl.store(acc_ptrs, out, mask=row_mask)
 
@@ -292,14 +298,22 @@ def smyrf_hashes_triton(
     has_mask = key_padding_mask is not None
     # Triton reads bool as bytes; a dummy pointer stands in when there is no mask.
     mask = key_padding_mask.contiguous().view(torch.uint8) if has_mask else q_hash
-    _smyrf_hash_kernel[(b * h,)](
-        q, k, projections, mask, q_hash, k_hash,
+    chunks, chunk = chunking(max(n, m), h, HASH_TILE)
+    part_max = torch.empty(b * h, chunks, 2, dtype=torch.float32, device=q.device)
+    common = dict(HAS_MASK=has_mask, MASK_QUERIES=has_mask and n == m, HEAD_DIM=d,
+                  BLOCK_D=pow2_block(d, 16, 1024), BLOCK_T=HASH_TILE)
+    _smyrf_norms_kernel[(chunks, b * h)](
+        q, k, mask, part_max, *q.stride(), *k.stride(), mask.stride(0) if has_mask else 0,
+        h, n, m, chunk, chunks, **common,
+    )
+    q_tiles = triton.cdiv(n, HASH_TILE)
+    _smyrf_hash_kernel[(q_tiles + triton.cdiv(m, HASH_TILE), b * h)](
+        q, k, projections, mask, part_max, q_hash, k_hash,
         *q.stride(), *k.stride(), *projections.stride(),
         mask.stride(0) if has_mask else 0,
         *q_hash.stride()[:3], *k_hash.stride()[:3],
-        h, n, m, rounds,
-        HAS_MASK=has_mask, MASK_QUERIES=has_mask and n == m,
-        HEAD_DIM=d, BLOCK_D=pow2_block(d, 16, 1024), BLOCK_T=32,
+        h, n, m, rounds, chunks, q_tiles,
+        BLOCK_R=pow2_block(rounds), CHUNK_BLOCK=pow2_block(chunks, 1), UPCAST=upcast(q), **common,
     )
     return q_hash, k_hash
 
@@ -359,12 +373,7 @@ def _smyrf_rounds(
             HAS_MASK=has_mask, MASK_QUERIES=has_mask and n == m, HEAD_DIM=d, HEAD_DIM_V=dv,
             BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_D=pow2_block(d, 16, 1024), BLOCK_DV=pow2_block(dv, 16, 1024),
-            IS_FIRST=r == 0, IS_LAST=r == rounds - 1,
-            # TF32 would cost float32 inputs ~1e-3 of accuracy; half inputs ignore this.
-            DOT_PRECISION="ieee",
-            # Triton's interpreter multiplies bfloat16 bit patterns as integers in tl.dot
-            # (triton-lang/triton#11584); on CPU tensors, bfloat16 products go through float32.
-            UPCAST_DOT=q.dtype == torch.bfloat16 and not q.is_cuda,
+            IS_FIRST=r == 0, IS_LAST=r == rounds - 1, UPCAST=upcast(q),
         )
     return out, lse
 
@@ -402,4 +411,7 @@ def _first_tile_keys(a: dict) -> dict:
 
 # For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
 # launch's arguments do not give, as one program sees them.
-LOOP_BOUNDS = {"_smyrf_attention_kernel": _first_tile_keys}
+LOOP_BOUNDS = {
+    "_smyrf_attention_kernel": _first_tile_keys,
+    "_smyrf_norms_kernel": lambda a: average_chunk(max(a["N"], a["M"]), a["CHUNK"]),
+}

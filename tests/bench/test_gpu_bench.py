@@ -82,6 +82,8 @@ def test_gpu_acceptance_module_runs_on_the_interpreter():
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     summary = result.stdout.strip().splitlines()[-1]
-    # 2 methods x (plain, padded, N_q != N_k, head dims 32 and 128, exact), 2 x 2 CUDA-only,
-    # and test_cuda_graphs.py, which skips whole without CUDA
-    assert summary.startswith("12 passed, 5 skipped"), result.stdout[-4000:]
+    # acceptance: 2 methods x (plain, padded, N_q != N_k, head dims 32 and 128, exact), 2 x 2
+    # CUDA-only; stages: 2 settings x (Hamming x 2 batches, refinement, the rest x 2 batches),
+    # SMYRF hashes, 3 methods x (same bits, ragged batch), 3 timings CUDA-only; and
+    # test_cuda_graphs.py, which skips whole without CUDA
+    assert summary.startswith("29 passed, 8 skipped"), result.stdout[-4000:]

@@ -16,8 +16,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNELS = {"_hash_kernel", "_hamming_kmeans_kernel", "_lloyd_kernel", "_centroid_attention_kernel",
-           "_centroid_combine_kernel", "_cluster_layout_kernel", "_broadcast_kernel", "_improved_tile_kernel",
+KERNELS = {"_hash_kernel", "_hamming_initial_kernel", "_hamming_assign_kernel", "_hamming_update_kernel",
+           "_sums_kernel", "_means_kernel", "_candidates_kernel", "_donor_kernel", "_nearest_kernel",
+           "_centroid_attention_kernel", "_centroid_combine_kernel", "_centroid_topk_kernel",
+           "_centroid_topk_combine_kernel", "_layout_counts_kernel", "_layout_offsets_kernel",
+           "_layout_scatter_kernel", "_broadcast_kernel", "_improved_tile_kernel", "_smyrf_norms_kernel",
            "_smyrf_hash_kernel", "_smyrf_attention_kernel"}
 
 
@@ -60,11 +63,13 @@ def test_every_call_is_counted(report):
         assert (call["seq_len"], call["head_dim"], call["dtype"]) == (16384, 64, "bfloat16")
         assert call["triton_launches"] == sum(call["launches_by_kernel"].values()) > 0
         assert call["kernels"] == call["triton_launches"] + call["torch_ops"]
-    # 4 SMYRF rounds, one attention launch each; each K-means (Hamming, refinement) one launch
-    # for all its iterations, and the cluster means one more.
+    # 4 SMYRF rounds, one attention launch each; the Hamming K-means two launches per
+    # iteration (10) and the final assignment; the refinement four per step (3); the sums of
+    # the starting assignments twice (refinement, cluster means).
     assert calls["smyrf"]["launches_by_kernel"]["_smyrf_attention_kernel"] == 4
-    assert calls["clustered"]["launches_by_kernel"]["_hamming_kmeans_kernel"] == 1
-    assert calls["clustered"]["launches_by_kernel"]["_lloyd_kernel"] == 2
+    clustered = calls["clustered"]["launches_by_kernel"]
+    assert clustered["_hamming_assign_kernel"] == 11 and clustered["_hamming_update_kernel"] == 10
+    assert clustered["_nearest_kernel"] == clustered["_donor_kernel"] == 3 and clustered["_sums_kernel"] == 2
     assert "VIOLATION" in report["stdout"] or not report["violations"]
 
 

@@ -26,3 +26,46 @@ def qkv(b=2, h=2, n=48, m=None, d=16, dv=None, dtype=torch.float32, seed=0, stru
 def padding_mask(b, m, lengths):
     """(B, M) bool, True for the first lengths[i] tokens of row i."""
     return torch.arange(m)[None, :] < torch.tensor(lengths)[:, None]
+
+
+def several_programs_per_head(monkeypatch):
+    """Shrink the row tiles of the Triton kernels that cut a head into chunks to 16 rows, so
+    the few dozen tokens of a test give each head several programs: the per-chunk partials
+    and the launches that reduce them across programs really run."""
+    from kernels import cluster_layout_triton, hamming_triton, lloyd_triton, smyrf_triton
+
+    for module, name in ((hamming_triton, "BLOCK_N"), (lloyd_triton, "BLOCK_N"), (cluster_layout_triton, "BLOCK_N"),
+                         (smyrf_triton, "HASH_TILE")):
+        monkeypatch.setattr(module, name, 16)
+
+
+def poison_empty(monkeypatch):
+    """Make torch.empty return filled tensors (NaN for floats, the most negative integer,
+    True), so an output element or a scratch entry that a kernel reads without writing it
+    shows up in the results."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        if out.dtype.is_floating_point:
+            return out.fill_(float("nan"))
+        if out.dtype == torch.bool:
+            return out.fill_(True)
+        return out.fill_(torch.iinfo(out.dtype).min)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def tile_positions(layout, n_tiles: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the tile kernel reads from a layout, as clustered.cluster_tiles gives it: positions
+    (B * H, T, tile) int64 (-1 in unused slots) and each tile's cluster (B * H, T) in [0, C]."""
+    tiles = torch.arange(n_tiles, device=layout.order.device)
+    clusters = layout.size.shape[1]
+    cluster = (layout.tile_end[:, None, :] <= tiles[None, :, None]).sum(-1)
+    c = cluster.clamp(max=clusters - 1)
+    first_tile = layout.tile_end.gather(1, c) - (layout.size.gather(1, c) + tile - 1) // tile
+    slot = (tiles[None, :] - first_tile)[..., None] * tile + torch.arange(tile, device=tiles.device)
+    valid = (slot < layout.size.gather(1, c)[..., None]) & (cluster < clusters)[..., None]
+    rank = (layout.start.gather(1, c)[..., None] + slot).clamp(0, layout.order.shape[1] - 1)
+    positions = layout.order.long().gather(1, rank.flatten(1)).view_as(rank)
+    return torch.where(valid, positions, -1), cluster

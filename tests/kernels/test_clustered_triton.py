@@ -1,6 +1,12 @@
 """The Triton clustered / improved clustered kernels against the PyTorch reference, stage by
 stage and end to end, on CPU through Triton's interpreter (small shapes: it runs numpy per
-program). Nothing here needs a GPU."""
+program). Nothing here needs a GPU.
+
+The interpreter runs a launch's programs one after another, so it cannot show a race: the
+kernels are race-free by construction (one writer per element). What it does show: every
+test runs with row tiles of 16 (several programs per head, so the per-chunk partials and the
+launches that reduce them really run), and the stage tests with torch.empty poisoned (NaN,
+the most negative integer), so an element a kernel fails to write shows up."""
 
 import os
 
@@ -9,7 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from kernel_inputs import padding_mask, qkv  # noqa: E402
+from kernel_inputs import padding_mask, poison_empty, qkv, several_programs_per_head, tile_positions  # noqa: E402
 from ties import (  # noqa: E402
     assert_codes_agree,
     assert_exact_ties_go_to_the_lowest_cluster,
@@ -33,10 +39,25 @@ from kernels.kmeans import (  # noqa: E402
 from kernels.stages import CentroidAttention, cluster_queries  # noqa: E402
 
 triton_clustered = pytest.importorskip("kernels.clustered_triton")
+from kernels import centroid_triton, hamming_triton, lloyd_triton  # noqa: E402
+from kernels.cluster_layout_triton import cluster_layout_triton  # noqa: E402
+from kernels.clustered import cluster_tiles  # noqa: E402
+from kernels.hamming_triton import hamming_kmeans_triton  # noqa: E402
 from kernels.hashing_triton import hash_codes_triton  # noqa: E402
-from kernels.kmeans_triton import cluster_means_triton, hamming_kmeans_triton, refine_clusters_triton  # noqa: E402
+from kernels.lloyd_triton import cluster_means_triton, refine_clusters_triton  # noqa: E402
+from kernels.triton_helpers import chunking  # noqa: E402
 
 METHODS = ("clustered", "i-clustered")
+
+
+@pytest.fixture(autouse=True)
+def _several_programs_per_head(monkeypatch):
+    several_programs_per_head(monkeypatch)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    poison_empty(monkeypatch)
 
 
 def run(q, k, v, spec, mask=None, backend="triton"):
@@ -75,10 +96,16 @@ def _signs(n, d=16, bits=63, seed=0, duplicates=None):
         (40, [40, 33], 6, 4, 8, 3),  # copies of 3 queries: clusters empty out and get re-seeded
         (20, [20, 6], 8, 3, 63, None),  # more clusters than real queries in row 1
         (30, [30, 30], 4, 0, 1, None),
-        (64, [64, 50], 40, 4, 6, None),  # more clusters than one block of the kernel, many ties
+        (64, [64, 50], 40, 4, 6, None),  # many ties, donors from several chunks
+        (20, [20, 6], 24, 3, 63, None),  # more empty clusters than queries: the rest take the last donor
+        (64, [64, 50], 40, 4, 8, "blocks of 16"),  # clusters in several blocks: votes in a second pass
     ],
 )
-def test_hamming_kmeans_equals_the_reference(n, lengths, clusters, iterations, bits, duplicates):
+def test_hamming_kmeans_equals_the_reference(n, lengths, clusters, iterations, bits, duplicates, poisoned, monkeypatch):
+    assert chunking(n, 2, hamming_triton.BLOCK_N)[0] >= 2  # the votes and donors cross programs
+    if duplicates == "blocks of 16":
+        monkeypatch.setattr(hamming_triton, "BLOCK_C", 16)
+        duplicates = None
     _, signs = _signs(n, bits=bits, duplicates=duplicates)
     mask = padding_mask(2, n, lengths)
     offsets = initial_offsets(2, seed=1)
@@ -94,7 +121,7 @@ def test_hamming_kmeans_equals_the_reference(n, lengths, clusters, iterations, b
 @pytest.mark.parametrize(
     "n, lengths, clusters, duplicates", [(48, [48, 35], 5, None), (40, [40, 31], 6, 4), (64, [64, 60], 36, None)]
 )
-def test_refinement_equals_the_reference(n, lengths, clusters, duplicates):
+def test_refinement_equals_the_reference(n, lengths, clusters, duplicates, poisoned):
     q, signs = _signs(n, d=24, duplicates=duplicates)
     mask = padding_mask(2, n, lengths)
     start = hamming_kmeans(signs, mask, clusters, 3, initial_offsets(2, seed=0))
@@ -103,13 +130,15 @@ def test_refinement_equals_the_reference(n, lengths, clusters, duplicates):
     print(f"ties within float rounding: {ties}")
 
 
+@pytest.mark.parametrize("block", [32, 256])
 @pytest.mark.parametrize("first, second", [(5, 18), (3, 35)])
-def test_refinement_ties_go_to_the_lowest_cluster_within_and_across_blocks(first, second):
-    # The kernel scans clusters in blocks of 32: 5 and 18 share one, 3 and 35 do not.
+def test_refinement_ties_go_to_the_lowest_cluster_within_and_across_blocks(first, second, block, monkeypatch):
+    # Blocks of 32 means: 5 and 18 share one, 3 and 35 do not; 256 holds all 40 (read once).
+    monkeypatch.setattr(lloyd_triton, "NEAREST_BLOCK_C", block)
     assert_exact_ties_go_to_the_lowest_cluster(refine_clusters_triton, first, second, 40)
 
 
-def test_cluster_means_equal_the_reference():
+def test_cluster_means_equal_the_reference(poisoned):
     q, _, _ = qkv(n=45, d=24, structured=False)
     assign = torch.randint(0, 7, (2, 2, 45), generator=torch.Generator().manual_seed(0))
     assign[:, :, ::5] = 6  # C = 6: every fifth query padded, and cluster 6 is not a cluster
@@ -119,38 +148,64 @@ def test_cluster_means_equal_the_reference():
     assert torch.equal(members, _count_members(assign, 6).long())
 
 
-@pytest.mark.parametrize("d, dv, m", [(24, 16, 37), (128, 32, 20), (16, 16, 300)])
-def test_centroid_attention_equals_the_reference(d, dv, m, monkeypatch):
-    """The keys split across programs (64 keys a split here: m = 300 makes 5), each split's
-    online softmax and top-k kept on chip, then merged."""
-    monkeypatch.setattr(triton_clustered, "KEYS_PER_SPLIT", 64)
+@pytest.mark.parametrize("n, clusters, lengths, tile", [(50, 4, [50, 37], 4), (45, 7, [45, 45], 8), (40, 3, [40, 0], 32)])
+def test_cluster_layout_equals_the_reference(n, clusters, lengths, tile, poisoned):
+    """The counting sort across programs lays out the tiles exactly as clustered.cluster_tiles."""
+    assign = torch.randint(0, clusters, (2, 2, n), generator=torch.Generator().manual_seed(3))
+    assign = torch.where(padding_mask(2, n, lengths)[:, None, :], assign, clusters)
+    assign[0, 1][assign[0, 1] == 1] = 2  # an empty cluster
+    layout = cluster_layout_triton(assign, clusters, tile)
+    n_tiles = triton_clustered.triton.cdiv(n, tile) + clusters
+    positions, valid, tile_cluster = cluster_tiles(assign, clusters, tile, n_tiles)
+    got_positions, got_cluster = tile_positions(layout, n_tiles, tile)
+    assert torch.equal(got_positions, torch.where(valid, positions, -1).flatten(0, 1))
+    assert torch.equal(got_cluster, tile_cluster.flatten(0, 1))
+
+
+@pytest.mark.parametrize("d, dv, m, topk", [(24, 16, 37, 4), (128, 32, 20, 4), (16, 16, 300, 4), (16, 16, 300, 16)])
+def test_centroid_attention_equals_the_reference(d, dv, m, topk, poisoned):
+    """The keys split across programs (m = 300 makes 5 splits): each split's online softmax and
+    lane maxima, merged, then each row's keys above its threshold kept and merged."""
     _, k, v = qkv(m=m, d=d, dv=dv)
     centroids = torch.randn(2, 2, 5, d, generator=torch.Generator().manual_seed(1))
     mask = padding_mask(2, m, [m - 3, 0])  # row 1 has no real key at all
     scale = d**-0.5
-    got = triton_clustered.centroid_attention_triton(centroids, k, v, mask, scale, 4)
+    got = centroid_triton.centroid_attention_triton(centroids, k, v, mask, scale, topk)
     expected = _centroid_attention(centroids, k, mask, scale)
     assert torch.allclose(got.values, expected @ v, atol=1e-5, rtol=0)
-    want_probs, want_index = expected.topk(4, dim=-1)
+    want_probs, want_index = expected.topk(topk, dim=-1)
     assert_topk_agree(got.top_index[0], want_index[0], expected[0])
     assert torch.allclose(got.top_probs, want_probs, atol=1e-6, rtol=0)
     assert (got.top_probs[1] == 0).all() and (got.values[1] == 0).all()
-    assert triton_clustered.centroid_attention_triton(centroids, k, v, mask, scale, 0).top_index is None
+    assert centroid_triton.centroid_attention_triton(centroids, k, v, mask, scale, 0).top_index is None
+
+
+def test_centroid_top_k_of_tied_logits_equals_the_reference(poisoned):
+    """Keys repeated: many logits tie (and equal the threshold); the top-k takes the lowest
+    indices among equals, as torch.topk over the probabilities does here."""
+    _, k, v = qkv(m=200, d=16)
+    k = k[:, :, torch.arange(200) % 7]
+    centroids = torch.randn(2, 2, 3, 16, generator=torch.Generator().manual_seed(2))
+    mask = padding_mask(2, 200, [200, 150])
+    got = centroid_triton.centroid_attention_triton(centroids, k, v, mask, 0.25, 8)
+    expected = _centroid_attention(centroids, k, mask, 0.25)
+    assert torch.allclose(got.top_probs, expected.topk(8, dim=-1).values, atol=1e-6, rtol=0)
+    assert_topk_agree(got.top_index, expected.topk(8, dim=-1).indices, expected)
 
 
 def test_centroid_attention_beyond_the_on_chip_topk_equals_the_reference(monkeypatch):
-    monkeypatch.setattr(triton_clustered, "MAX_TOPK_ON_CHIP", 4)
+    monkeypatch.setattr(centroid_triton, "MAX_TOPK_ON_CHIP", 4)
     _, k, v = qkv(m=30, d=16)
     centroids = torch.randn(2, 2, 5, 16, generator=torch.Generator().manual_seed(1))
     mask = padding_mask(2, 30, [30, 21])
-    got = triton_clustered.centroid_attention_triton(centroids, k, v, mask, 0.25, 6)
+    got = centroid_triton.centroid_attention_triton(centroids, k, v, mask, 0.25, 6)
     expected = _centroid_attention(centroids, k, mask, 0.25)
     assert torch.allclose(got.values, expected @ v, atol=1e-5, rtol=0)
     assert_topk_agree(got.top_index, expected.topk(6, dim=-1).indices, expected)
 
 
 @pytest.mark.parametrize("n, m, topk, lengths", [(45, 45, 6, [45, 31]), (30, 100, 80, [100, 70])])
-def test_improved_sparse_part_equals_the_reference(n, m, topk, lengths):
+def test_improved_sparse_part_equals_the_reference(n, m, topk, lengths, poisoned):
     """The fused tile kernel, given the reference's clusters and centroid attention. The second
     case has more top-k keys than one block and than row 1's real keys."""
     q, k, v = qkv(n=n, m=m, d=16, dv=24)
@@ -225,6 +280,15 @@ def test_padded_tokens_have_no_influence_and_padded_queries_are_zero(method):
     out2 = run(*noisy, spec, mask)
     assert torch.equal(out[:, :, :29], out2[:, :, :29]) and torch.equal(out[0], out2[0])
     assert (out[1, :, 29:] == 0).all()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_two_runs_are_bitwise_equal(method, poisoned):
+    """Every cross-program sum is reduced in a fixed order: the same call gives the same bits."""
+    q, k, v = qkv(n=44, dtype=torch.bfloat16)
+    mask = padding_mask(2, 44, [44, 30])
+    spec = AttentionSpec(method=method, clusters=6, topk=5, iterations=4, refine=2)
+    assert torch.equal(run(q, k, v, spec, mask), run(q, k, v, spec, mask))
 
 
 def test_strided_inputs_give_the_same_output():

@@ -1,4 +1,8 @@
-"""SMYRF Triton kernels against the PyTorch reference, on CPU through Triton's interpreter."""
+"""SMYRF Triton kernels against the PyTorch reference, on CPU through Triton's interpreter.
+
+Every test runs with hash tiles of 16 rows, so the norms and hashes of a head spread over
+several programs and the largest norm is reduced across them; the hash test runs with
+torch.empty poisoned (NaN), so a hash a kernel fails to write shows up."""
 
 import os
 
@@ -8,7 +12,7 @@ import math
 
 import pytest
 import torch
-from kernel_inputs import padding_mask, qkv
+from kernel_inputs import padding_mask, poison_empty, qkv, several_programs_per_head
 
 from kernels import AttentionSpec, attention
 from kernels.smyrf import (
@@ -21,6 +25,11 @@ from kernels.smyrf import (
 from kernels.smyrf_triton import smyrf_cluster_attention_triton, smyrf_hashes_triton
 
 FULL = AttentionSpec(method="full")
+
+
+@pytest.fixture(autouse=True)
+def _several_programs_per_head(monkeypatch):
+    several_programs_per_head(monkeypatch)
 
 
 def smyrf(cluster_size, hash_rounds=2, seed=0):
@@ -88,7 +97,8 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("n, m, d, dv, cluster_size, lengths", SHAPES)
-def test_hashes_match_reference(n, m, d, dv, cluster_size, lengths):
+def test_hashes_match_reference(n, m, d, dv, cluster_size, lengths, monkeypatch):
+    poison_empty(monkeypatch)
     q, k, _ = qkv(n=n, m=m, d=d, seed=1)
     mask = padding_mask(2, m, lengths) if lengths else None
     spec = smyrf(cluster_size, hash_rounds=3, seed=5)

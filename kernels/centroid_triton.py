@@ -1,0 +1,351 @@
+"""The centroid pass of clustered and improved clustered attention as Triton kernels (the
+triton backend's `centroid_attention` stage; clustered.centroid_attention is the reference):
+V^c = A^c V with A^c = softmax(Q^c K^T * scale) over the real keys, and for improved clustered
+each cluster's top-k keys of A^c. A^c is never written.
+
+    _centroid_attention_kernel  (centroid blocks, splits, B * H)  a split of the keys against
+                                all of a head's centroids in one tile (up to 128: K and V are
+                                read once per head): the split's online softmax and, for the
+                                top-k, the largest logit of each of 2 TOP lanes (key index mod
+                                2 TOP)
+    _centroid_combine_kernel    (centroid blocks of 8, B * H)  V^c from the splits, each row's
+                                softmax max and sum, and its threshold: the TOP-th largest lane
+                                maximum, at most the row's TOP-th largest logit (lane maxima
+                                are distinct keys)
+    _centroid_topk_kernel       (centroid blocks of 64, top splits, B * H)  the logits again;
+                                only keys at or above the threshold can be in the top-k (on
+                                random logits ~1.5 TOP of a row's M), and only those are kept:
+                                a row's best candidate replaces the row's smallest kept key,
+                                repeated while a row has a candidate above it
+    _centroid_topk_combine_kernel  (centroid blocks of 8, B * H)  the splits' kept keys merged
+                                into the top-k, their indices and probabilities
+
+A block of keys costs the top-k a compare per logit and a few steps per candidate, instead of
+a sorting network over every logit. Softmaxes run in base 2 (triton_helpers), the centroids
+(float32) meet half-precision keys and values as split-precision dots, split once per program.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .blocks import pow2_block
+from .clustered import centroid_attention
+from .stages import CentroidAttention
+from .triton_helpers import TARGET_PROGRAMS, dot_parts_left, online_softmax_step, split_parts, upcast
+
+LOG2E = 1.4426950408889634
+# The largest top-k (rounded up to a power of two) that the centroid pass selects on chip.
+MAX_TOPK_ON_CHIP = 256
+# Centroids per tile of the softmax pass (all of a head's up to this many), of the top-k
+# filter, and of the two merges (8: enough programs for the GPU at batch 1).
+SOFTMAX_BLOCK_C = 128
+TOPK_BLOCK_C = 64
+COMBINE_BLOCK_C = 8
+# A logit at the threshold may come out an ulp lower when recomputed by a differently tiled dot:
+# the top-k kernel keeps what is within this relative margin below it too.
+THRESHOLD_MARGIN = 1e-5
+# Key of no key: below every logit's.
+NO_KEY = -(1 << 63)
+
+
+@triton.jit
+def _logit_keys(logits, cols, M):
+    """One int64 per (row, key) that orders like the logit, then the lower key index: the
+    float32 bits made order-preserving as a signed int (negatives flip their magnitude bits),
+    above M - 1 - index. Columns past M get the lowest key."""
+    bits = logits.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = (ordered.to(tl.int64) << 32) | (M - 1 - cols).to(tl.int64)[None, :]
+    return tl.where(cols[None, :] < M, key, -(1 << 63))
+
+
+@triton.jit
+def _key_logits(keys):
+    """The logits that `_logit_keys` packed."""
+    ordered = (keys >> 32).to(tl.int32)
+    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _logits(parts, centroids, keys, scale, UPCAST: tl.constexpr):
+    """Base-2 logits (rows, keys) of float32 centroids against keys in their dtype; `parts`
+    are the centroids split once for half-precision keys (split_parts)."""
+    if keys.dtype == tl.float32:
+        product = tl.dot(centroids, tl.trans(keys), input_precision="ieee")
+    else:
+        product = dot_parts_left(parts, tl.trans(keys), UPCAST)
+    return product * scale
+
+
+@triton.jit
+def _centroid_attention_kernel(
+    centroids_ptr, k_ptr, v_ptr, key_mask_ptr, part_values_ptr, part_max_ptr, part_sum_ptr, part_lanes_ptr,
+    stride_kb, stride_kh, stride_km, stride_kd,
+    stride_vb, stride_vh, stride_vm, stride_vd,
+    H, M, C, D, DV, SPLITS, CHUNK, scale,
+    BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+    LANES: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """A block of centroids against one split of the keys, [split CHUNK, (split + 1) CHUNK):
+    the split's online softmax (unnormalised values, running max and sum, float32, base 2:
+    `scale` includes log2(e)) and, with LANES > 0, the largest logit of each lane (key index
+    mod LANES), to part_lanes (B * H, SPLITS, C, LANES)."""
+    split = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    batch, head = bh // H, bh % H
+    rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    dims = tl.arange(0, HEAD_DIM)
+    vdims = tl.arange(0, VALUE_DIM)
+    in_rows = rows < C
+    centroids = tl.load(centroids_ptr + (bh * C + rows)[:, None] * D + dims[None, :],
+                        mask=in_rows[:, None] & (dims[None, :] < D), other=0.0)
+    k_head = k_ptr + batch * stride_kb + head * stride_kh
+    v_head = v_ptr + batch * stride_vb + head * stride_vh
+    parts = split_parts(centroids, k_ptr.dtype.element_ty)  # loop invariant
+    row_max = tl.full([BLOCK_C], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_C], tl.float32)
+    acc = tl.zeros([BLOCK_C, VALUE_DIM], tl.float32)
+    lanes = tl.full([BLOCK_C, LANES if LANES > 0 else 1], float("-inf"), tl.float32)
+    first = split * CHUNK
+    stop = tl.minimum(first + CHUNK, M)
+    for start in range(first, stop, BLOCK_M):
+        cols = start + tl.arange(0, BLOCK_M)
+        in_split = cols < stop
+        real = in_split & (tl.load(key_mask_ptr + batch * M + cols, mask=in_split, other=0) != 0)
+        keys = tl.load(k_head + cols[:, None] * stride_km + dims[None, :] * stride_kd,
+                       mask=real[:, None] & (dims[None, :] < D), other=0.0)
+        values = tl.load(v_head + cols[:, None] * stride_vm + vdims[None, :] * stride_vd,
+                         mask=real[:, None] & (vdims[None, :] < DV), other=0.0)
+        logits = tl.where(real[None, :], _logits(parts, centroids, keys, scale, UPCAST), float("-inf"))
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, True, UPCAST)
+        if LANES > 0:
+            lanes = tl.maximum(lanes, tl.max(tl.reshape(logits, (BLOCK_C, BLOCK_M // LANES, LANES)), axis=1))
+    part = (bh * SPLITS + split) * C + rows
+    tl.store(part_values_ptr + part[:, None] * DV + vdims[None, :], acc,
+             mask=in_rows[:, None] & (vdims[None, :] < DV))
+    tl.store(part_max_ptr + part, row_max, mask=in_rows)
+    tl.store(part_sum_ptr + part, row_sum, mask=in_rows)
+    if LANES > 0:
+        slots = tl.arange(0, LANES)
+        tl.store(part_lanes_ptr + part[:, None] * LANES + slots[None, :], lanes, mask=in_rows[:, None])
+
+
+@triton.jit
+def _centroid_combine_kernel(
+    part_values_ptr, part_max_ptr, part_sum_ptr, part_lanes_ptr, values_ptr, stats_ptr, threshold_ptr,
+    C, DV, SPLITS,
+    BLOCK_C: tl.constexpr, VALUE_DIM: tl.constexpr, LANES: tl.constexpr,
+):
+    """Merge the splits of a block of centroids: V^c (B * H, C, DV) by their softmax masses;
+    stats (B * H, C, 2): each row's max (0 if no key is real) and 1 / sum (0 then); with
+    LANES > 0 the row's top-k threshold (B * H, C): its smallest lane maximum over all splits."""
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    vdims = tl.arange(0, VALUE_DIM)
+    in_rows = rows < C
+    row_max = tl.full([BLOCK_C], float("-inf"), tl.float32)
+    lanes = tl.full([BLOCK_C, LANES if LANES > 0 else 1], float("-inf"), tl.float32)
+    for split in range(0, SPLITS):
+        part = (bh * SPLITS + split) * C + rows
+        row_max = tl.maximum(row_max, tl.load(part_max_ptr + part, mask=in_rows, other=float("-inf")))
+        if LANES > 0:
+            slots = tl.arange(0, LANES)
+            lanes = tl.maximum(lanes, tl.load(part_lanes_ptr + part[:, None] * LANES + slots[None, :],
+                                              mask=in_rows[:, None], other=float("-inf")))
+    shift = tl.where(row_max == float("-inf"), 0.0, row_max)  # no real key: no inf - inf
+    row_sum = tl.zeros([BLOCK_C], tl.float32)
+    acc = tl.zeros([BLOCK_C, VALUE_DIM], tl.float32)
+    for split in range(0, SPLITS):
+        part = (bh * SPLITS + split) * C + rows
+        weight = tl.math.exp2(tl.load(part_max_ptr + part, mask=in_rows, other=float("-inf")) - shift)
+        row_sum += weight * tl.load(part_sum_ptr + part, mask=in_rows, other=0.0)
+        acc += weight[:, None] * tl.load(part_values_ptr + part[:, None] * DV + vdims[None, :],
+                                         mask=in_rows[:, None] & (vdims[None, :] < DV), other=0.0)
+    inv_sum = 1.0 / tl.where(row_sum > 0, row_sum, float("inf"))  # 0 where no key is real
+    tl.store(values_ptr + (bh * C + rows)[:, None] * DV + vdims[None, :], acc * inv_sum[:, None],
+             mask=in_rows[:, None] & (vdims[None, :] < DV))
+    tl.store(stats_ptr + (bh * C + rows) * 2, shift, mask=in_rows)
+    tl.store(stats_ptr + (bh * C + rows) * 2 + 1, inv_sum, mask=in_rows)
+    if LANES > 0:
+        # The TOP-th largest of the LANES = 2 TOP lane maxima: TOP distinct keys are at least it.
+        tl.store(threshold_ptr + bh * C + rows, tl.min(tl.topk(lanes, LANES // 2), axis=1), mask=in_rows)
+
+
+@triton.jit
+def _centroid_topk_kernel(
+    centroids_ptr, k_ptr, key_mask_ptr, threshold_ptr, part_top_ptr,
+    stride_kb, stride_kh, stride_km, stride_kd,
+    H, M, C, D, SPLITS, CHUNK, scale,
+    BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, TOP: tl.constexpr,
+    MARGIN: tl.constexpr, NO_KEY: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """A block of centroids against one split of the keys: the TOP largest keys (_logit_keys)
+    of each row among those whose logit is at least its threshold, to part_top (B * H, SPLITS,
+    C, TOP) int64 (unsorted; NO_KEY where fewer). A block's logits are filtered as floats
+    (against the threshold, then the row's smallest kept logit); while a row has a candidate
+    left, its best one replaces the row's smallest kept key if larger, and leaves them."""
+    split = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    batch, head = bh // H, bh % H
+    rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    dims = tl.arange(0, HEAD_DIM)
+    slots = tl.arange(0, TOP)
+    in_rows = rows < C
+    centroids = tl.load(centroids_ptr + (bh * C + rows)[:, None] * D + dims[None, :],
+                        mask=in_rows[:, None] & (dims[None, :] < D), other=0.0)
+    parts = split_parts(centroids, k_ptr.dtype.element_ty)  # loop invariant
+    k_head = k_ptr + batch * stride_kb + head * stride_kh
+    threshold = tl.load(threshold_ptr + bh * C + rows, mask=in_rows, other=0.0)
+    threshold = tl.where(in_rows, threshold - MARGIN * (tl.abs(threshold) + 1.0), float("inf"))
+    top = tl.full([BLOCK_C, TOP], NO_KEY, tl.int64)
+    top_min = tl.full([BLOCK_C], NO_KEY, tl.int64)
+    floor = threshold  # a logit below it cannot enter: the threshold, then the smallest kept logit
+    first = split * CHUNK
+    stop = tl.minimum(first + CHUNK, M)
+    for start in range(first, stop, BLOCK_M):
+        cols = start + tl.arange(0, BLOCK_M)
+        in_split = cols < stop
+        real = in_split & (tl.load(key_mask_ptr + batch * M + cols, mask=in_split, other=0) != 0)
+        keys = tl.load(k_head + cols[:, None] * stride_km + dims[None, :] * stride_kd,
+                       mask=real[:, None] & (dims[None, :] < D), other=0.0)
+        logits = tl.where(real[None, :], _logits(parts, centroids, keys, scale, UPCAST), float("-inf"))
+        live = in_split[None, :] & (logits >= floor[:, None])
+        candidates = tl.max(tl.sum(live.to(tl.int32), axis=1), axis=0)  # a row takes at most one a round
+        if candidates > 0:
+            keyed = tl.where(live, _logit_keys(logits, cols, M), NO_KEY)
+            for _ in range(0, candidates):
+                if tl.max(tl.max(keyed, axis=1), axis=0) > NO_KEY:  # what is left may all be below the kept
+                    best = tl.max(keyed, axis=1)  # each row's best candidate replaces its smallest kept key
+                    replace = (slots[None, :] == tl.argmin(top, axis=1)[:, None]) & (best > top_min)[:, None]
+                    top = tl.where(replace, best[:, None], top)
+                    top_min = tl.min(top, axis=1)
+                    keyed = tl.where((keyed != best[:, None]) & (keyed > top_min[:, None]), keyed, NO_KEY)
+            floor = tl.maximum(floor, tl.where(top_min > NO_KEY, _key_logits(top_min), floor))
+    part = (bh * SPLITS + split) * C + rows
+    tl.store(part_top_ptr + part[:, None] * TOP + slots[None, :], top, mask=in_rows[:, None])
+
+
+@triton.jit
+def _centroid_topk_combine_kernel(
+    part_top_ptr, stats_ptr, top_index_ptr, top_probs_ptr,
+    M, C, SPLITS, TOPK,
+    BLOCK_C: tl.constexpr, TOP: tl.constexpr,
+):
+    """The TOPK most probable keys of a block of centroids over all splits: indices and
+    probabilities (B * H, C, TOPK), 0 on padded keys (their logits are -inf)."""
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    slots = tl.arange(0, TOP)
+    in_rows = rows < C
+    top = tl.full([BLOCK_C, TOP], -(1 << 63), tl.int64)
+    for split in range(0, SPLITS):
+        part = (bh * SPLITS + split) * C + rows
+        candidates = tl.load(part_top_ptr + part[:, None] * TOP + slots[None, :], mask=in_rows[:, None],
+                             other=-(1 << 63))
+        top = tl.topk(tl.reshape(tl.join(top, candidates), (BLOCK_C, 2 * TOP)), TOP)
+    shift = tl.load(stats_ptr + (bh * C + rows) * 2, mask=in_rows, other=0.0)
+    inv_sum = tl.load(stats_ptr + (bh * C + rows) * 2 + 1, mask=in_rows, other=0.0)
+    index = tl.minimum(tl.maximum(M - 1 - (top & 0xFFFFFFFF), 0), M - 1)
+    probs = tl.math.exp2(_key_logits(top) - shift[:, None]) * inv_sum[:, None]
+    out = (bh * C + rows)[:, None] * TOPK + slots[None, :]
+    written = in_rows[:, None] & (slots[None, :] < TOPK)
+    tl.store(top_index_ptr + out, index, mask=written)
+    tl.store(top_probs_ptr + out, probs, mask=written)
+
+
+def _splits(m: int, programs_per_split: int, block_m: int) -> tuple[int, int]:
+    """(splits, keys per split): enough splits for TARGET_PROGRAMS in all, whole blocks each."""
+    splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, programs_per_split), triton.cdiv(m, block_m)))
+    chunk = triton.cdiv(triton.cdiv(m, splits), block_m) * block_m
+    return triton.cdiv(m, chunk), chunk
+
+
+def centroid_attention_triton(
+    centroids: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, scale: float, topk: int
+) -> CentroidAttention:
+    """The centroid pass on the device: V^c = A^c V (B, H, C, Dv) float32 and, with topk > 0,
+    each cluster's top-k keys of A^c (indices, probabilities 0 on padded keys), chosen inside
+    the kernels for topk <= MAX_TOPK_ON_CHIP. Two launches, four with the top-k.
+
+    centroids: (B, H, C, D) float32 contiguous; k: (B, H, M, D); v: (B, H, M, Dv); key_mask (B, M).
+    """
+    b, h, c, d = centroids.shape
+    m, dv = k.shape[2], v.shape[-1]
+    device = k.device
+    top = triton.next_power_of_2(topk) if topk else 0
+    if top > MAX_TOPK_ON_CHIP:
+        # Beyond what a program holds in registers: A^c in float32 and torch's top-k.
+        return centroid_attention(centroids, k.float(), v.float(), key_mask, scale, topk)
+    mask = key_mask.contiguous()
+    block_m = max(64, 2 * top)
+    # All of a head's centroids in one tile, unless the top-k's lanes would not fit beside them.
+    block_c = pow2_block(c, 16, SOFTMAX_BLOCK_C if top <= 32 else 16)
+    splits, chunk = _splits(m, b * h * triton.cdiv(c, block_c), block_m)
+    part_values = torch.empty(b * h, splits, c, dv, dtype=torch.float32, device=device)
+    part_max = torch.empty(b * h, splits, c, dtype=torch.float32, device=device)
+    part_sum = torch.empty(b * h, splits, c, dtype=torch.float32, device=device)
+    part_lanes = torch.empty(b * h, splits, c, max(2 * top, 1), dtype=torch.float32, device=device)
+    _centroid_attention_kernel[(triton.cdiv(c, block_c), splits, b * h)](
+        centroids, k, v, mask, part_values, part_max, part_sum, part_lanes,
+        *k.stride(), *v.stride(),
+        h, m, c, d, dv, splits, chunk, scale * LOG2E,
+        BLOCK_C=block_c, BLOCK_M=block_m, HEAD_DIM=pow2_block(d), VALUE_DIM=pow2_block(dv),
+        LANES=2 * top, UPCAST=upcast(k), num_warps=8 if block_c >= 64 else 4,
+    )
+    values = torch.empty(b, h, c, dv, dtype=torch.float32, device=device)
+    stats = torch.empty(b * h, c, 2, dtype=torch.float32, device=device)
+    threshold = torch.empty(b * h, c, dtype=torch.float32, device=device)
+    _centroid_combine_kernel[(triton.cdiv(c, COMBINE_BLOCK_C), b * h)](
+        part_values, part_max, part_sum, part_lanes, values, stats, threshold,
+        c, dv, splits,
+        BLOCK_C=COMBINE_BLOCK_C, VALUE_DIM=pow2_block(dv), LANES=2 * top,
+    )
+    if not topk:
+        return CentroidAttention(values)
+    topk_block_c = pow2_block(c, 16, TOPK_BLOCK_C)
+    blocks = triton.cdiv(c, topk_block_c)
+    top_splits, top_chunk = _splits(m, b * h * blocks, block_m)
+    part_top = torch.empty(b * h, top_splits, c, top, dtype=torch.int64, device=device)
+    _centroid_topk_kernel[(blocks, top_splits, b * h)](
+        centroids, k, mask, threshold, part_top,
+        *k.stride(),
+        h, m, c, d, top_splits, top_chunk, scale * LOG2E,
+        BLOCK_C=topk_block_c, BLOCK_M=block_m, HEAD_DIM=pow2_block(d), TOP=top,
+        MARGIN=THRESHOLD_MARGIN, NO_KEY=NO_KEY, UPCAST=upcast(k),
+    )
+    top_index = torch.empty(b, h, c, topk, dtype=torch.int64, device=device)
+    top_probs = torch.empty(b, h, c, topk, dtype=torch.float32, device=device)
+    _centroid_topk_combine_kernel[(triton.cdiv(c, COMBINE_BLOCK_C), b * h)](
+        part_top, stats, top_index, top_probs,
+        m, c, top_splits, topk,
+        BLOCK_C=COMBINE_BLOCK_C, TOP=top,
+    )
+    return CentroidAttention(values, top_index, top_probs)
+
+
+def _topk_rounds(a: dict) -> dict:
+    """One program's split and its rounds of candidates per block of keys: on real attention a
+    row has about 1.3 TOP keys at or above its threshold, spread over the M keys; a block's
+    rounds are the most any of its rows has (a Poisson maximum)."""
+    per_row = 1.3 * a["TOP"] * a["BLOCK_M"] / max(a["M"], 1)
+    cdf, term, rounds, k = 0.0, math.exp(-per_row), 0.0, 0
+    while cdf < 1 - 1e-9 and k < a["BLOCK_M"]:
+        cdf += term
+        rounds += 1 - cdf ** a["BLOCK_C"]  # P(max > k)
+        k += 1
+        term *= per_row / k
+    return {"first": 0, "stop": min(a["CHUNK"], a["M"]), "candidates": rounds}
+
+
+# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
+# launch's arguments do not give, as one program sees them on average.
+LOOP_BOUNDS = {
+    "_centroid_attention_kernel": lambda a: {"first": 0, "stop": min(a["CHUNK"], a["M"])},
+    "_centroid_topk_kernel": _topk_rounds,
+}

@@ -1,0 +1,153 @@
+"""The layout of improved clustered attention's sparse part as a counting sort over the whole
+GPU: each cluster's real queries in position order, in tiles of TILE (clustered.cluster_tiles
+is the reference; the tiles are the same).
+
+    _layout_counts_kernel   (chunks, B * H)  members of every cluster in each chunk of queries
+    _layout_offsets_kernel  (B * H,)         cluster sizes, where each cluster starts in the
+                            order, where each chunk's members of it start, the tiles' ends
+    _layout_scatter_kernel  (chunks, B * H)  every real query to its place in the order:
+                            its chunk's start for its cluster + its rank among the chunk's
+                            members of that cluster before it
+
+Integer counts only; each place in the order has one writer. The offsets launch has one
+program per head and reads chunks x clusters integers in a few loads: a few microseconds.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .blocks import pow2_block
+from .triton_helpers import average_chunk, chunking
+
+# Queries per tile of a chunk, and clusters per step of the counts and the scatter.
+BLOCK_N = 64
+BLOCK_C = 128
+
+
+class ClusterLayout(NamedTuple):
+    """order (B * H, N) int32: real query positions grouped by cluster, in position order
+    within one; start, size, tile_end (B * H, C) int32: where cluster c begins in `order`,
+    its members, and the end of its tiles (cluster c owns tiles [tile_end - ceil(size /
+    TILE), tile_end))."""
+
+    order: Tensor
+    start: Tensor
+    size: Tensor
+    tile_end: Tensor
+
+
+@triton.jit
+def _layout_counts_kernel(
+    assign_ptr, part_counts_ptr,
+    N, C, CHUNK, CHUNKS,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """part_counts (B * H, CHUNKS, C) int32: members of each cluster in this chunk."""
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    start = chunk * CHUNK
+    stop = tl.minimum(start + CHUNK, N)
+    for c_start in range(0, C, BLOCK_C):
+        counts = tl.zeros([BLOCK_C], tl.int32)
+        for first in range(start, stop, BLOCK_N):
+            rows = first + tl.arange(0, BLOCK_N)
+            local = (tl.load(assign_ptr + bh * N + rows, mask=rows < stop, other=C) - c_start).to(tl.int32)
+            counts += tl.histogram(local, BLOCK_C, mask=(local >= 0) & (local < BLOCK_C) & (c_start + local < C))
+        cols = c_start + tl.arange(0, BLOCK_C)
+        tl.store(part_counts_ptr + (bh * CHUNKS + chunk) * C + cols, counts, mask=cols < C)
+
+
+@triton.jit
+def _layout_offsets_kernel(
+    part_counts_ptr, offsets_ptr, start_ptr, size_ptr, tile_end_ptr,
+    C, CHUNKS,
+    TILE: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
+):
+    """Per cluster: start, size and tile_end (B * H, C); per chunk and cluster, where the
+    chunk's members of the cluster begin in the order (B * H, CHUNKS, C)."""
+    bh = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, CHUNK_BLOCK)
+    members_before = 0
+    tiles_before = 0
+    for c_start in range(0, C, BLOCK_C):
+        cols = c_start + tl.arange(0, BLOCK_C)
+        part = (bh * CHUNKS + chunks[:, None]) * C + cols[None, :]
+        in_part = (chunks[:, None] < CHUNKS) & (cols[None, :] < C)
+        counts = tl.load(part_counts_ptr + part, mask=in_part, other=0)  # (CHUNK_BLOCK, BLOCK_C)
+        sizes = tl.sum(counts, axis=0)
+        starts = members_before + tl.cumsum(sizes, axis=0) - sizes
+        tile_ends = tiles_before + tl.cumsum((sizes + TILE - 1) // TILE, axis=0)
+        tl.store(start_ptr + bh * C + cols, starts, mask=cols < C)
+        tl.store(size_ptr + bh * C + cols, sizes, mask=cols < C)
+        tl.store(tile_end_ptr + bh * C + cols, tile_ends, mask=cols < C)
+        tl.store(offsets_ptr + part, starts[None, :] + tl.cumsum(counts, axis=0) - counts, mask=in_part)
+        members_before += tl.sum(sizes, axis=0)
+        tiles_before += tl.sum((sizes + TILE - 1) // TILE, axis=0)
+
+
+@triton.jit
+def _layout_scatter_kernel(
+    assign_ptr, offsets_ptr, order_ptr,
+    N, C, CHUNK, CHUNKS,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """order[offset(chunk, c) + rank] = position for each real query of this chunk, rank its
+    place among the chunk's members of cluster c (position order): the members in the tiles
+    before, plus those before it in its tile."""
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    start = chunk * CHUNK
+    stop = tl.minimum(start + CHUNK, N)
+    before = tl.arange(0, BLOCK_N)[None, :] < tl.arange(0, BLOCK_N)[:, None]  # (i, j): j before i
+    for c_start in range(0, C, BLOCK_C):
+        seen = tl.zeros([BLOCK_C], tl.int32)  # members of each cluster in the tiles before
+        for first in range(start, stop, BLOCK_N):
+            rows = first + tl.arange(0, BLOCK_N)
+            cluster = tl.load(assign_ptr + bh * N + rows, mask=rows < stop, other=C).to(tl.int32)
+            local = cluster - c_start
+            mine = (local >= 0) & (local < BLOCK_C) & (cluster < C)
+            same = tl.sum(((cluster[:, None] == cluster[None, :]) & before).to(tl.int32), axis=1)
+            rank = tl.gather(seen, tl.where(mine, local, 0), 0) + same
+            offset = tl.load(offsets_ptr + (bh * CHUNKS + chunk) * C + cluster, mask=mine, other=0)
+            tl.store(order_ptr + bh * N + offset + rank, rows, mask=mine)
+            seen += tl.histogram(local, BLOCK_C, mask=mine)
+
+
+def cluster_layout_triton(assign: Tensor, clusters: int, tile: int) -> ClusterLayout:
+    """Each cluster's real queries in position order, tiles of `tile`: assign (B, H, N) in
+    [0, C], padded queries at C. Three launches; see ClusterLayout."""
+    b, h, n = assign.shape
+    device = assign.device
+    chunks, chunk = chunking(n, h, BLOCK_N)
+    assign = assign.contiguous()
+    part_counts = torch.empty(b * h, chunks, clusters, dtype=torch.int32, device=device)
+    offsets = torch.empty(b * h, chunks, clusters, dtype=torch.int32, device=device)
+    layout = ClusterLayout(*(torch.empty(b * h, size, dtype=torch.int32, device=device) for size in (n, clusters,
+                                                                                                     clusters, clusters)))
+    block_c = pow2_block(clusters, 16, BLOCK_C)
+    _layout_counts_kernel[(chunks, b * h)](
+        assign, part_counts, n, clusters, chunk, chunks, BLOCK_N=BLOCK_N, BLOCK_C=block_c,
+    )
+    _layout_offsets_kernel[(b * h,)](
+        part_counts, offsets, layout.start, layout.size, layout.tile_end, clusters, chunks,
+        TILE=tile, BLOCK_C=pow2_block(clusters, 16, max(16, 8192 // pow2_block(chunks, 1))),
+        CHUNK_BLOCK=pow2_block(chunks, 1),
+    )
+    _layout_scatter_kernel[(chunks, b * h)](
+        assign, offsets, layout.order, n, clusters, chunk, chunks, BLOCK_N=BLOCK_N, BLOCK_C=block_c,
+    )
+    return layout
+
+
+# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): the rows of an average
+# program, which the launch's arguments do not give.
+LOOP_BOUNDS = {
+    "_layout_counts_kernel": lambda a: average_chunk(a["N"], a["CHUNK"]),
+    "_layout_scatter_kernel": lambda a: average_chunk(a["N"], a["CHUNK"]),
+}

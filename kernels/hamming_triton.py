@@ -1,0 +1,437 @@
+"""Hamming K-means of LSH codes as Triton kernels spread over the whole GPU (the triton
+backend's cluster stage; kmeans.hamming_kmeans is the reference it matches).
+
+Each head's queries are cut into chunks of whole BLOCK_N tiles, one program a chunk, enough
+programs per head to fill an H100 at batch 1 (triton_helpers.chunking). One Lloyd iteration
+is two launches:
+
+    _hamming_assign_kernel  (chunks, B * H)   each query's nearest centroid (Hamming similarity
+                            is the dot product of +-1 sign vectors: bits - 2 x the distance,
+                            exact on tensor cores), then per chunk the bit votes and member
+                            counts of every cluster (one-hot(cluster) @ bits, exact) and a
+                            histogram of the donor levels below
+    _hamming_update_kernel  (cluster blocks, B * H)   sums the chunks' votes in chunk order
+                            (integers: any order gives the same), majority vote (ties to 0),
+                            and re-seeds the e-th empty cluster with the e-th farthest query
+
+`_hamming_initial_kernel` places the initial centroids first, and a final
+`_hamming_assign_kernel` (FINAL) writes the assignments. The host loops over the iterations
+with static shapes: no host synchronisation, so a call is captured in a CUDA graph. The
+reference stops once the centroids repeat; here an iteration whose head did not change in
+the previous one is skipped on the device (a flag per cluster block), which gives the same.
+
+Donors. A query's level is 1 + its Hamming distance to its centroid (padded queries 0): the
+reference's donor order is level descending, then position. From the chunks' level
+histograms the update kernel finds the level, the chunk and the rank within that chunk of
+the e-th donor, then reads only that chunk: no scan over a head's N queries.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .blocks import pow2_block
+from .triton_helpers import (
+    any_set,
+    average_chunk,
+    chunking,
+    cluster_block,
+    cluster_range,
+    count_real,
+    mma,
+    one_hot,
+    scalar_at,
+    sum_chunks,
+    sum_chunks_2d,
+    upcast,
+)
+
+# Queries per tile (a chunk is whole tiles), centroids per tile of the search and the votes
+# (up to BLOCK_C clusters, one pass with the centroids' signs and the votes in registers),
+# and the bit tile of the codes (<= 63 bits). The assignment runs 8 warps (two warpgroups
+# of int8 wgmma, 64 queries each).
+BLOCK_N = 128
+BLOCK_C = 128
+BLOCK_BITS = 64
+NUM_WARPS = 8
+# Queries and clusters per step of the initial placement (a (clusters, queries) int64 match
+# matrix) and of the signs it writes.
+INITIAL_BLOCK_N = 64
+INITIAL_BLOCK_C = 32
+# Donor levels: 0 for padded queries, 1 + the Hamming distance (0..63) for real ones.
+LEVELS = 128
+# Positions per step of a donor's look-up in its chunk, and mask bytes per step of a count.
+SCAN = 1024
+COUNT_BLOCK = 4096
+# Chunks per load when the update sums the chunks' counts and votes.
+CHUNK_GROUP = 16
+
+
+@triton.jit
+def _signs(codes, BLOCK_BITS: tl.constexpr):
+    """int64 codes (rows,) -> (rows, BLOCK_BITS) int8, +1 where bit b is set, else -1. Bits
+    past the code's are 0 in every code: -1 on both sides of a dot, a constant +1 each."""
+    bit = tl.arange(0, BLOCK_BITS)
+    word = tl.where(bit[None, :] < 32, codes.to(tl.int32)[:, None], (codes >> 32).to(tl.int32)[:, None])
+    return (((word >> (bit[None, :] & 31)) & 1) * 2 - 1).to(tl.int8)
+
+
+@triton.jit
+def _key_bias(cols, C):
+    """KEY_SCALE - 1 - cluster for the clusters `cols`, far below any key past C."""
+    return tl.where(cols < C, 8191 - cols, -(1 << 30))
+
+
+@triton.jit
+def _nearest_key(query_signs, centroid_signs, bias, UPCAST: tl.constexpr):
+    """(64 + similarity) x KEY_SCALE + bias of each query and centroid (similarity: the +-1
+    dot product over BLOCK_BITS, bits - 2 x the Hamming distance, exact in int32; bias from
+    _key_bias): the largest key is the nearest centroid, ties to the lowest cluster, in one
+    max. KEY_SCALE = 2^13 > any cluster index (spec.clusters <= 4096)."""
+    similarity = mma(query_signs, tl.trans(centroid_signs), UPCAST).to(tl.int32)
+    return ((64 + similarity) << 13) + bias[None, :]
+
+
+@triton.jit
+def _hamming_initial_kernel(
+    codes_ptr, query_mask_ptr, offsets_ptr, centroids_ptr, centroid_signs_ptr, flags_ptr, signs_ptr,
+    H, N, C, CHUNK, BLOCKS,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_BITS: tl.constexpr, COUNT_BLOCK: tl.constexpr,
+    FLAG_BLOCK: tl.constexpr, EXACT_CASE: tl.constexpr,
+):
+    """Each query's code as +-1 signs (B * H, N, BLOCK_BITS) int8, which every iteration
+    reads. Cluster j starts at the query of rank floor((j + offset) n_real / C) among the real
+    queries, then the padded ones (kmeans.initial_centroid_positions). Program (p, bh) writes
+    the clusters whose rank falls in its chunk: each cluster has exactly one writer. The
+    first program of a head sets its flags (B * H, BLOCKS): iterate, unless EXACT_CASE and no
+    more real queries than clusters (the final assignment gives each query its own)."""
+    bh = tl.program_id(1).to(tl.int64)
+    batch, head = bh // H, bh % H
+    start = tl.program_id(0) * CHUNK
+    stop = tl.minimum(start + CHUNK, N)
+    mask_row = query_mask_ptr + batch * N
+    codes_row = codes_ptr + bh * N
+    real_before = count_real(mask_row, 0, start, COUNT_BLOCK)
+    real_here = count_real(mask_row, start, stop, COUNT_BLOCK)
+    n_real = real_before + real_here + count_real(mask_row, stop, N, COUNT_BLOCK)
+    padded_before = start - real_before
+    padded_here = stop - start - real_here
+    if tl.program_id(0) == 0:
+        blocks = tl.arange(0, FLAG_BLOCK)
+        iterate = (n_real > C) | (not EXACT_CASE)
+        tl.store(flags_ptr + bh * BLOCKS + blocks, tl.zeros([FLAG_BLOCK], tl.int32) + iterate.to(tl.int32),
+                 mask=blocks < BLOCKS)
+    bit = tl.arange(0, BLOCK_BITS)
+    for first in range(start, stop, BLOCK_N):
+        rows = first + tl.arange(0, BLOCK_N)
+        signs = _signs(tl.load(codes_row + rows, mask=rows < stop, other=0), BLOCK_BITS)
+        tl.store(signs_ptr + (bh * N + rows)[:, None] * BLOCK_BITS + bit[None, :], signs, mask=rows[:, None] < stop)
+    offset = tl.load(offsets_ptr + head)
+    # The clusters whose target rank can fall in this chunk's real ranks (with a cluster to
+    # spare each side for rounding); with no real query, every target is the first padded one.
+    per_rank = C.to(tl.float32) / tl.maximum(n_real, 1).to(tl.float32)
+    c_first = tl.maximum(tl.math.floor(real_before.to(tl.float32) * per_rank - offset).to(tl.int32) - 1, 0)
+    c_last = tl.minimum(tl.math.floor((real_before + real_here).to(tl.float32) * per_rank).to(tl.int32) + 2, C)
+    c_first = tl.where(n_real > 0, c_first, 0)
+    c_last = tl.where(n_real > 0, c_last, C)
+    for c_start in range(c_first, c_last, BLOCK_C):
+        cols = c_start + tl.arange(0, BLOCK_C)
+        # IEEE division, as torch's: an approximate one could move a centroid by a rank.
+        target = tl.math.div_rn((cols.to(tl.float32) + offset) * n_real.to(tl.float32), C.to(tl.float32))
+        target = tl.minimum(target.to(tl.int32), N - 1)
+        real_rank = (target >= real_before) & (target < real_before + real_here)
+        padded_rank = (target >= n_real + padded_before) & (target < n_real + padded_before + padded_here)
+        mine = (cols < C) & (real_rank | padded_rank)
+        if tl.sum(mine.to(tl.int32), axis=0) > 0:
+            code = tl.zeros([BLOCK_C], tl.int64)
+            real_seen = real_before
+            padded_seen = n_real + padded_before
+            for first in range(start, stop, BLOCK_N):
+                rows = first + tl.arange(0, BLOCK_N)
+                in_range = rows < stop
+                real = (tl.load(mask_row + rows, mask=in_range, other=0) != 0) & in_range
+                padded = (~real) & in_range
+                rank = tl.where(real, real_seen + tl.cumsum(real.to(tl.int32), axis=0) - 1,
+                                padded_seen + tl.cumsum(padded.to(tl.int32), axis=0) - 1)
+                codes = tl.load(codes_row + rows, mask=in_range, other=0)
+                match = in_range[None, :] & (rank[None, :] == target[:, None])
+                code += tl.sum(tl.where(match, codes[None, :], 0), axis=1)
+                real_seen += tl.sum(real.to(tl.int32), axis=0)
+                padded_seen += tl.sum(padded.to(tl.int32), axis=0)
+            tl.store(centroids_ptr + bh * C + cols, code, mask=mine)
+            tl.store(centroid_signs_ptr + (bh * C + cols)[:, None] * BLOCK_BITS + bit[None, :], _signs(code, BLOCK_BITS),
+                     mask=mine[:, None])
+
+
+@triton.jit
+def _hamming_assign_kernel(
+    signs_ptr, query_mask_ptr, centroid_signs_ptr, flags_in_ptr, level_ptr,
+    part_votes_ptr, part_counts_ptr, part_levels_ptr, assign_ptr,
+    H, N, C, CHUNK, CHUNKS, BLOCKS,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_BITS: tl.constexpr, LEVELS: tl.constexpr,
+    FLAG_BLOCK: tl.constexpr, COUNT_BLOCK: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, FINAL: tl.constexpr, EXACT_CASE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One chunk of one (batch, head), its queries' signs (B * H, N, BLOCK_BITS) int8 against
+    the current centroid codes (B * H, C), on int8 tensor cores.
+
+    An iteration (not FINAL) writes the chunk's votes part_votes (B * H, CHUNKS, C, BLOCK_BITS)
+    int32 (the sum of the members' +-1 signs: the majority bit is set where it is > 0) and
+    member counts part_counts (B * H, CHUNKS, C), each query's donor level (B * H, N) int8
+    and the chunk's level histogram part_levels (B * H, CHUNKS, LEVELS). With ONE_BLOCK (all C
+    in one tile) the centroids' signs stay in registers and the votes are summed in the same pass;
+    else the assignments go to `assign` as scratch and a second pass sums the votes block by
+    block. It does nothing when its head's centroids did not change in the previous
+    iteration (flags_in, one per cluster block; the first iteration's come from the initial
+    kernel). FINAL writes the assignments (B, H, N) int64, padded queries at C, and with
+    EXACT_CASE a sequence with no more real queries than clusters gives each its rank.
+    """
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    batch = bh // H
+    start = chunk * CHUNK
+    stop = tl.minimum(start + CHUNK, N)
+    mask_row = query_mask_ptr + batch * N
+    signs_head = signs_ptr + bh * N * BLOCK_BITS
+    assign_row = assign_ptr + bh * N
+    centroid_signs_head = centroid_signs_ptr + bh * C * BLOCK_BITS
+    bit = tl.arange(0, BLOCK_BITS)
+    if FINAL:
+        active = True
+    else:
+        active = any_set(flags_in_ptr + bh * BLOCKS, BLOCKS, FLAG_BLOCK)
+    if active:
+        rank_seen = tl.full([], 0, tl.int32)
+        exact = rank_seen < 0
+        if FINAL and EXACT_CASE:
+            rank_seen = count_real(mask_row, 0, start, COUNT_BLOCK)
+            exact = rank_seen + count_real(mask_row, start, N, COUNT_BLOCK) <= C
+        cols = tl.arange(0, BLOCK_C)
+        if ONE_BLOCK:  # loop invariant: the centroids' signs, read once
+            centroid_signs = tl.load(centroid_signs_head + cols[:, None] * BLOCK_BITS + bit[None, :],
+                                     mask=cols[:, None] < C, other=-1)
+            bias = _key_bias(cols, C)
+        histogram = tl.zeros([LEVELS], tl.int32)
+        votes = tl.zeros([BLOCK_C, BLOCK_BITS], tl.int32)
+        for first in range(start, stop, BLOCK_N):
+            rows = first + tl.arange(0, BLOCK_N)
+            in_range = rows < stop
+            query_signs = tl.load(signs_head + rows[:, None] * BLOCK_BITS + bit[None, :], mask=in_range[:, None],
+                                  other=-1)
+            if ONE_BLOCK:
+                best = tl.max(_nearest_key(query_signs, centroid_signs, bias, UPCAST), axis=1)
+            else:
+                best = tl.full([BLOCK_N], -1, tl.int32)
+                for c_start in range(0, C, BLOCK_C):
+                    block_signs = tl.load(centroid_signs_head + (c_start + cols)[:, None] * BLOCK_BITS + bit[None, :],
+                                          mask=(c_start + cols)[:, None] < C, other=-1)
+                    best = tl.maximum(best, tl.max(_nearest_key(query_signs, block_signs, _key_bias(c_start + cols, C),
+                                                                UPCAST), axis=1))
+            similarity = (best >> 13) - 64  # over all BLOCK_BITS positions
+            real = (tl.load(mask_row + rows, mask=in_range, other=0) != 0) & in_range
+            cluster = tl.where(real, 8191 - (best & 8191), C)
+            if FINAL:
+                rank = rank_seen + tl.cumsum(real.to(tl.int32), axis=0) - 1
+                cluster = tl.where(exact & real, rank, cluster)
+                rank_seen += tl.sum(real.to(tl.int32), axis=0)
+                tl.store(assign_row + rows, cluster.to(tl.int64), mask=in_range)
+            else:
+                level = tl.where(real, 1 + ((BLOCK_BITS - similarity) >> 1), 0)  # 1 + the Hamming distance
+                tl.store(level_ptr + bh * N + rows, level.to(tl.int8), mask=in_range)
+                histogram += tl.histogram(level, LEVELS, mask=in_range)
+                if ONE_BLOCK:
+                    votes += mma(one_hot(cluster, cols, tl.int8), query_signs, UPCAST).to(tl.int32)
+                else:
+                    tl.store(assign_row + rows, cluster.to(tl.int64), mask=in_range)
+        if not FINAL:
+            part = bh * CHUNKS + chunk
+            tl.store(part_levels_ptr + part * LEVELS + tl.arange(0, LEVELS), histogram)
+            if ONE_BLOCK:
+                _store_votes(part_votes_ptr, part_counts_ptr, votes, part, cols, C, BLOCK_BITS)
+            else:
+                tl.debug_barrier()  # the chunk's assignments, stored above, are read back by other threads
+                for c_start in range(0, C, BLOCK_C):
+                    votes = tl.zeros([BLOCK_C, BLOCK_BITS], tl.int32)
+                    for first in range(start, stop, BLOCK_N):
+                        rows = first + tl.arange(0, BLOCK_N)
+                        cluster = tl.load(assign_row + rows, mask=rows < stop, other=C).to(tl.int32)
+                        query_signs = tl.load(signs_head + rows[:, None] * BLOCK_BITS + bit[None, :],
+                                              mask=rows[:, None] < stop, other=-1)
+                        votes += mma(one_hot(cluster, c_start + cols, tl.int8), query_signs, UPCAST).to(tl.int32)
+                    _store_votes(part_votes_ptr, part_counts_ptr, votes, part, c_start + cols, C, BLOCK_BITS)
+
+
+@triton.jit
+def _store_votes(part_votes_ptr, part_counts_ptr, votes, part, cols, C, BLOCK_BITS: tl.constexpr):
+    """A chunk's signed votes of clusters `cols`, and their member counts: every code's last
+    bit position is past its bits (<= 63), so each member voted -1 there."""
+    bit = tl.arange(0, BLOCK_BITS)
+    tl.store(part_votes_ptr + (part * C + cols)[:, None] * BLOCK_BITS + bit[None, :], votes, mask=cols[:, None] < C)
+    members = -tl.sum(tl.where(bit[None, :] == BLOCK_BITS - 1, votes, 0), axis=1)
+    tl.store(part_counts_ptr + part * C + cols, members, mask=cols < C)
+
+
+@triton.jit
+def _donor_position(level_row, part_levels_row, above, through, rank, N, CHUNK, CHUNKS,
+                    LEVELS: tl.constexpr, CHUNK_BLOCK: tl.constexpr, SCAN: tl.constexpr):
+    """Position of the donor of rank `rank` (0 = farthest): its level from the head's level
+    counts (above[l]: donors above level l, through[l]: above[l] + level l's), its chunk from
+    the chunks' counts of that level, its place from that chunk's levels in position order."""
+    levels = tl.arange(0, LEVELS)
+    level = tl.sum(tl.where((above <= rank) & (rank < through), levels, 0), axis=0)
+    rank_in_level = rank - scalar_at(above, levels, level)
+    chunks = tl.arange(0, CHUNK_BLOCK)
+    per_chunk = tl.load(part_levels_row + chunks * LEVELS + level, mask=chunks < CHUNKS, other=0)
+    through_chunk = tl.cumsum(per_chunk, axis=0)
+    holds = (through_chunk - per_chunk <= rank_in_level) & (rank_in_level < through_chunk)
+    chunk = tl.sum(tl.where(holds, chunks, 0), axis=0)
+    rank_in_chunk = rank_in_level - scalar_at(through_chunk - per_chunk, chunks, chunk)
+    position = 0
+    seen = 0
+    stop = tl.minimum(chunk * CHUNK + CHUNK, N)
+    for first in range(chunk * CHUNK, stop, SCAN):
+        rows = first + tl.arange(0, SCAN)
+        same = tl.load(level_row + rows, mask=rows < stop, other=-1).to(tl.int32) == level
+        order = seen + tl.cumsum(same.to(tl.int32), axis=0) - 1
+        position += tl.sum(tl.where(same & (order == rank_in_chunk), rows, 0), axis=0)
+        seen += tl.sum(same.to(tl.int32), axis=0)
+    return position
+
+
+@triton.jit
+def _hamming_update_kernel(
+    codes_ptr, centroids_ptr, centroid_signs_ptr, flags_in_ptr, flags_out_ptr, level_ptr,
+    part_votes_ptr, part_counts_ptr, part_levels_ptr,
+    N, C, BITS, CHUNK, CHUNKS, BLOCKS, PER_PROGRAM,
+    BLOCK_C: tl.constexpr, COUNT_C: tl.constexpr, BLOCK_BITS: tl.constexpr, LEVELS: tl.constexpr,
+    CHUNK_BLOCK: tl.constexpr, CHUNK_GROUP: tl.constexpr, VOTE_GROUP: tl.constexpr, FLAG_BLOCK: tl.constexpr,
+    SCAN: tl.constexpr,
+):
+    """New centroids of PER_PROGRAM clusters of one (batch, head): the majority vote of their
+    members' bits (ties to 0), the chunks' signed votes summed in chunk order, and for the e-th empty
+    cluster (in cluster order) the code of the e-th farthest query, the padded ones after the
+    real ones (more empty clusters than queries: the rest take the last). flags_out says
+    whether any of them changed; a head that did not change before is left as it is."""
+    block = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    changed = tl.full([], 0, tl.int32)
+    if any_set(flags_in_ptr + bh * BLOCKS, BLOCKS, FLAG_BLOCK):
+        first_cluster = block * PER_PROGRAM
+        last_cluster = tl.minimum(first_cluster + PER_PROGRAM, C)
+        # Empty clusters before this program's, from every cluster's member count.
+        counts_head = part_counts_ptr + bh * CHUNKS * C
+        empties_before = 0
+        for c_start in range(0, first_cluster, COUNT_C):
+            cols = c_start + tl.arange(0, COUNT_C)
+            counts = sum_chunks(counts_head, C, CHUNKS, cols, cols < first_cluster, CHUNK_GROUP)
+            empties_before += tl.sum(((counts == 0) & (cols < first_cluster)).to(tl.int32), axis=0)
+        bit = tl.arange(0, BLOCK_BITS).to(tl.int64)
+        index = tl.arange(0, BLOCK_C)
+        for c_start in range(first_cluster, last_cluster, BLOCK_C):
+            cols = c_start + index
+            in_block = cols < last_cluster
+            votes = sum_chunks_2d(part_votes_ptr + bh * CHUNKS * C * BLOCK_BITS, C * BLOCK_BITS, CHUNKS,
+                                  cols[:, None] * BLOCK_BITS + bit[None, :], in_block[:, None] & (bit[None, :] >= 0),
+                                  VOTE_GROUP)
+            members = sum_chunks(counts_head, C, CHUNKS, cols, in_block, CHUNK_GROUP)
+            majority = (votes > 0) & (bit[None, :] < BITS)  # ties (votes 0) to 0
+            code = tl.sum(majority.to(tl.int64) << bit[None, :], axis=1)
+            empty = ((members == 0) & in_block).to(tl.int32)
+            block_empties = tl.sum(empty, axis=0)
+            if block_empties > 0:
+                levels = tl.arange(0, LEVELS)
+                level_counts = sum_chunks(part_levels_ptr + bh * CHUNKS * LEVELS, LEVELS, CHUNKS, levels, levels >= 0,
+                                          CHUNK_GROUP)
+                through = tl.cumsum(level_counts, axis=0, reverse=True)  # donors at this level or above
+                order = tl.cumsum(empty, axis=0) - 1  # each empty cluster's place among the block's
+                for e in range(0, block_empties):
+                    i = tl.sum(tl.where((empty != 0) & (order == e), index, 0), axis=0)
+                    position = _donor_position(level_ptr + bh * N, part_levels_ptr + bh * CHUNKS * LEVELS,
+                                               through - level_counts, through, tl.minimum(empties_before + e, N - 1),
+                                               N, CHUNK, CHUNKS, LEVELS, CHUNK_BLOCK, SCAN)
+                    code = tl.where(index == i, tl.load(codes_ptr + bh * N + position), code)
+            empties_before += block_empties
+            old = tl.load(centroids_ptr + bh * C + cols, mask=in_block, other=0)
+            changed += tl.sum(((old != code) & in_block).to(tl.int32), axis=0)
+            tl.store(centroids_ptr + bh * C + cols, code, mask=in_block)
+            tl.store(centroid_signs_ptr + (bh * C + cols)[:, None] * BLOCK_BITS + bit[None, :],
+                     _signs(code, BLOCK_BITS), mask=in_block[:, None])
+    tl.store(flags_out_ptr + bh * BLOCKS + block, (changed > 0).to(tl.int32))
+
+
+def hamming_kmeans_triton(
+    codes: Tensor, query_mask: Tensor, clusters: int, iterations: int, offsets: Tensor, bits: int,
+    exact_case: bool = False,
+) -> Tensor:
+    """`kmeans.hamming_kmeans` on packed codes (B, H, N) int64 of `bits` bits.
+
+    query_mask: (B, N) bool, True = real query; offsets: (H,) float32 on the codes' device.
+    exact_case: a sequence with no more real queries than clusters gives each its own
+    (kmeans.one_query_per_cluster). Returns assignments (B, H, N) int64 in [0, C], padded at C.
+    Launches: 1 + 2 per iteration + 1, each of at least chunks x B x H programs.
+    """
+    b, h, n = codes.shape
+    device = codes.device
+    chunks, chunk = chunking(n, h, BLOCK_N)
+    per_program = cluster_block(clusters)
+    blocks = triton.cdiv(clusters, per_program)
+    mask = query_mask.contiguous()
+    centroids = torch.empty(b * h, clusters, dtype=torch.int64, device=device)
+    centroid_signs = torch.empty(b * h, clusters, BLOCK_BITS, dtype=torch.int8, device=device)
+    flags = torch.empty(2, b * h, blocks, dtype=torch.int32, device=device)
+    level = torch.empty(b * h, n, dtype=torch.int8, device=device)
+    signs = torch.empty(b * h, n, BLOCK_BITS, dtype=torch.int8, device=device)
+    part_votes = torch.empty(b * h, chunks, clusters, BLOCK_BITS, dtype=torch.int32, device=device)
+    part_counts = torch.empty(b * h, chunks, clusters, dtype=torch.int32, device=device)
+    part_levels = torch.empty(b * h, chunks, LEVELS, dtype=torch.int32, device=device)
+    assign = torch.empty(b, h, n, dtype=torch.int64, device=device)
+    grid = (chunks, b * h)
+    flag_block = pow2_block(blocks, 1)
+    _hamming_initial_kernel[grid](
+        codes, mask, offsets, centroids, centroid_signs, flags[1], signs, h, n, clusters, chunk, blocks,
+        BLOCK_N=min(BLOCK_N, INITIAL_BLOCK_N), BLOCK_C=INITIAL_BLOCK_C, BLOCK_BITS=BLOCK_BITS, COUNT_BLOCK=COUNT_BLOCK,
+        FLAG_BLOCK=flag_block, EXACT_CASE=exact_case,
+    )
+    common = dict(BLOCK_BITS=BLOCK_BITS, LEVELS=LEVELS, FLAG_BLOCK=flag_block)
+    one_block = clusters <= BLOCK_C
+    block_c = pow2_block(clusters, 16, BLOCK_C) if one_block else BLOCK_C
+    assign_blocks = dict(BLOCK_N=BLOCK_N, BLOCK_C=block_c, COUNT_BLOCK=COUNT_BLOCK, ONE_BLOCK=one_block,
+                         UPCAST=upcast(codes), num_warps=NUM_WARPS)
+    for it in range(iterations):
+        flags_in, flags_out = flags[(it + 1) % 2], flags[it % 2]
+        _hamming_assign_kernel[grid](
+            signs, mask, centroid_signs, flags_in, level, part_votes, part_counts, part_levels, assign,
+            h, n, clusters, chunk, chunks, blocks,
+            FINAL=False, EXACT_CASE=False, **assign_blocks, **common,
+        )
+        _hamming_update_kernel[(blocks, b * h)](
+            codes, centroids, centroid_signs, flags_in, flags_out, level, part_votes, part_counts, part_levels,
+            n, clusters, bits, chunk, chunks, blocks, per_program,
+            BLOCK_C=min(per_program, 16), COUNT_C=pow2_block(clusters, 16, 256), CHUNK_BLOCK=pow2_block(chunks, 1),
+            CHUNK_GROUP=CHUNK_GROUP, VOTE_GROUP=max(1, 4096 // (min(per_program, 16) * BLOCK_BITS)), SCAN=SCAN,
+            **common,
+        )
+    _hamming_assign_kernel[grid](
+        signs, mask, centroid_signs, flags, level, part_votes, part_counts, part_levels, assign,
+        h, n, clusters, chunk, chunks, blocks,
+        FINAL=True, EXACT_CASE=exact_case, **assign_blocks, **common,
+    )
+    return assign
+
+
+# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
+# launch's arguments do not give, as one program sees them on average. Empty clusters: about
+# 2 x (C / 100)^2 a head in the first of 10 iterations, almost none after (the reference on real
+# text); a donor is found in one chunk.
+LOOP_BOUNDS = {
+    "_hamming_initial_kernel": lambda a: {**average_chunk(a["N"], a["CHUNK"]), "c_first": 0,
+                                          "c_last": a["C"] / triton.cdiv(a["N"], a["CHUNK"]) + 3},
+    "_hamming_assign_kernel": lambda a: average_chunk(a["N"], a["CHUNK"]),
+    "_hamming_update_kernel": lambda a: {
+        **cluster_range(a["C"], a["PER_PROGRAM"]), "chunk": 0, "stop": a["CHUNK"],
+        "block_empties": 0.2 * (a["C"] / 100) ** 2 / a["BLOCKS"],
+    },
+}

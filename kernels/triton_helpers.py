@@ -1,0 +1,219 @@
+"""The pieces every Triton kernel file shares: tensor-core dots with float32 accuracy, one
+online-softmax step, one count of real tokens, one rounding rule for stores, and how a launch
+spreads a head's rows over programs.
+
+Split-precision dots. A float32 operand b (centroids, probabilities, hash planes) is split
+into three parts of the half dtype, b = hi + mid / S + lo / S^2 with S = 1 for bfloat16 (it
+has float32's exponent range) and 2^11 for float16, and a @ b = a @ hi + (a @ mid) / S +
+(a @ lo) / S^2: three tensor-core dots with float32 accumulation whose products are exact
+(half x half fits float32), against the FMA units of one float32 dot. The split carries 24
+bits of b, so decisions made on the result (signs, nearest centroids, top-k) agree with a
+float32 computation up to float32 rounding.
+float32 inputs keep one float32 dot ("ieee": TF32 would round them to 10 bits).
+
+The upcast rule. Triton's interpreter multiplies bfloat16 bit patterns as integers in tl.dot
+(triton-lang/triton#11584) and float16 ones in float16; on CPU tensors (the interpreter) every
+dot runs in float32 instead, which is exact for half-precision products (`upcast`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# Programs a launch over a head's rows aims for in all: two per SM of an H100 (132 SMs).
+TARGET_PROGRAMS = 264
+
+
+def upcast(x: Tensor) -> bool:
+    """The UPCAST flag of the dots for kernels reading x: True on CPU tensors (the interpreter)."""
+    return x.device.type == "cpu"
+
+
+def chunking(n: int, heads: int, block: int) -> tuple[int, int]:
+    """Spread n rows of each head over programs: (programs per head, rows per program), the
+    rows a whole number of `block`s, enough programs for TARGET_PROGRAMS over `heads` heads.
+    `heads` is the model's head count, not batch x heads, so a sequence is cut the same way
+    whatever it is batched with."""
+    tiles = triton.cdiv(max(n, 1), block)
+    per_program = triton.cdiv(tiles, triton.cdiv(TARGET_PROGRAMS, heads))
+    return triton.cdiv(tiles, per_program), per_program * block
+
+
+def average_chunk(n: int, chunk: int) -> dict:
+    """For the offline cost model's LOOP_BOUNDS: the rows [start, stop) of a program in the
+    middle of a head's chunks (a count of the rows before it is half a head's on average)."""
+    start = (triton.cdiv(n, chunk) - 1) * chunk / 2
+    return {"start": start, "stop": min(start + chunk, n)}
+
+
+def cluster_range(clusters: int, per_program: int) -> dict:
+    """For LOOP_BOUNDS: the clusters [first_cluster, last_cluster) of a program in the middle."""
+    first = (triton.cdiv(clusters, per_program) - 1) * per_program / 2
+    return {"first_cluster": first, "last_cluster": min(first + per_program, clusters)}
+
+
+def cluster_block(clusters: int) -> int:
+    """Clusters per program of a per-cluster reduction: about 16 programs a head, 8 to 256
+    clusters each (each program also reads every cluster's member count)."""
+    return min(256, max(8, triton.next_power_of_2(triton.cdiv(clusters, 16))))
+
+
+@triton.jit
+def mma(a, b, UPCAST: tl.constexpr, acc=None):
+    """a @ b (+ acc) with float32 accumulation; half operands on tensor cores, float32 ones in ieee."""
+    if UPCAST or a.dtype == tl.float32:
+        product = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        product = tl.dot(a, b, acc)
+    return product
+
+
+@triton.jit
+def split_parts(b, HALF: tl.constexpr):
+    """float32 b as hi + mid / S + lo / S^2 in the half dtype HALF: (hi, mid, lo, S). bfloat16
+    has float32's exponent range, so its parts need no scaling (S = 1); float16's do."""
+    if HALF == tl.bfloat16:
+        scale = 1.0
+    else:
+        scale = 2048.0
+    hi = b.to(HALF)
+    rest = (b - hi.to(tl.float32)) * scale
+    mid = rest.to(HALF)
+    lo = ((rest - mid.to(tl.float32)) * scale).to(HALF)
+    return hi, mid, lo, scale
+
+
+@triton.jit
+def dot_parts(a, parts, UPCAST: tl.constexpr):
+    """a @ b for a half and b given as its split_parts (split once, used by many dots): the
+    small parts first, each dot accumulating onto the (scaled) sum of the ones before."""
+    hi, mid, lo, scale = parts
+    if hi.dtype == tl.bfloat16:
+        product = mma(a, hi, UPCAST, mma(a, mid, UPCAST, mma(a, lo, UPCAST)))
+    else:
+        product = mma(a, hi, UPCAST, mma(a, mid, UPCAST, mma(a, lo, UPCAST) / scale) / scale)
+    return product
+
+
+@triton.jit
+def dot_parts_left(parts, b, UPCAST: tl.constexpr):
+    """a @ b for b half and a given as its split_parts."""
+    hi, mid, lo, scale = parts
+    if hi.dtype == tl.bfloat16:
+        product = mma(hi, b, UPCAST, mma(mid, b, UPCAST, mma(lo, b, UPCAST)))
+    else:
+        product = mma(hi, b, UPCAST, mma(mid, b, UPCAST, mma(lo, b, UPCAST) / scale) / scale)
+    return product
+
+
+@triton.jit
+def dot_split_right(a, b, UPCAST: tl.constexpr):
+    """a @ b for a in its dtype (half or float32) and b float32, with float32 accuracy."""
+    if a.dtype == tl.float32:
+        product = tl.dot(a, b, input_precision="ieee")
+    else:
+        product = dot_parts(a, split_parts(b, a.dtype), UPCAST)
+    return product
+
+
+@triton.jit
+def dot_split_left(a, b, UPCAST: tl.constexpr):
+    """a @ b for a float32 and b in its dtype (half or float32), with float32 accuracy."""
+    if b.dtype == tl.float32:
+        product = tl.dot(a, b, input_precision="ieee")
+    else:
+        product = dot_parts_left(split_parts(a, b.dtype), b, UPCAST)
+    return product
+
+
+@triton.jit
+def online_softmax_step(acc, row_max, row_sum, logits, values, SPLIT_PROBS: tl.constexpr, UPCAST: tl.constexpr):
+    """Fold one block of base-2 logits (rows, keys), -inf where a key does not count, and its
+    values (keys, Dv) into a running softmax: acc (rows, Dv) unnormalised, row_max (from
+    -inf) and row_sum, all float32. SPLIT_PROBS: the probabilities meet half-precision values
+    as three half parts (float32 accuracy); else they are rounded to the values' dtype first,
+    as flash attention does."""
+    new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+    # A row with no key yet keeps max -inf; subtract 0 there so no inf - inf appears.
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    p = tl.math.exp2(logits - shift[:, None])
+    rescale = tl.math.exp2(row_max - shift)
+    row_sum = row_sum * rescale + tl.sum(p, axis=1)
+    if SPLIT_PROBS:
+        pv = dot_split_left(p, values, UPCAST)
+    else:
+        pv = mma(p.to(values.dtype), values, UPCAST)
+    return acc * rescale[:, None] + pv, new_max, row_sum
+
+
+@triton.jit
+def count_real(mask_row, start, stop, BLOCK: tl.constexpr):
+    """Real tokens among positions [start, stop) of one (N,) mask row (nonzero bytes)."""
+    count = tl.zeros([BLOCK], tl.int32)
+    for first in range(start, stop, BLOCK):
+        rows = first + tl.arange(0, BLOCK)
+        count += (tl.load(mask_row + rows, mask=rows < stop, other=0) != 0).to(tl.int32)
+    return tl.sum(count, axis=0)
+
+
+@triton.jit
+def rounded(x, dtype: tl.constexpr):
+    """float32 x in dtype, rounded to nearest even as torch's .to(dtype) does. bfloat16 is
+    rounded by hand: Triton's interpreter truncates a plain cast (a GPU would round)."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def any_set(flags_row, COUNT, BLOCK: tl.constexpr):
+    """Whether any of the first COUNT int32 flags of a row is nonzero (COUNT <= BLOCK)."""
+    slots = tl.arange(0, BLOCK)
+    return tl.sum(tl.load(flags_row + slots, mask=slots < COUNT, other=0), axis=0) > 0
+
+
+@triton.jit
+def sum_chunks(part_ptr, chunk_stride, CHUNKS, offsets, mask, GROUP: tl.constexpr):
+    """The sum over chunks of part_ptr[chunk * chunk_stride + offsets], offsets 1-d, GROUP
+    chunks a load (so a reduction over the programs of a head is a few loads deep)."""
+    total = tl.zeros(offsets.shape, part_ptr.dtype.element_ty)
+    for first in range(0, CHUNKS, GROUP):
+        chunks = first + tl.arange(0, GROUP)
+        values = tl.load(part_ptr + chunks[:, None] * chunk_stride + offsets[None, :],
+                         mask=(chunks[:, None] < CHUNKS) & mask[None, :], other=0)
+        total += tl.sum(values, axis=0)
+    return total
+
+
+@triton.jit
+def sum_chunks_2d(part_ptr, chunk_stride, CHUNKS, offsets, mask, GROUP: tl.constexpr):
+    """`sum_chunks` for 2-d offsets."""
+    total = tl.zeros(offsets.shape, part_ptr.dtype.element_ty)
+    for first in range(0, CHUNKS, GROUP):
+        chunks = first + tl.arange(0, GROUP)
+        values = tl.load(part_ptr + chunks[:, None, None] * chunk_stride + offsets[None, :, :],
+                         mask=(chunks[:, None, None] < CHUNKS) & mask[None, :, :], other=0)
+        total += tl.sum(values, axis=0)
+    return total
+
+
+@triton.jit
+def scalar_at(vector, index, i):
+    """The entry of a 1-d tensor at the position where `index` (its positions) equals i."""
+    return tl.sum(tl.where(index == i, vector, 0), axis=0)
+
+
+@triton.jit
+def one_hot(index, cols, dtype: tl.constexpr):
+    """(len(cols), len(index)) of 1 where cols[i] == index[j], else 0, in dtype (floats via
+    float32: the interpreter casts bool to bfloat16 bit patterns)."""
+    if dtype.is_floating():
+        hot = (cols[:, None] == index[None, :]).to(tl.float32).to(dtype)
+    else:
+        hot = (cols[:, None] == index[None, :]).to(dtype)
+    return hot
