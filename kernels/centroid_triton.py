@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import fallbacks
 from .blocks import pow2_block
 from .clustered import centroid_attention
 from .stages import CentroidAttention
@@ -281,6 +282,7 @@ def centroid_attention_triton(
     top = triton.next_power_of_2(topk) if topk else 0
     if top > MAX_TOPK_ON_CHIP:
         # Beyond what a program holds in registers: A^c in float32 and torch's top-k.
+        fallbacks.record("centroid_triton", "topk_over_on_chip", f"topk {topk} > {MAX_TOPK_ON_CHIP}")
         return centroid_attention(centroids, k.float(), v.float(), key_mask, scale, topk)
     mask = key_mask.contiguous()
     block_m = max(64, 2 * top)

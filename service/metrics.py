@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
-from kernels import APPROXIMATE_METHODS, METHODS
+from kernels import APPROXIMATE_METHODS, METHODS, fallbacks
 from models.graphs import EVENTS, LayerGraphs
 
 from .errors import FAILURE_REASONS
@@ -99,6 +100,7 @@ class Metrics:
             ["event"],
             registry=r,
         )
+        r.register(_KernelFallbacks())
         self._add_gauges()
         self._create_children()
 
@@ -223,3 +225,21 @@ class PeakMemory:
             return True
         except OSError:
             return False
+
+
+class _KernelFallbacks:
+    """clusterserve_kernel_fallbacks_total, read at scrape time from kernels.fallbacks (the
+    counts are process-wide: kernels know nothing of the service)."""
+
+    def describe(self):
+        return [CounterMetricFamily("clusterserve_kernel_fallbacks", "", labels=["kernel", "reason"])]
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "clusterserve_kernel_fallbacks",
+            "kernel calls that fell back to a slower path (the log says why, once per kind)",
+            labels=["kernel", "reason"],
+        )
+        for (kernel, reason), count in sorted(fallbacks.counts().items()):
+            family.add_metric([kernel, reason], count)
+        yield family

@@ -13,6 +13,8 @@ import os
 # Before triton is imported anywhere: the kernels are decorated as interpreted functions.
 os.environ["TRITON_INTERPRET"] = "1"
 
+import logging  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from kernel_inputs import padding_mask, poison_empty, qkv, several_programs_per_head, tile_positions  # noqa: E402
@@ -178,6 +180,30 @@ def test_centroid_attention_equals_the_reference(d, dv, m, topk, poisoned):
     assert torch.allclose(got.top_probs, want_probs, atol=1e-6, rtol=0)
     assert (got.top_probs[1] == 0).all() and (got.values[1] == 0).all()
     assert centroid_triton.centroid_attention_triton(centroids, k, v, mask, scale, 0).top_index is None
+
+
+def test_top_k_over_the_on_chip_limit_falls_back_counted_and_logged(caplog):
+    """topk over MAX_TOPK_ON_CHIP runs torch's A^c and top-k (same result), and says so: the
+    process-wide count goes up by one per call, the first call logs a warning."""
+    from kernels import fallbacks
+
+    topk = centroid_triton.MAX_TOPK_ON_CHIP + 1
+    _, k, v = qkv(m=300, d=16)
+    centroids = torch.randn(2, 2, 3, 16, generator=torch.Generator().manual_seed(3))
+    mask = padding_mask(2, 300, [300, 290])
+    key = ("centroid_triton", "topk_over_on_chip")
+    before = fallbacks.counts()[key]
+    with caplog.at_level(logging.WARNING, logger="clusterserve.kernels"):
+        got = centroid_triton.centroid_attention_triton(centroids, k, v, mask, 0.25, topk)
+        centroid_triton.centroid_attention_triton(centroids, k, v, mask, 0.25, topk)
+    assert fallbacks.counts()[key] == before + 2
+    if before == 0:
+        assert sum("topk_over_on_chip" in r.getMessage() for r in caplog.records) == 1
+    expected = _centroid_attention(centroids, k, mask, 0.25)
+    assert torch.allclose(got.values, expected @ v, atol=1e-5, rtol=0)
+    assert got.top_index.shape[-1] == topk
+    centroid_triton.centroid_attention_triton(centroids, k, v, mask, 0.25, 8)
+    assert fallbacks.counts()[key] == before + 2  # on chip: not counted
 
 
 def test_centroid_top_k_of_tied_logits_equals_the_reference(poisoned):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from service_helpers import FakeEncoder, fake_app, running, scrape, value
 
+from kernels import fallbacks
+
 # DESIGN.md's metrics table: name -> (type, labels).
 SERIES = {
     "clusterserve_requests": ("counter", {"endpoint", "method", "code"}),
@@ -27,6 +29,8 @@ SERIES = {
     # CUDA graphs (docs/metrics.md): events, and batch shapes captured now; 0 without graphs.
     "clusterserve_cuda_graph_events": ("counter", {"event"}),
     "clusterserve_cuda_graph_signatures": ("gauge", set()),
+    # Kernel calls that fell back to a slower path (kernels.fallbacks), process-wide.
+    "clusterserve_kernel_fallbacks": ("counter", {"kernel", "reason"}),
 }
 
 
@@ -56,6 +60,12 @@ async def test_every_series_before_the_first_request_and_counts_after():
         for event in ("captured", "replayed", "failed", "evicted"):
             assert value(before, "clusterserve_cuda_graph_events", "clusterserve_cuda_graph_events_total", event=event) == 0
         assert value(before, "clusterserve_cuda_graph_signatures", "clusterserve_cuda_graph_signatures") == 0
+        fallback = ("clusterserve_kernel_fallbacks", "clusterserve_kernel_fallbacks_total")
+        key = {"kernel": "centroid_triton", "reason": "topk_over_on_chip"}
+        assert value(before, *fallback, **key) == fallbacks.counts()[tuple(key.values())]
+        fallbacks.record(*key.values())
+        after = scrape((await http.get("/metrics")).text)
+        assert value(after, *fallback, **key) == value(before, *fallback, **key) + 1
 
         ok = await http.post("/v1/embeddings", json={"input": ["hello world", "abc"], "attention": {"method": "full"}})
         assert ok.status_code == 200
