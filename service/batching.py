@@ -6,7 +6,10 @@ the oldest item and joins to it every queued item with the same batch key (the t
 while the batch's real tokens stay within the token budget (`models.plan.fits`, the rule
 `Encoder.embed` batches by), and runs that batch as one packed forward pass (`encoder.run`:
 each input attends by its own spec, no padding is computed). Each job gets its pooled
-vectors when its last item is done. Inference never runs on the event loop, so
+rows when its last item is done. Each input returns what its job asks (`Job.outputs`,
+models.pooling.Output): its pooled vector, the means over token spans of a late-chunking
+window, or every token's state; the batch's pass gives each its own (`encoder.encode`), so
+inputs asking for different things share batches. Inference never runs on the event loop, so
 health checks and metrics answer while a 30k-token batch is running.
 
 Per request the worker records:
@@ -39,6 +42,7 @@ from torch import Tensor
 from kernels import AttentionSpec
 from models import Encoder
 from models.plan import fits
+from models.pooling import POOLED, Output
 
 from . import errors
 from .metrics import Metrics, PeakMemory
@@ -66,6 +70,7 @@ class Job:
     specs: list[AttentionSpec]  # resolved per input (models.plan): never "auto"
     adapter: str | None = None  # the task adapter every input runs with (None: the base weights)
     exact_reruns: int = 0  # the last this many inputs are exact re-runs of others ("fidelity": true)
+    outputs: list[Output] | None = None  # per input, what it returns (None: each its pooled vector)
     deadline: float = float("inf")  # time.monotonic() by which it must be answered
     timeout_s: float = float("inf")  # the deadline's length, for the 504 message
 
@@ -84,7 +89,9 @@ class Job:
 
 @dataclass(frozen=True)
 class JobResult:
-    vectors: Tensor  # (n, dim) pooled float32 on the CPU, not normalised (models.encoder.finish)
+    # Every input's rows, input after input: (sum of k_i, dim) float32 on the CPU, not
+    # normalised (models.encoder.finish); k_i = Job.outputs[i].rows(tokens), 1 for a pooled input.
+    vectors: Tensor
     queue_s: float
     inference_s: float
     peak_memory: int | None
@@ -108,6 +115,10 @@ class Item:
     @property
     def spec(self) -> AttentionSpec:
         return self.job.specs[self.index]
+
+    @property
+    def output(self) -> Output:
+        return self.job.outputs[self.index] if self.job.outputs is not None else POOLED
 
 
 class Batcher:
@@ -260,14 +271,17 @@ class Batcher:
             return
         self._deliver(batch, vectors, started, time.monotonic(), self._peak.read())
 
-    def _embed(self, batch: list[Item]) -> Tensor | None:
-        """One forward pass over the batch as formed here -> (len(batch), dim) float32 on the
-        CPU, or None when it ran out of memory (what the attempt held is freed first)."""
+    def _embed(self, batch: list[Item]) -> list[Tensor] | None:
+        """One forward pass over the batch as formed here -> per item its (k, dim) float32 rows
+        on the CPU (its `output`), or None when it ran out of memory (what the attempt held is
+        freed first)."""
         try:
-            vectors = self.encoder.run(
-                [item.job.inputs[item.index] for item in batch], [item.spec for item in batch], batch[0].key.adapter
+            return self.encoder.encode(
+                [item.job.inputs[item.index] for item in batch],
+                [item.spec for item in batch],
+                [item.output for item in batch],
+                batch[0].key.adapter,
             )
-            return vectors.detach().float().cpu()
         except (torch.OutOfMemoryError, MemoryError):
             pass  # handled outside the except: its traceback pins the batch's tensors
         self._free_memory()
@@ -285,7 +299,7 @@ class Batcher:
         self._run_or_split(batch[:half])
         self._run_or_split(batch[half:])
 
-    def _deliver(self, batch: list[Item], vectors: Tensor, started: float, finished: float, peak: int | None) -> None:
+    def _deliver(self, batch: list[Item], vectors: list[Tensor], started: float, finished: float, peak: int | None) -> None:
         """Record the batch's metrics and hand each item its vector; finish jobs now complete."""
         method = dominant_method(batch)
         self.metrics.inference_duration.labels(method=method).observe(finished - started)
@@ -313,7 +327,7 @@ class Batcher:
     def _finish(self, job: Job) -> None:
         started = job.started_at if job.started_at is not None else job.enqueued_at
         result = JobResult(
-            vectors=torch.stack(job.vectors),  # type: ignore[arg-type]
+            vectors=torch.cat(job.vectors),  # type: ignore[arg-type]
             queue_s=started - job.enqueued_at,
             inference_s=job.finished_at - started,
             peak_memory=job.peak_memory,

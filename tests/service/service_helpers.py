@@ -1,6 +1,6 @@
 """Helpers of the service tests: real text, readiness polling, and a fake encoder.
 
-`FakeEncoder` has the real tokenizer but an arithmetic `run` that can block or fail on
+`FakeEncoder` has the real tokenizer but an arithmetic `run` (and `encode`) that can block or fail on
 demand: for the scheduling, deadline, overload and fault paths, where a real forward pass
 would only cost time.
 """
@@ -132,6 +132,11 @@ class FakeEncoder:
         if self.fail is not None and (self.fail_above_tokens is None or tokens > self.fail_above_tokens):
             raise self.fail
         return torch.tensor([[float(len(ids)), float(ids[0]), float(ids[-1]), 1.0] for ids in sequences])
+
+    def encode(self, sequences, specs, outputs, adapter=None):
+        """`run`'s row per sequence, repeated as many times as its output has rows."""
+        pooled = self.run(sequences, specs, adapter)
+        return [row[None].repeat(output.rows(len(ids)), 1) for row, output, ids in zip(pooled, outputs, sequences)]
 
 
 @asynccontextmanager
