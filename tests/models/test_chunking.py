@@ -185,3 +185,24 @@ def test_encode_gives_each_sequence_its_output_in_one_batch(default_encoder, ful
     torch.testing.assert_close(rows[2], states[2], atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="^spans: "):
         default_encoder.encode(sequences[1:2], [full_spec], [Output("spans", ((0, 99),))])
+
+
+def test_a_prompt_runs_in_every_sequence_and_in_no_chunk(default_encoder, full_spec, text):
+    import copy
+
+    from models.prompts import Prompts
+
+    encoder = copy.copy(default_encoder)
+    encoder.prompts = Prompts({"document": "search document: "})
+    prompt = encoder.tokenizer.encode_body(["search document: "])[0].ids
+    naive = plan_chunks(encoder, [text], full_spec, ChunkingSpec(size=64, late=False), prompt_name="document")
+    late = plan_chunks(encoder, [text], full_spec, ChunkingSpec(size=64, window=128), prompt_name="document")
+    assert naive.plan.prompt_name == late.plan.prompt_name == "document"
+    for call in (naive, late):
+        assert all(p.ids[1 : 1 + len(prompt)] == prompt for p in call.plan.inputs)
+    # The spans of a window start after [CLS] and the prompt.
+    assert min(a for output in late.outputs for a, _ in output.spans) == 1 + len(prompt)
+    # token_span still indexes the text's own tokens ([CLS] text [SEP]), without the prompt.
+    assert [c.token_span for c in naive.inputs[0].chunks] == [c.token_span for c in late.inputs[0].chunks]
+    assert naive.inputs[0].chunks[0].token_span[0] == 1
+    assert naive.inputs[0].tokens == default_encoder.count_tokens([text])[0] + len(prompt)
