@@ -3,9 +3,9 @@ among the others. One vector per document against chunk vectors (naive chunks, l
 over the whole context, late chunks in windows), for every attention method; then the
 passkey and needle probes (bench.probes) at growing lengths.
 
-    python -m bench.retrieval [--docs 8] [--min-tokens 2000] [--max-tokens 4500] [--queries 3]
+    python -m bench.retrieval [--docs 8] [--min-tokens 2000] [--max-tokens 4500] [--queries 10]
         [--methods full clustered i-clustered smyrf] [--probe-lengths 1024 4096]
-        [--probe-candidates 4] [--probe-methods full clustered] [--sweep 0 64 128 256] [--name retrieval-cpu]
+        [--probe-candidates 4] [--probe-methods full] [--sweep 0 63 127 255] [--name retrieval-cpu]
 
 A document scores by its best chunk (cosine); recall@1 and MRR over the queries. Times are
 the embedding calls (the forward passes and their planning), what the server spends on the
@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=8)
     parser.add_argument("--min-tokens", type=int, default=2000)
     parser.add_argument("--max-tokens", type=int, default=4500)
-    parser.add_argument("--queries", type=int, default=3, help="passages per document")
+    parser.add_argument("--queries", type=int, default=10, help="passages per document (cheap: short texts)")
     parser.add_argument("--query-words", type=int, default=32)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--size", type=int, default=ChunkingSpec.size)
@@ -169,7 +169,7 @@ def main() -> None:
     parser.add_argument("--sweep", type=int, nargs="*", default=[], help="window_overlap values to compare")
     parser.add_argument("--probe-lengths", type=int, nargs="*", default=[1024, 4096])
     parser.add_argument("--probe-candidates", type=int, default=4)
-    parser.add_argument("--probe-methods", nargs="*", default=["full", "clustered"], choices=METHODS)
+    parser.add_argument("--probe-methods", nargs="*", default=["full"], choices=METHODS)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU seconds are the work done)")
     parser.add_argument("--repeats", type=int, default=1, help="timing: the least of this many runs")
     parser.add_argument("--seed", type=int, default=0)
