@@ -6,8 +6,13 @@ Two levels:
   returns the vectors in input order.
 - `Encoder.run(sequences, specs)`: one packed forward pass over prepared token ids, as given
   (models.packing: the token-wise layers on real tokens only, attention per sequence by its
-  own spec), pooled. The service's scheduler, which forms its own batches, calls this, and
-  `finish` cuts and normalises what it returns.
+  own spec), pooled; `finish` cuts and normalises what it returns.
+- `Encoder.start(sequences, specs)`: the same pass as a `Forward`, stepped a layer at a time,
+  read out pooled or as each sequence's own output (models.pooling.Output: pooled, the mean
+  over token spans, or every token). The service's scheduler, which forms its own batches,
+  uses this one.
+- `Encoder.embed_chunks(texts, spec, chunking)`: chunk vectors, naive or late
+  (models.chunking), with their character and token spans.
 On CUDA (`graphs`), a batch whose inputs are at most `graphs.max_length` tokens long is
 padded to length buckets instead, and its layers are replayed from CUDA graphs
 (models.graphs); its vectors are the unpadded ones within rounding.
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,14 +35,24 @@ from .calibration import Calibration
 from .cost import CostModel
 from .forward import Pass
 from .graphs import LayerGraphs
+from .chunk_plan import Chunk, ChunkPlan, plan_chunks
+from .chunking import ChunkingSpec
 from .inputs import InputTooLong, is_int, prepare_inputs
 from .packing import bucket_length, pack
 from .plan import UnknownAdapter, plan
-from .pooling import PoolingConfig, pool
+from .pooling import Output, PoolingConfig, pool, pool_each
 from .prompts import Prompts
 from .tokenization import TextTokenizer, Tokens
 
-__all__ = ["Encoder", "InputTooLong", "finish"]
+__all__ = ["Chunked", "Encoder", "InputTooLong", "finish"]
+
+
+class Chunked(NamedTuple):
+    """One input's chunks: vectors (chunks, dimensions or dim) float32 on the CPU, and each
+    chunk's character and token spans (models.chunk_plan.Chunk), in order."""
+
+    vectors: Tensor
+    chunks: tuple[Chunk, ...]
 
 
 class Encoder:
@@ -192,6 +207,41 @@ class Encoder:
             vectors[batch] = finish(pooled, normalize, dimensions)
         return vectors
 
+    def embed_chunks(
+        self, texts: Sequence[str], spec: AttentionSpec, chunking: ChunkingSpec | None = None, *,
+        normalize: bool = True, dimensions: int | None = None, truncate: bool = False,
+        truncation_direction: str = "right", max_batch_tokens: int = 16384, adapter: str | None = None,
+        prompt_name: str | None = None, target_fidelity: float | None = None,
+    ) -> list[Chunked]:
+        """Chunk each text and embed its chunks (models.chunking; None: ChunkingSpec's
+        defaults, late chunking) -> per text its `Chunked` (vectors and spans). The other
+        arguments are `embed`'s; `truncate` cuts a text longer than `max_input_tokens` before
+        it is chunked. A late chunk vector is the mean of the token states over the chunk's
+        tokens; a naive one is the checkpoint's pooled vector of the chunk alone."""
+        self.check_dimensions(dimensions)
+        call = plan_chunks(
+            self, texts, spec, chunking or ChunkingSpec(), target_fidelity=target_fidelity, truncate=truncate,
+            truncation_direction=truncation_direction, prompt_name=prompt_name, adapter=adapter,
+        )  # fmt: skip
+        vectors = self.run_chunks(call, max_batch_tokens)
+        return [Chunked(finish(v, normalize, dimensions), one.chunks) for v, one in zip(vectors, call.inputs)]
+
+    def run_chunks(self, call: ChunkPlan, max_batch_tokens: int = 16384) -> list[Tensor]:
+        """Run a chunk plan's sequences in packed batches (`Plan.batches`) -> per input its
+        (chunks, dim) float32 chunk vectors on the CPU, not normalised."""
+        if not (is_int(max_batch_tokens) and max_batch_tokens >= 1):
+            raise ValueError(f"max_batch_tokens: must be a positive integer, got {max_batch_tokens!r}")
+        planned = call.plan.inputs
+        rows: list[Tensor | None] = [None] * len(planned)
+        for batch in call.plan.batches(max_batch_tokens):
+            outputs = self.encode(
+                [planned[i].ids for i in batch], [planned[i].spec for i in batch], [call.outputs[i] for i in batch],
+                call.plan.adapter,
+            )
+            for i, rows_i in zip(batch, outputs):
+                rows[i] = rows_i
+        return call.assemble(torch.cat(rows))  # type: ignore[arg-type]
+
     def run(self, sequences: Sequence[Sequence[int]], specs: Sequence[AttentionSpec], adapter: str | None = None) -> Tensor:
         """One packed forward pass over prepared token ids (`prepare`'s output), each sequence
         attending by its own concrete spec -> (len(sequences), dim) pooled float32 on the CPU,
@@ -200,6 +250,21 @@ class Encoder:
         while not forward.finished:
             forward.step()
         return forward.pooled()
+
+    def encode(
+        self, sequences: Sequence[Sequence[int]], specs: Sequence[AttentionSpec], outputs: Sequence[Output],
+        adapter: str | None = None,
+    ) -> list[Tensor]:
+        """One packed forward pass over prepared token ids, each sequence attending by its own
+        concrete spec -> per sequence, in the order given, the (k_i, dim) float32 rows on the
+        CPU that outputs[i] asks for (models.pooling.Output): k_i = 1 for "pooled" (the
+        checkpoint's pooling, not normalised), one row per span for "spans" (the mean of the
+        token states over each span), n_i rows for "tokens" (every token's last hidden state).
+        No re-batching: the caller chose the batch."""
+        forward = self.start(sequences, specs, adapter)
+        while not forward.finished:
+            forward.step()
+        return forward.outputs(outputs)
 
     def token_states(
         self, sequences: Sequence[Sequence[int]], specs: Sequence[AttentionSpec], adapter: str | None = None
@@ -259,7 +324,6 @@ class Encoder:
         return self.adapters.index(adapter)
 
 
-
 class Forward:
     """One packed batch's forward pass, run a layer at a time (`Encoder.start`).
 
@@ -303,6 +367,13 @@ class Forward:
         """(B, dim) pooled float32 on the CPU, not normalised, in the order started."""
         with torch.inference_mode():
             return pool(self.model.end(self.state), self.state.packed, self.pooling).cpu()
+
+    def outputs(self, outputs: Sequence[Output]) -> list[Tensor]:
+        """Per sequence (in the order started, after any `keep`), the (k_i, dim) float32 rows on
+        the CPU that outputs[i] asks for (models.pooling.Output), not normalised."""
+        with torch.inference_mode():
+            hidden = self.model.end(self.state)
+            return [rows.cpu() for rows in pool_each(hidden, self.state.packed, self.pooling, outputs)]
 
     def token_states(self) -> list[Tensor]:
         """Each sequence's last hidden states (n_i, dim) float32 on the CPU, in the order started."""

@@ -125,6 +125,17 @@ def choose_prompt_and_adapter(
     return chosen, chosen if chosen in adapters else None
 
 
+def check_attention(spec: AttentionSpec, target_fidelity: float | None) -> None:
+    """ValueError naming `spec` or `target_fidelity` unless they make a request."""
+    if not isinstance(spec, AttentionSpec):
+        raise ValueError(f"spec: must be a kernels.AttentionSpec, got {type(spec).__name__}")
+    if target_fidelity is not None:
+        if spec.method != "auto":
+            raise ValueError(f'target_fidelity: applies to method "auto" only, got method {spec.method!r}')
+        if isinstance(target_fidelity, bool) or not isinstance(target_fidelity, (int, float)) or not 0 < target_fidelity <= 1:
+            raise ValueError(f"target_fidelity: must be a number in (0, 1], got {target_fidelity!r}")
+
+
 def plan(
     encoder: Encoder, inputs: Sequence[str] | Sequence[Sequence[int]], spec: AttentionSpec, *,
     target_fidelity: float | None = None, truncate: bool = False, truncation_direction: str = "right",
@@ -134,13 +145,7 @@ def plan(
     picks from `encoder.calibration` (the length threshold where the encoder has no table),
     without one by `spec.auto_threshold`. Raises the typed errors of models.inputs,
     UnknownPrompt, UnknownAdapter, or ValueError naming a bad argument."""
-    if not isinstance(spec, AttentionSpec):
-        raise ValueError(f"spec: must be a kernels.AttentionSpec, got {type(spec).__name__}")
-    if target_fidelity is not None:
-        if spec.method != "auto":
-            raise ValueError(f'target_fidelity: applies to method "auto" only, got method {spec.method!r}')
-        if isinstance(target_fidelity, bool) or not isinstance(target_fidelity, (int, float)) or not 0 < target_fidelity <= 1:
-            raise ValueError(f"target_fidelity: must be a number in (0, 1], got {target_fidelity!r}")
+    check_attention(spec, target_fidelity)
     chosen_prompt, chosen_adapter = choose_prompt_and_adapter(encoder, inputs, prompt_name, adapter)
     sequences = encoder.prepare(inputs, truncate, truncation_direction, prompt_name)
     table = encoder.calibration if target_fidelity is not None else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -38,6 +39,37 @@ class PoolingConfig:
     mode: str = "mean"  # one of POOLING_MODES
     normalize: bool = False  # the checkpoint ends in a Normalize module
     include_prompt: bool = True  # the prompt's tokens are pooled with the text's
+
+
+@dataclass(frozen=True)
+class Output:
+    """What one sequence of a forward pass returns: a (k, C) float32 tensor whose rows are
+
+    kind "pooled": the checkpoint's pooling over the whole sequence, k = 1;
+    kind "spans":  the mean of the token states over each [start, stop) of `spans` (token
+                   indices of the sequence, special tokens included), k = len(spans);
+    kind "tokens": every token's state, k = the sequence's length.
+    """
+
+    kind: str = "pooled"
+    spans: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in OUTPUT_KINDS:
+            raise ValueError(f"kind: must be one of {', '.join(OUTPUT_KINDS)}, got {self.kind!r}")
+        if (self.kind == "spans") != bool(self.spans):
+            raise ValueError('spans: kind "spans" needs at least one span, and the other kinds none')
+        if any(not 0 <= start < stop for start, stop in self.spans):
+            raise ValueError(f"spans: each must be (start, stop) with 0 <= start < stop, got {self.spans}")
+
+    def rows(self, tokens: int) -> int:
+        """k, for a sequence of `tokens` tokens."""
+        return 1 if self.kind == "pooled" else len(self.spans) if self.kind == "spans" else tokens
+
+
+OUTPUT_KINDS = ("pooled", "spans", "tokens")
+POOLED = Output()
+EVERY_TOKEN = Output("tokens")
 
 
 def read_pooling(folder: Path) -> PoolingConfig:
@@ -79,16 +111,42 @@ def pool(hidden: Tensor, packed: Packed, mode: str) -> Tensor:
         raise ValueError(f"pooling mode: must be one of {', '.join(POOLING_MODES)}, got {mode!r}")
     hidden = hidden.float()
     parts = packed.parts(hidden)
-    if mode == "cls":
-        pooled = torch.stack([part[0] for part in parts])
-    elif mode == "lasttoken":
-        pooled = torch.stack([part[-1] for part in parts])
-    elif mode == "max":
-        pooled = torch.stack([part.amax(dim=0) for part in parts])
-    else:  # mean
-        pooled = torch.stack([part.mean(dim=0) for part in parts])
+    pooled = torch.cat([_pool_one(part, mode) for part in parts])
     if len(parts) == 1:
         return pooled
     result = torch.empty_like(pooled)
     result[torch.tensor(packed.order, device=hidden.device)] = pooled
     return result
+
+
+def pool_each(hidden: Tensor, packed: Packed, mode: str, outputs: Sequence[Output]) -> list[Tensor]:
+    """hidden: (T, C) token states of a packed batch -> per sequence, in the caller's order,
+    the (k_i, C) float32 rows its output asks for (`Output`; outputs[i] for sequence i)."""
+    if len(outputs) != len(packed.lengths):
+        raise ValueError(f"outputs: need one per sequence, got {len(outputs)} for {len(packed.lengths)}")
+    if mode not in POOLING_MODES:
+        raise ValueError(f"pooling mode: must be one of {', '.join(POOLING_MODES)}, got {mode!r}")
+    if all(output.kind == "pooled" for output in outputs):
+        return list(pool(hidden, packed, mode).split(1))
+    result = []
+    for part, output in zip(packed.split(hidden.float()), outputs):
+        if output.kind == "tokens":
+            result.append(part.clone())  # not a view that keeps the whole batch's states alive
+        elif output.kind == "spans":
+            if max(stop for _, stop in output.spans) > part.shape[0]:
+                raise ValueError(f"spans: beyond the sequence's {part.shape[0]} tokens: {output.spans}")
+            result.append(torch.stack([part[start:stop].mean(dim=0) for start, stop in output.spans]))
+        else:
+            result.append(_pool_one(part, mode))
+    return result
+
+
+def _pool_one(part: Tensor, mode: str) -> Tensor:
+    """(n, C) states of one sequence -> (1, C), by the checkpoint's pooling."""
+    if mode == "cls":
+        return part[:1]
+    if mode == "lasttoken":
+        return part[-1:]
+    if mode == "max":
+        return part.amax(dim=0, keepdim=True)
+    return part.mean(dim=0, keepdim=True)

@@ -25,12 +25,27 @@ class Tokens(NamedTuple):
 
 
 class TextTokenizer:
+    """A checkpoint's tokenizer. `prefix` and `suffix`: the special token ids it puts around
+    one text's tokens ([101] and [102], [CLS] and [SEP], for BERT)."""
+
     def __init__(self, path: str | Path):
         self._tokenizer = Tokenizer.from_file(str(path))
         self._tokenizer.no_truncation()
         self._tokenizer.no_padding()
         # Special tokens the post-processor adds around one text (2 for [CLS] x [SEP]).
         self.num_special_tokens = self._tokenizer.num_special_tokens_to_add(is_pair=False)
+        self.prefix, self.suffix = self._frame()
+
+    def _frame(self) -> tuple[list[int], list[int]]:
+        """The special tokens the post-processor puts before and after a text's tokens
+        ([CLS] and [SEP] for BERT), found by framing a one-token text."""
+        body = self._tokenizer.encode("a", add_special_tokens=False)
+        framed = self._tokenizer.post_process(body).ids
+        inner = body.ids
+        for start in range(len(framed) - len(inner) + 1):
+            if framed[start : start + len(inner)] == inner:
+                return framed[:start], framed[start + len(inner) :]
+        raise ValueError("tokenizer: its post-processor does not keep a text's tokens together")
 
     @property
     def vocab_size(self) -> int:
@@ -62,6 +77,11 @@ class TextTokenizer:
             encoding = self._tokenizer.post_process(encoding)
             result.append(Tokens(encoding.ids, encoding.offsets))
         return result
+
+    def encode_body(self, texts: list[str]) -> list[Tokens]:
+        """Tokenize texts without special tokens (a text's tokens alone, with their offsets):
+        the pieces that chunking frames with `prefix` and `suffix` itself."""
+        return [Tokens(e.ids, e.offsets) for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
 
     def count(self, texts: list[str]) -> list[int]:
         """Tokens per text, special tokens included, nothing truncated."""

@@ -6,6 +6,10 @@ The worker forms packed batches (the oldest-waiting, least-work item first, then
 of any request with the same batch key while the batch's real tokens stay within the token
 budget: `models.plan.fits`, the rule `Encoder.embed` batches by) and runs each as a packed
 forward pass (`Encoder.start`): each input attends by its own spec, no padding is computed.
+Each input returns what its job asks (`Job.outputs`, models.pooling.Output): its pooled
+vector, the means over token spans of a late-chunking window, or every token's state; the
+batch's pass gives each its own (`Forward.outputs`), so inputs asking for different things
+share batches.
 
 Batches run one layer at a time (`models.encoder.Forward.step`). Between layers the worker
 chooses what runs next, among the running batches and the batch the queue would form next:
@@ -51,6 +55,7 @@ from kernels import AttentionSpec
 from models import Encoder
 from models.cost import Throughput
 from models.plan import fits
+from models.pooling import POOLED, Output
 
 from . import errors
 from .metrics import Metrics, PeakMemory
@@ -82,6 +87,7 @@ class Job:
     adapter: str | None = None  # the task adapter every input runs with (None: the base weights)
     exact_reruns: int = 0  # the last this many inputs are exact re-runs of others ("fidelity": true)
     work: list[float] = field(default_factory=list)  # estimated work units per input (models.cost); [] = 0
+    outputs: list[Output] | None = None  # per input, what it returns (None: each its pooled vector)
     deadline: float = float("inf")  # time.monotonic() by which it must be answered
     timeout_s: float = float("inf")  # the deadline's length, for the 504 message
 
@@ -101,7 +107,9 @@ class Job:
 
 @dataclass(frozen=True)
 class JobResult:
-    vectors: Tensor  # (n, dim) pooled float32 on the CPU, not normalised (models.encoder.finish)
+    # Every input's rows, input after input: (sum of k_i, dim) float32 on the CPU, not
+    # normalised (models.encoder.finish); k_i = Job.outputs[i].rows(tokens), 1 for a pooled input.
+    vectors: Tensor
     queue_s: float
     inference_s: float
     peak_memory: int | None
@@ -125,6 +133,10 @@ class Item:
     @property
     def spec(self) -> AttentionSpec:
         return self.job.specs[self.index]
+
+    @property
+    def output(self) -> Output:
+        return self.job.outputs[self.index] if self.job.outputs is not None else POOLED
 
     @property
     def work(self) -> float:
@@ -379,7 +391,7 @@ class Batcher:
         )
 
     def _finish_batch(self, running: Running) -> None:
-        vectors = running.forward.pooled().detach().float()
+        vectors = running.forward.outputs([item.output for item in running.items])
         self._forget(running)
         self._deliver(running.items, vectors, running.started_at, time.monotonic(), self._peak.read())
 
@@ -422,7 +434,7 @@ class Batcher:
             for part in (items[:half], items[half:]):
                 self._running.append(Running(part, sum(item.work for item in part), running.waiting_since))
 
-    def _deliver(self, batch: list[Item], vectors: Tensor, started: float, finished: float, peak: int | None) -> None:
+    def _deliver(self, batch: list[Item], vectors: list[Tensor], started: float, finished: float, peak: int | None) -> None:
         """Record the batch's metrics and hand each item its vector; finish jobs now complete."""
         method = dominant_method(batch)
         self.metrics.inference_duration.labels(method=method).observe(finished - started)
@@ -452,7 +464,7 @@ class Batcher:
     def _finish(self, job: Job) -> None:
         started = job.started_at if job.started_at is not None else job.enqueued_at
         result = JobResult(
-            vectors=torch.stack(job.vectors),  # type: ignore[arg-type]
+            vectors=torch.cat(job.vectors),  # type: ignore[arg-type]
             queue_s=started - job.enqueued_at,
             inference_s=job.finished_at - started,
             peak_memory=job.peak_memory,

@@ -101,6 +101,13 @@ def batch_too_large(param: str, size: int, limit: int) -> ServiceError:
     )
 
 
+def request_too_large(param: str, count: int, what: str, limit: int, advice: str) -> ServiceError:
+    """A request that would run or return more than a per-request bound (`what`: "tokens", ...)."""
+    return ServiceError(
+        413, "batch_too_large", f"{param}: {count} {what} is more than the limit of {limit} per request; {advice}", param
+    )
+
+
 def unauthorized() -> ServiceError:
     return ServiceError(
         401,

@@ -28,7 +28,7 @@ from models.graphs import EVENTS, LayerGraphs
 from .errors import FAILURE_REASONS
 
 # Labels of the endpoint series, pre-created at start-up.
-INFERENCE_ENDPOINTS = ("/v1/embeddings", "/embed", "/")  # "/": TEI's root route, the same as /embed
+INFERENCE_ENDPOINTS = ("/v1/embeddings", "/embed", "/", "/embed_all")  # "/": TEI's root route, the same as /embed
 OTHER_ENDPOINTS = (
     "/tokenize",
     "/info",
@@ -48,6 +48,7 @@ _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 _TOKENS = tuple(float(2**i) for i in range(4, 17))  # 16 .. 65536
 _BATCH = tuple(float(2**i) for i in range(0, 9))  # 1 .. 256
 _BATCH_TOKENS = tuple(float(2**i) for i in range(6, 19))  # 64 .. 262144
+_CHUNKS = tuple(float(2**i) for i in range(0, 13))  # 1 .. 4096
 _FIDELITY = (0.5, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.998, 0.999, 1.0)
 _BYTES = tuple(float(2**i) for i in range(26, 37))  # 64 MiB .. 64 GiB
 
@@ -80,6 +81,7 @@ class Metrics:
         self.peak_memory = per_method(
             "clusterserve_peak_memory_bytes", "peak memory while a batch ran (CUDA allocator peak; CPU: process peak RSS)", _BYTES
         )
+        self.chunks = per_method("clusterserve_chunks", "chunks per chunked input (chunking, late_chunking)", _CHUNKS)
         self.fidelity = per_method(
             "clusterserve_fidelity",
             'cosine of an approximate embedding to the exact one, per input of a "fidelity": true request',
@@ -148,6 +150,7 @@ class Metrics:
                 self.batch_size,
                 self.batch_tokens,
                 self.peak_memory,
+                self.chunks,
             ):
                 family.labels(method=method)
         for method in APPROXIMATE_METHODS:

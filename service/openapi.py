@@ -1,12 +1,14 @@
 """The OpenAPI document, completed with what only the loaded model knows.
 
 Which `prompt_name` and `adapter` values a request may name, how many `dimensions` it may
-keep and which token ids exist depend on the checkpoint, so the static schemas say only "a
-string" or "an integer". Once the model is loaded the document lists the names (an enum, or
-null alone when the model has none), bounds `dimensions` by the model's width and token ids
-by its vocabulary, and states that prompts apply to texts only, so that a request the
-document allows is never refused as invalid. Until then it is built without them and not
-cached.
+keep, which token ids exist and how long a late-chunking window may be depend on the
+checkpoint, so the static schemas say only "a string" or "an integer". Once the model is
+loaded the document lists the names (an enum, or null alone when the model has none), bounds
+`dimensions` by the model's width, token ids by its vocabulary and `chunking.window` by its
+length limit, and states that prompts and chunking apply to texts only, so that a request the
+document allows is never refused as invalid (except for the relations between chunking
+fields, which JSON Schema cannot state: overlap below size, window_overlap below the window's
+room). Until then it is built without them and not cached.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from fastapi.openapi.utils import get_openapi
 from .state import ServiceState
 
 # Request schema -> the field holding its inputs (texts or token ids).
-_INPUT_FIELDS = {"EmbeddingRequest": "input", "EmbedRequest": "inputs"}
+_INPUT_FIELDS = {"EmbeddingRequest": "input", "EmbedRequest": "inputs", "EmbedAllRequest": "inputs"}
 _TEXTS = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
 
 
@@ -35,6 +37,7 @@ def install(app: FastAPI, state: ServiceState) -> None:
         encoder = state.encoder
         _name_the_model_choices(schema, list(encoder.prompts.prompts), list(encoder.adapters))
         _bound_the_integers(schema, {"dimensions": encoder.dim, "input": encoder.vocab_size - 1})
+        _bound_the_window(schema, encoder.max_input_tokens)
         app.openapi_schema = schema
         return schema
 
@@ -53,9 +56,23 @@ def _name_the_model_choices(schema: dict[str, Any], prompts: list[str], adapters
         for field, names in (("prompt_name", prompts), ("adapter", adapters)):
             if field in properties:
                 properties[field] = {**_one_of(names), "description": properties[field].get("description", "")}
-        # A prompt is prepended to texts; token-id inputs are used as given (422 otherwise).
-        rule = {"anyOf": [{"properties": {"prompt_name": {"type": "null"}}}, {"properties": {_INPUT_FIELDS[name]: _TEXTS}}]}
-        model["allOf"] = [*model.get("allOf", []), rule]
+        # A prompt is prepended to texts and texts are chunked; token-id inputs are used as
+        # given (422 otherwise).
+        texts = {"properties": {_INPUT_FIELDS[name]: _TEXTS}}
+        rules = [{"anyOf": [{"properties": {"prompt_name": {"type": "null"}}}, texts]}]
+        if "chunking" in properties:
+            rules.append({"anyOf": [{"properties": {"chunking": {"type": "null"}}}, texts]})
+        if "late_chunking" in properties:
+            rules.append({"anyOf": [{"properties": {"late_chunking": {"const": False}}}, texts]})
+        model["allOf"] = [*model.get("allOf", []), *rules]
+
+
+def _bound_the_window(schema: dict[str, Any], max_input_tokens: int) -> None:
+    """A late-chunking context window runs at most the model's tokens."""
+    chunking = schema.get("components", {}).get("schemas", {}).get("ChunkingRequest", {}).get("properties", {})
+    for option in chunking.get("window", {}).get("anyOf", []):
+        if option.get("type") == "integer":
+            option["maximum"] = max_input_tokens
 
 
 def _bound_the_integers(schema: dict[str, Any], maxima: dict[str, int]) -> None:

@@ -19,7 +19,7 @@ import math
 import time
 import urllib.parse
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 from fastapi import Request
@@ -42,6 +42,7 @@ from .schemas import CALIBRATED_KNOBS, AttentionRequest
 from .state import ServiceState, get_state
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
+T = TypeVar("T")
 # What "fidelity": true compares against, whatever dtype the server runs in.
 FIDELITY_REFERENCE = {"method": "full", "dtype": "float32"}
 
@@ -110,13 +111,8 @@ async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Emb
     if options.dimensions is not None and options.dimensions > encoder.dim:
         raise errors.invalid_field("dimensions", f"must be in [1, {encoder.dim}], got {options.dimensions}")
     call = await plan_request(encoder, inputs, params, spec, target, options)
-    # With "fidelity": true the inputs run a second time with exact attention in float32, in
-    # the same job: one admission, one deadline; the scheduler never batches the two together.
-    # In float32 an input that ran exact attention is its own reference and is not run again.
-    in_float32 = encoder.dtype == torch.float32
-    rerun = [
-        i for i, planned in enumerate(call.inputs) if planned.spec.method != "full" or not in_float32
-    ] if options.fidelity else []  # fmt: skip
+    check_request_tokens(sum(planned.tokens for planned in call.inputs), options.param, state.settings.max_request_tokens)
+    rerun = fidelity_reruns(encoder, call, options.fidelity)
     runs = [(p.tokens, p.spec) for p in call.inputs] + [(call.inputs[i].tokens, EXACT) for i in rerun]
     check_budget(encoder, runs, state, options.param, params)
     timeout = request_timeout_s(request, state.settings.request_timeout_s)
@@ -210,14 +206,22 @@ async def plan_request(
     its typed errors as statuses: too long 413 (the prompt's tokens count), empty 400, an
     unknown prompt or adapter 422 naming `prompt_name` or `adapter`, anything else 422 naming
     the input's param (or `prompt_name` for a prompt the inputs cannot take)."""
+    return await run_planner(
+        lambda: plan(
+            encoder, inputs, spec, target_fidelity=target, truncate=options.truncate,
+            truncation_direction=options.truncation_direction.lower(), prompt_name=options.prompt_name,
+            adapter=options.adapter,
+        ),  # fmt: skip
+        params,
+        options,
+    )
+
+
+async def run_planner(planner: Callable[[], T], params: list[str], options: EmbedOptions) -> T:
+    """`planner()` (a models planning call) off the event loop, with its typed errors as
+    `plan_request` answers them."""
     try:
-        return await run_in_threadpool(
-            lambda: plan(
-                encoder, inputs, spec, target_fidelity=target, truncate=options.truncate,
-                truncation_direction=options.truncation_direction.lower(), prompt_name=options.prompt_name,
-                adapter=options.adapter,
-            )  # fmt: skip
-        )
+        return await run_in_threadpool(planner)
     except InputError as exc:
         param = options.param if exc.index is None else params[exc.index]
         if isinstance(exc, InputTooLong):
@@ -233,9 +237,26 @@ async def plan_request(
         raise errors.invalid_field("prompt_name", _detail(exc)) from None
 
 
+def check_request_tokens(tokens: int, param: str, limit: int) -> None:
+    """413 naming `param` when a request's forward passes would run more than `limit` tokens."""
+    if tokens > limit:
+        raise errors.request_too_large(param, tokens, "tokens", limit, "send fewer or shorter inputs")
+
+
 def _detail(exc: ValueError) -> str:
     """A models ValueError's message without its leading "field: " (the error names the param)."""
     return str(exc).partition(": ")[2] or str(exc)
+
+
+def fidelity_reruns(encoder: Encoder, call: Plan, fidelity: bool) -> list[int]:
+    """The sequences that "fidelity": true runs a second time, with exact attention in float32,
+    in the same job (one admission, one deadline; the scheduler never batches the two
+    together): all of them, except in float32 those that ran exact attention (their own
+    reference)."""
+    if not fidelity:
+        return []
+    in_float32 = encoder.dtype == torch.float32
+    return [i for i, planned in enumerate(call.inputs) if planned.spec.method != "full" or not in_float32]
 
 
 def check_budget(

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, StrictBool, StrictFloat, StrictInt
 
 from kernels import KNOB_RANGES, METHODS
+from models.chunking import BOUNDARIES, WINDOW_OVERLAP_SHARE, ChunkingSpec
 
 
 def _integral(value: Any) -> Any:
@@ -72,6 +73,56 @@ class AttentionRequest(BaseModel):
         "exact attention at the input's length is at least this (exact when none is); the other "
         "knobs except seed are chosen for you",
     )
+
+
+_CHUNKING = ChunkingSpec()
+# Static bounds of the chunking fields (the model's limit bounds them further: /info, 422).
+CHUNK_TOKENS_MAX = 65536
+
+
+class ChunkingRequest(BaseModel):
+    """The `chunking` extension: every field optional (defaults: GET /info `chunking`). Sizes
+    are in tokens. overlap must be below size and window_overlap below the window's room for
+    text (422 naming the field otherwise)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    size: json_int(ge=1, le=CHUNK_TOKENS_MAX) | None = Field(
+        None, description=f"tokens per chunk at most (the text's own tokens); default {_CHUNKING.size}"
+    )
+    overlap: json_int(ge=0, le=CHUNK_TOKENS_MAX - 1) | None = Field(
+        None, description=f"tokens a chunk shares with the one before, below size; default {_CHUNKING.overlap}"
+    )
+    boundaries: Literal[BOUNDARIES] | None = Field(  # type: ignore[valid-type]
+        None,
+        description="tokens: fixed token windows; sentences / paragraphs: whole ones packed up to size (a longer "
+        f"one is cut between tokens); default {_CHUNKING.boundaries}",
+    )
+    late: StrictBool | None = Field(
+        None,
+        description="true: one pass per context window, token states mean-pooled over each chunk (late chunking); "
+        f"false: each chunk embedded alone; default {str(_CHUNKING.late).lower()}",
+    )
+    window: json_int(ge=1, le=CHUNK_TOKENS_MAX) | None = Field(
+        None,
+        description="late chunking's context window in tokens, special tokens and prompt included; default the "
+        "checkpoint's trained positions (GET /info native_positions); longer documents run overlapping windows",
+    )
+    window_overlap: json_int(ge=0, le=CHUNK_TOKENS_MAX - 1) | None = Field(
+        None,
+        description="tokens each later window re-reads from the one before as context (its first window_overlap "
+        f"outputs are dropped); default {WINDOW_OVERLAP_SHARE:g} of the window's text tokens",
+    )
+
+
+CHUNKING_DESCRIPTION = (
+    "split each text into chunks and return one vector per chunk with its character and token spans "
+    "(late chunking by default); see GET /info chunking for the defaults and limits"
+)
+LATE_CHUNKING_DESCRIPTION = (
+    "Jina's form: the inputs are the consecutive chunks of one text; late chunking over it returns one "
+    "vector per input. `chunking` may set window and window_overlap only"
+)
 
 
 PROMPT_NAME_DESCRIPTION = (
@@ -165,13 +216,22 @@ class EmbeddingRequest(BaseModel):
     prompt_name: str | None = Field(None, description=PROMPT_NAME_DESCRIPTION)
     adapter: str | None = Field(None, description=ADAPTER_DESCRIPTION)
     fidelity: StrictBool = Field(False, description=FIDELITY_DESCRIPTION)
+    chunking: ChunkingRequest | None = Field(None, description=CHUNKING_DESCRIPTION)
+    late_chunking: StrictBool = Field(False, description=LATE_CHUNKING_DESCRIPTION)
 
 
 class EmbeddingData(BaseModel):
     object: Literal["embedding"] = "embedding"
-    index: int
+    index: int = Field(description="the input's index (with chunking, every chunk of input i has index i)")
     embedding: list[float] | str
     fidelity: float | None = Field(None, description="with fidelity=true: cosine of this embedding to the exact one")
+    chunk: int | None = Field(None, description="with chunking: the chunk's number within its input, from 0")
+    text_span: list[int] | None = Field(
+        None, description="with chunking: [start, stop) characters of the input text the chunk covers"
+    )
+    token_span: list[int] | None = Field(
+        None, description="with chunking: [start, stop) of the input's tokens as POST /tokenize lists them ([CLS] is 0)"
+    )
 
 
 class Usage(BaseModel):
@@ -204,6 +264,32 @@ class EmbedRequest(BaseModel):
     adapter: str | None = Field(None, description=ADAPTER_DESCRIPTION)
     attention: AttentionRequest | None = None
     fidelity: StrictBool = Field(False, description=FIDELITY_DESCRIPTION + " (header x-fidelity)")
+    chunking: ChunkingRequest | None = Field(
+        None, description=CHUNKING_DESCRIPTION + "; the answer is then, per input, a list of chunk objects"
+    )
+
+
+class ChunkEmbedding(BaseModel):
+    """One chunk in /embed's answer to a chunked request."""
+
+    chunk: int = Field(description="the chunk's number within its input, from 0")
+    embedding: list[float]
+    text_span: list[int] = Field(description="[start, stop) characters of the input text the chunk covers")
+    token_span: list[int] = Field(description="[start, stop) of the input's tokens as POST /tokenize lists them")
+
+
+class EmbedAllRequest(BaseModel):
+    """POST /embed_all (Text Embeddings Inference): every token's last hidden state, plus the
+    `attention` and `adapter` extensions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: TextInputs
+    truncate: StrictBool = False
+    truncation_direction: Literal["right", "left", "Right", "Left"] = "right"
+    prompt_name: str | None = Field(None, description=PROMPT_NAME_DESCRIPTION)
+    adapter: str | None = Field(None, description=ADAPTER_DESCRIPTION)
+    attention: AttentionRequest | None = None
 
 
 class TokenizeRequest(BaseModel):

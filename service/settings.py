@@ -92,6 +92,16 @@ class Settings(BaseSettings):
         16384, ge=1, description="token budget of one packed forward pass (real tokens; a longer input runs alone)"
     )
     max_client_batch_size: int = Field(64, ge=1, description="most inputs in one request")
+    max_request_tokens: int = Field(
+        262144,
+        ge=1,
+        description="most tokens the forward passes of one request run (chunked requests: every chunk's "
+        "or window's tokens, overlaps included); more is 413",
+    )
+    max_request_chunks: int = Field(4096, ge=1, description="most chunks one chunked request returns; more is 413")
+    max_embed_all_tokens: int = Field(
+        16384, ge=1, description="most token vectors one /embed_all request returns (its JSON is ~8 KB a token); more is 413"
+    )
     max_concurrent_requests: int = Field(
         64, ge=1, description="embedding requests admitted at once; more get 429"
     )

@@ -1,7 +1,7 @@
 """GET /info: what is served and how it may be asked: the model, its limits, its prompts (and
 the default one) and task adapters, every attention method with its knobs' defaults and
 ranges, the calibration table's frontier (what auto's target_fidelity chooses from), the
-kernel backend and the device."""
+chunking defaults, the kernel backend and the device."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from fastapi.responses import JSONResponse
 
 from kernels import KNOB_RANGES, METHOD_KNOBS, METHODS
 from models import Encoder
+from models.chunking import BOUNDARIES, ChunkingSpec, window_sizes
 
 from .. import __version__, errors
-from ..schemas import ErrorResponse
+from ..schemas import CHUNK_TOKENS_MAX, ErrorResponse
 from ..state import ServiceState, get_state
 
 router = APIRouter(tags=["info"])
@@ -47,6 +48,7 @@ async def info(request: Request) -> JSONResponse:
             "adapters": model.get("adapters", []),
             "limits": _limits(state, encoder),
             "attention": _attention(state, encoder),
+            "chunking": _chunking(encoder),
             "backend": encoder.backend,
             "device": str(encoder.device),
             "dtype": model.get("dtype"),
@@ -63,6 +65,9 @@ def _limits(state: ServiceState, encoder: Encoder) -> dict[str, Any]:
         "max_input_tokens": encoder.max_input_tokens,
         "max_batch_tokens": settings.max_batch_tokens,
         "max_client_batch_size": settings.max_client_batch_size,
+        "max_request_tokens": settings.max_request_tokens,
+        "max_request_chunks": settings.max_request_chunks,
+        "max_embed_all_tokens": settings.max_embed_all_tokens,
         "max_concurrent_requests": settings.max_concurrent_requests,
         "max_body_bytes": settings.max_body_bytes,
         "request_timeout_s": settings.request_timeout_s,
@@ -70,6 +75,27 @@ def _limits(state: ServiceState, encoder: Encoder) -> dict[str, Any]:
         "max_request_work_s": round(state.throughput.seconds(state.work_budget), 3),
         "work_budget_units": state.work_budget,
         "throughput_units_per_s": state.throughput.units_per_s,
+    }
+
+
+def _chunking(encoder: Encoder) -> dict[str, Any]:
+    """The `chunking` extension's defaults (window and window_overlap as they resolve for a text
+    without a prompt) and bounds."""
+    defaults = ChunkingSpec()
+    framing = len(encoder.tokenizer.prefix) + len(encoder.tokenizer.suffix)
+    room, overlap = window_sizes(defaults, encoder.native_positions, encoder.max_input_tokens, framing)
+    return {
+        "defaults": {
+            "size": defaults.size,
+            "overlap": defaults.overlap,
+            "boundaries": defaults.boundaries,
+            "late": defaults.late,
+            "window": room + framing,
+            "window_overlap": overlap,
+        },
+        "boundaries": list(BOUNDARIES),
+        "max_size": CHUNK_TOKENS_MAX,
+        "max_window": encoder.max_input_tokens,
     }
 
 

@@ -10,6 +10,12 @@ to the exact-attention one in float32 (`fidelity_reference`; headers `x-fidelity
 `x-fidelity-reference`, `x-exact-time-ms`). The body's
 `prompt_name` and `adapter` say which prompt the texts got (the one sent, or the model's
 default) and which task adapter ran; null when none.
+
+With `chunking` each text is cut into chunks and `data` holds one item per chunk, input after
+input: `index` is the input's, `chunk` the chunk's number within it, `text_span` and
+`token_span` its [start, stop) characters and tokens (service.chunking); the official client
+parses it as a list of embeddings and keeps the extra fields. With `late_chunking` (Jina's
+form) the inputs are the consecutive chunks of one text and `data` has one item per input.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from ..auth import require_api_key
+from ..chunking import embed_chunks
 from ..pipeline import FIDELITY_REFERENCE, EmbedOptions, embed
 from ..schemas import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse
 from ..state import get_state
@@ -43,14 +50,27 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONRes
         prompt_name=body.prompt_name,
         adapter=body.adapter,
     )
-    embedded = await embed(request, body.input, options)
+    if body.chunking is not None or body.late_chunking:
+        chunked = await embed_chunks(request, body.input, options, body.chunking, late_inputs=body.late_chunking)
+        embedded = chunked.embedded
+    else:
+        chunked, embedded = None, await embed(request, body.input, options)
+    if chunked is None or body.late_chunking:  # one item per input
+        items: list[dict] = [{"object": "embedding", "index": i} for i in range(embedded.vectors.shape[0])]
+    else:  # one item per chunk
+        items = [
+            {"object": "embedding", "index": i, "chunk": j, "text_span": list(c.text_span), "token_span": list(c.token_span)}
+            for i, chunks in enumerate(chunked.chunks)
+            for j, c in enumerate(chunks)
+        ]
     if body.encoding_format == "base64":
         rows = embedded.vectors.numpy().astype("<f4")
         data = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
     else:
         data = embedded.vectors.tolist()
     tokens = sum(embedded.tokens)
-    items = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)]
+    for item, vector in zip(items, data):
+        item["embedding"] = vector
     for item, cosine in zip(items, embedded.fidelity or ()):
         item["fidelity"] = cosine
     content = {

@@ -1,5 +1,5 @@
 """POST /embed and POST /: Text Embeddings Inference's embed API, plus the `attention`,
-`adapter` and `fidelity` extensions.
+`adapter`, `fidelity` and `chunking` extensions; POST /embed_all: TEI's token embeddings.
 
 The root route is TEI's too: the same body and answers as /embed, so that clients which post
 to the server's URL as given (huggingface_hub's `InferenceClient(model=URL).feature_extraction`,
@@ -9,29 +9,40 @@ Returns a bare `[[float]]`, one row per input; the resolved attention is in `x-a
 the prompt the texts got (sent as `prompt_name`, or the model's default) in `x-prompt-name`,
 the task adapter that ran in `x-adapter`, and with `"fidelity": true` each input's cosine to
 the exact embedding in `x-fidelity` (comma-separated, input order).
+
+With `chunking` the answer is, per input, its chunks in order, each `{chunk, embedding,
+text_span, token_span}` (service.chunking; `x-fidelity` then lists one cosine per chunk).
+/embed_all answers, per input, one vector per token ([CLS] and [SEP] included, in the order
+POST /tokenize lists them): the last hidden states, not normalised, as TEI does. Its JSON is
+rendered off the event loop (~8 KB a token).
 """
 
 from __future__ import annotations
 
+import json
+
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from torch import Tensor
 
 from ..auth import require_api_key
+from ..chunking import embed_chunks, embed_tokens
 from ..pipeline import EmbedOptions, embed
-from ..schemas import ERROR_RESPONSES, EmbedRequest
+from ..schemas import ERROR_RESPONSES, ChunkEmbedding, EmbedAllRequest, EmbedRequest
 
 router = APIRouter(tags=["tei"])
 
 
 @router.post(
     "/embed",
-    response_model=list[list[float]],
+    response_model=list[list[float]] | list[list[ChunkEmbedding]],
     responses=ERROR_RESPONSES,
     dependencies=[Depends(require_api_key)],
 )
 @router.post(
     "/",
-    response_model=list[list[float]],
+    response_model=list[list[float]] | list[list[ChunkEmbedding]],
     responses=ERROR_RESPONSES,
     dependencies=[Depends(require_api_key)],
     summary="Tei Embed (TEI's root route: the same as /embed)",
@@ -48,5 +59,42 @@ async def tei_embed(body: EmbedRequest, request: Request) -> JSONResponse:
         body.prompt_name,
         body.adapter,
     )
-    embedded = await embed(request, body.inputs, options)
-    return JSONResponse(embedded.vectors.tolist(), headers=embedded.headers())
+    if body.chunking is None:
+        embedded = await embed(request, body.inputs, options)
+        return JSONResponse(embedded.vectors.tolist(), headers=embedded.headers())
+    chunked = await embed_chunks(request, body.inputs, options, body.chunking)
+    answer = [
+        [
+            {"chunk": j, "embedding": vector, "text_span": list(c.text_span), "token_span": list(c.token_span)}
+            for j, (c, vector) in enumerate(zip(chunks, vectors.tolist()))
+        ]
+        for chunks, vectors in zip(chunked.chunks, chunked.per_input())
+    ]
+    return JSONResponse(answer, headers=chunked.embedded.headers())
+
+
+@router.post(
+    "/embed_all",
+    response_model=list[list[list[float]]],
+    responses=ERROR_RESPONSES,
+    dependencies=[Depends(require_api_key)],
+)
+async def tei_embed_all(body: EmbedAllRequest, request: Request) -> Response:
+    options = EmbedOptions(
+        "inputs",
+        body.attention,
+        body.truncate,
+        body.truncation_direction,
+        normalize=False,
+        prompt_name=body.prompt_name,
+        adapter=body.adapter,
+    )
+    embedded = await embed_tokens(request, body.inputs, options)
+    content = await run_in_threadpool(_token_json, embedded.vectors, embedded.tokens)
+    return Response(content, media_type="application/json", headers=embedded.headers())
+
+
+def _token_json(vectors: Tensor, tokens: list[int]) -> bytes:
+    """Per input its (tokens, dim) rows of `vectors`, as JSON `[[[float]]]`."""
+    nested = [part.tolist() for part in vectors.split(tokens)]
+    return json.dumps(nested, allow_nan=False, separators=(",", ":")).encode()

@@ -180,6 +180,11 @@ class FakeForward:
     def pooled(self):
         return torch.tensor([[float(len(ids)), float(ids[0]), float(ids[-1]), 1.0] for ids in self.sequences])
 
+    def outputs(self, outputs):
+        """`pooled`'s row per sequence, repeated as many times as its output has rows."""
+        rows = zip(self.pooled(), outputs, self.sequences)
+        return [row[None].repeat(output.rows(len(ids)), 1) for row, output, ids in rows]
+
 
 @asynccontextmanager
 async def running(app, ready: bool = True):

@@ -19,7 +19,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 ALLOWED = {200, 400, 401, 404, 405, 413, 422, 429, 503, 504}
 EXAMPLES = 60
-ROUTES = ("/v1/embeddings", "/embed", "/", "/tokenize")
+ROUTES = ("/v1/embeddings", "/embed", "/", "/embed_all", "/tokenize")
 
 short_text = st.text(max_size=40)
 scalars = st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | short_text

@@ -14,6 +14,7 @@ SERIES = {
     "clusterserve_queue_duration_seconds": ("histogram", {"method"}),
     "clusterserve_inference_duration_seconds": ("histogram", {"method"}),
     "clusterserve_input_tokens": ("histogram", {"method"}),
+    "clusterserve_chunks": ("histogram", {"method"}),
     "clusterserve_batch_size": ("histogram", {"method"}),
     "clusterserve_batch_tokens": ("histogram", {"method"}),
     "clusterserve_peak_memory_bytes": ("histogram", {"method"}),

@@ -1,0 +1,238 @@
+"""The plan of a chunked call: which sequences run, what each returns, and how the returned
+rows become chunk vectors.
+
+    plan_chunks(encoder, texts, spec, chunking)    each text cut into chunks (models.chunking)
+    plan_late_inputs(encoder, texts, spec)         the texts are the consecutive chunks of one
+                                                   text (Jina's `late_chunking` form)
+
+Every sequence is framed as a text is: the tokenizer's prefix ([CLS]), the prompt's tokens,
+a range of the text's tokens, the suffix ([SEP]). Naive chunking runs one sequence per chunk
+and takes its pooled vector, the vector the chunk's tokens get when embedded alone. Late
+chunking runs one sequence per context window and asks each for the mean of its states over
+the parts of the chunks it keeps (`Output` kind "spans"); a chunk that straddles windows is
+the token-weighted mean of its parts, which is the mean over its tokens. Each sequence's
+attention is resolved by its own length, as `models.plan` resolves an input's, so a plan's
+`Plan` (its sequences) batches, echoes and runs like any other.
+
+`ChunkPlan.assemble(rows)` takes the per-sequence rows concatenated in sequence order (the
+scheduler's or `Encoder.run_chunks`' result) and returns each input's (chunks, dim) vectors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+from torch import Tensor
+
+from kernels import AttentionSpec, resolve_auto
+
+from .chunking import ChunkingSpec, chunk_spans, unit_starts, window_sizes, windows
+from .inputs import EmptyInput, InputTooLong
+from .plan import Plan, PlannedInput, check_attention, choose_prompt_and_adapter
+from .pooling import POOLED, Output
+from .tokenization import TRUNCATION_DIRECTIONS, Tokens
+
+if TYPE_CHECKING:
+    from .encoder import Encoder
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk of an input. text_span: its [start, stop) characters in the input text
+    (from its first token's first character to its last token's last). token_span: its
+    [start, stop) tokens, indices into the text's tokens as `Encoder.tokenize` (POST
+    /tokenize) lists them, special tokens included ([CLS] is 0)."""
+
+    text_span: tuple[int, int]
+    token_span: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ChunkedInput:
+    """One input of a chunked call. tokens: its tokens, special tokens and prompt included
+    (what the length limit counts); sequences: its range of the plan's sequences; rows: its
+    range in the concatenated per-sequence rows; combine: (chunks, len(rows)) weights, its
+    chunk vectors = combine @ those rows."""
+
+    chunks: tuple[Chunk, ...]
+    tokens: int
+    sequences: range
+    rows: range
+    combine: Tensor
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """plan: the sequences to run, in order, each with its resolved attention; outputs: what
+    each sequence returns; inputs: how each input's chunk vectors come from the rows."""
+
+    plan: Plan
+    outputs: tuple[Output, ...]
+    inputs: tuple[ChunkedInput, ...]
+    late: bool
+
+    @property
+    def chunks(self) -> int:
+        return sum(len(one.chunks) for one in self.inputs)
+
+    @property
+    def sequence_tokens(self) -> int:
+        """Tokens the forward passes run (windows overlap: more than the inputs hold)."""
+        return sum(planned.tokens for planned in self.plan.inputs)
+
+    def assemble(self, rows: Tensor) -> list[Tensor]:
+        """rows: (R, dim), every sequence's output rows (Output.rows), concatenated in
+        sequence order -> per input its (chunks, dim) chunk vectors, not normalised."""
+        return [one.combine @ rows[one.rows.start : one.rows.stop].float() for one in self.inputs]
+
+
+@dataclass(frozen=True)
+class _Document:
+    """A text's tokens (no special tokens) and its chunks as [start, stop) ranges of them."""
+
+    body: list[int]
+    spans: list[tuple[int, int]]
+    chunks: tuple[Chunk, ...]
+    tokens: int
+
+
+def plan_chunks(
+    encoder: Encoder, texts: Sequence[str], spec: AttentionSpec, chunking: ChunkingSpec, *,
+    target_fidelity: float | None = None, truncate: bool = False, truncation_direction: str = "right",
+    prompt_name: str | None = None, adapter: str | None = None,
+) -> ChunkPlan:
+    """Plan chunking each text (see the module docstring). A text longer than
+    `encoder.max_input_tokens` (prompt and special tokens included) raises InputTooLong
+    unless `truncate`, which cuts it ("right" keeps its start, "left" its end). Raises
+    ValueError "<field>: ..." naming a ChunkingSpec field that does not fit the model or
+    "chunking: ..." for token-id inputs, and models.plan's errors."""
+    if not isinstance(chunking, ChunkingSpec):
+        raise ValueError(f"chunking: must be a models.chunking.ChunkingSpec, got {type(chunking).__name__}")
+    if truncation_direction not in TRUNCATION_DIRECTIONS:
+        raise ValueError(f"truncation_direction: must be one of {', '.join(TRUNCATION_DIRECTIONS)}, got {truncation_direction!r}")
+    prompt_ids, chosen_prompt, chosen_adapter = _prompt(
+        encoder, texts, spec, target_fidelity, prompt_name, adapter, chunking.late
+    )
+    framing = len(encoder.tokenizer.prefix) + len(prompt_ids) + len(encoder.tokenizer.suffix)
+    if not chunking.late and chunking.size + framing > encoder.max_input_tokens:
+        raise ValueError(
+            f"size: a chunk's sequence adds {framing} special and prompt tokens; size must be at most "
+            f"{encoder.max_input_tokens - framing}, got {chunking.size}"
+        )
+    limit = encoder.max_input_tokens - framing
+    documents = []
+    for index, (text, tokens) in enumerate(zip(texts, encoder.tokenizer.encode_body(list(texts)))):
+        if len(tokens.ids) > limit:
+            if not truncate or limit < 1:
+                raise InputTooLong(index, len(tokens.ids) + framing, encoder.max_input_tokens)
+            keep = slice(None, limit) if truncation_direction == "right" else slice(-limit, None)
+            tokens = Tokens(tokens.ids[keep], tokens.offsets[keep])
+        starts = unit_starts(text, tokens.offsets, chunking.boundaries) if tokens.ids else []
+        spans = chunk_spans(starts, len(tokens.ids), chunking.size, chunking.overlap)
+        documents.append(_document(encoder, index, tokens, spans, framing))
+    return _plan(encoder, documents, prompt_ids, spec, chunking, target_fidelity, chosen_prompt, chosen_adapter)
+
+
+def plan_late_inputs(
+    encoder: Encoder, texts: Sequence[str], spec: AttentionSpec, *, window: int | None = None,
+    window_overlap: int | None = None, target_fidelity: float | None = None,
+    prompt_name: str | None = None, adapter: str | None = None,
+) -> ChunkPlan:
+    """Jina's `late_chunking` form: the texts are the consecutive chunks of one text, whose
+    tokens are theirs end to end; late chunking over it, one chunk per text. The plan has one
+    input; its chunk spans index that joined text. The joined text's tokens are limited as
+    one input's (InputTooLong with index None: no truncation, a chunk cannot be cut)."""
+    chunking = ChunkingSpec(window=window, window_overlap=window_overlap)  # validates the two
+    prompt_ids, chosen_prompt, chosen_adapter = _prompt(
+        encoder, texts, spec, target_fidelity, prompt_name, adapter, True
+    )
+    framing = len(encoder.tokenizer.prefix) + len(prompt_ids) + len(encoder.tokenizer.suffix)
+    pieces = encoder.tokenizer.encode_body(list(texts))
+    body: list[int] = []
+    spans, chunks = [], []
+    for index, tokens in enumerate(pieces):
+        if not tokens.ids:
+            raise EmptyInput(index, "has no tokens: every chunk needs at least one")
+        span = (len(body), len(body) + len(tokens.ids))
+        spans.append(span)
+        first = len(encoder.tokenizer.prefix)  # token_span counts from the joined text's own [CLS]
+        chunks.append(Chunk((tokens.offsets[0][0], tokens.offsets[-1][1]), (span[0] + first, span[1] + first)))
+        body += tokens.ids
+    if len(body) + framing > encoder.max_input_tokens:
+        raise InputTooLong(None, len(body) + framing, encoder.max_input_tokens)  # type: ignore[arg-type]
+    document = _Document(body, spans, tuple(chunks), len(body) + framing)
+    return _plan(encoder, [document], prompt_ids, spec, chunking, target_fidelity, chosen_prompt, chosen_adapter)
+
+
+def _prompt(
+    encoder: Encoder, texts: Sequence[str], spec: AttentionSpec, target_fidelity: float | None,
+    prompt_name: str | None, adapter: str | None, late: bool,
+) -> tuple[list[int], str | None, str | None]:
+    """The prompt's tokens (no special tokens), the prompt's name and the adapter (models.plan),
+    after checking the attention and that the inputs are texts."""
+    check_attention(spec, target_fidelity)
+    if isinstance(texts, str) or not texts or not all(isinstance(text, str) for text in texts):
+        raise ValueError("chunking: applies to a list of texts; token-id inputs cannot be chunked")
+    chosen_prompt, chosen_adapter = choose_prompt_and_adapter(encoder, texts, prompt_name, adapter)
+    prompt = encoder.prompts.text(chosen_prompt) if chosen_prompt is not None else ""
+    if prompt and not late and not encoder.pooling.include_prompt:
+        raise ValueError(
+            "prompt_name: this checkpoint pools without its prompt's tokens (include_prompt: false), "
+            "which is not implemented; embed without a prompt"
+        )
+    prompt_ids = encoder.tokenizer.encode_body([prompt])[0].ids if prompt else []
+    return prompt_ids, chosen_prompt, chosen_adapter
+
+
+def _document(encoder: Encoder, index: int, tokens: Tokens, spans: list[tuple[int, int]], framing: int) -> _Document:
+    if not tokens.ids:
+        raise EmptyInput(index, "has no tokens to chunk")
+    first = len(encoder.tokenizer.prefix)  # token_span counts from the text's own [CLS]
+    chunks = tuple(
+        Chunk((tokens.offsets[start][0], tokens.offsets[stop - 1][1]), (start + first, stop + first))
+        for start, stop in spans
+    )
+    return _Document(tokens.ids, spans, chunks, len(tokens.ids) + framing)
+
+
+def _plan(
+    encoder: Encoder, documents: list[_Document], prompt_ids: list[int], spec: AttentionSpec, chunking: ChunkingSpec,
+    target_fidelity: float | None, prompt_name: str | None, adapter: str | None,
+) -> ChunkPlan:
+    """The sequences of every document, with their outputs, attention and assembly."""
+    prefix, suffix = list(encoder.tokenizer.prefix), list(encoder.tokenizer.suffix)
+    head = prefix + prompt_ids  # where a sequence's text tokens begin
+    framing = len(head) + len(suffix)
+    sequences: list[list[int]] = []
+    outputs: list[Output] = []
+    inputs = []
+    rows = 0
+    if chunking.late:
+        room, overlap = window_sizes(chunking, encoder.native_positions, encoder.max_input_tokens, framing)
+    for document in documents:
+        first_row, first_sequence = rows, len(sequences)
+        if chunking.late:
+            weights = []
+            for start, stop, keep in windows(len(document.body), room, overlap):
+                parts = [(c, max(a, keep), min(b, stop)) for c, (a, b) in enumerate(document.spans) if a < stop and b > keep]
+                sequences.append(head + document.body[start:stop] + suffix)
+                outputs.append(Output("spans", tuple((a - start + len(head), b - start + len(head)) for _, a, b in parts)))
+                weights += [(c, b - a) for c, a, b in parts]
+            combine = torch.zeros(len(document.spans), len(weights))
+            for row, (chunk, tokens) in enumerate(weights):
+                combine[chunk, row] = tokens / (document.spans[chunk][1] - document.spans[chunk][0])
+            rows += len(weights)
+        else:
+            for start, stop in document.spans:
+                sequences.append(head + document.body[start:stop] + suffix)
+                outputs.append(POOLED)
+            combine = torch.eye(len(document.spans))
+            rows += len(document.spans)
+        inputs.append(
+            ChunkedInput(document.chunks, document.tokens, range(first_sequence, len(sequences)), range(first_row, rows), combine)
+        )
+    table = encoder.calibration if target_fidelity is not None else None
+    planned = tuple(PlannedInput(ids, resolve_auto(spec, len(ids), table, target_fidelity)) for ids in sequences)
+    return ChunkPlan(Plan(planned, spec, target_fidelity, prompt_name, adapter), tuple(outputs), tuple(inputs), chunking.late)
