@@ -32,11 +32,11 @@ from torch import Tensor, nn
 from kernels import BACKENDS, AttentionSpec
 
 from .calibration import Calibration
+from .chunk_plan import Chunk, ChunkPlan, plan_chunks
+from .chunking import ChunkingSpec
 from .cost import CostModel
 from .forward import Pass
 from .graphs import LayerGraphs
-from .chunk_plan import Chunk, ChunkPlan, plan_chunks
-from .chunking import ChunkingSpec
 from .inputs import InputTooLong, is_int, prepare_inputs
 from .packing import bucket_length, pack
 from .plan import UnknownAdapter, plan
