@@ -211,7 +211,10 @@ def _job(
     late-chunking window, a re-run) counts toward the request's work budget: 422 over it."""
     encoder = state.require_ready()[0]
     runs = [(p.tokens, p.spec) for p in call.inputs] + [(call.inputs[i].tokens, EXACT) for i in rerun]
-    check_budget(encoder, runs, state, param, params)
+    advice = "send fewer or shorter inputs per request"
+    if len(call.inputs) > len(params):  # chunks or windows
+        advice += ", larger chunks, or less overlap between windows (chunking.window_overlap)"
+    check_budget(encoder, runs, state, param, params, advice)
     timeout = request_timeout_s(request, state.settings.request_timeout_s)
     return Job(
         request_id=request.scope.get(REQUEST_ID_KEY, ""),

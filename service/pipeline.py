@@ -260,11 +260,12 @@ def fidelity_reruns(encoder: Encoder, call: Plan, fidelity: bool) -> list[int]:
 
 
 def check_budget(
-    encoder: Encoder, runs: list[tuple[int, AttentionSpec]], state: ServiceState, param: str, params: list[str]
+    encoder: Encoder, runs: list[tuple[int, AttentionSpec]], state: ServiceState, param: str, params: list[str],
+    advice: str = "send fewer or shorter inputs per request",
 ) -> None:
     """422 (reason over_budget) when the request's estimated work, (tokens, resolved spec) per
     forward pass, is over the server's budget: naming the knob that drives it with the largest
-    value that fits at these lengths, or, where no knob can, the inputs."""
+    value that fits at these lengths, or, where no knob can, the inputs (and `advice`)."""
     throughput = state.throughput
     over = over_budget(encoder.cost, runs, state.work_budget, state.default_spec)
     if over is None:
@@ -273,9 +274,8 @@ def check_budget(
         f"{throughput.seconds(over.budget):.0f} s per request"
     if over.knob is None:
         tokens = sum(n for n, _ in runs)
-        raise errors.over_budget(
-            param, f"{len(params)} input(s) of {tokens} tokens in all would take {work}; send fewer or shorter inputs per request"
-        )
+        passes = f", run as {len(runs)} sequences," if len(runs) > len(params) else ""
+        raise errors.over_budget(param, f"{len(params)} input(s){passes} of {tokens} tokens in all would take {work}; {advice}")
     longest = max(n for n, _ in runs)
     also = "".join(f", with {name} at most {value}" for name, value in over.others.items())
     raise errors.over_budget(

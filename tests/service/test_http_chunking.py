@@ -6,6 +6,7 @@ the chunks histogram."""
 from __future__ import annotations
 
 import base64
+import re
 
 import numpy as np
 import pytest
@@ -167,6 +168,24 @@ def test_info_states_the_chunking_defaults_and_bounds(client):
     assert chunking["defaults"]["window"] == 512 and chunking["defaults"]["late"] is True
     assert chunking["boundaries"] == ["tokens", "sentences", "paragraphs"]
     assert chunking["defaults"]["window_overlap"] < chunking["defaults"]["window"]
+
+
+def test_every_window_counts_toward_the_work_budget(client):
+    """A document that fits the budget as one pass is refused (422, before it runs) when late
+    chunking would run it as many heavily overlapping windows; the message counts them."""
+    text = license_text(6000)  # cut to the session's 1024 tokens
+    plain = client.post("/v1/embeddings", json={"input": text, "truncate": True, "attention": FULL})
+    assert plain.status_code == 200, plain.text
+    windows = {"size": 64, "window": 128, "window_overlap": 120}  # 8 new tokens a window: ~128 windows
+    body = {"input": text, "truncate": True, "attention": FULL, "chunking": windows}
+    response = client.post("/v1/embeddings", json=body)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["param"] == "input" and "over its budget" in error["message"]
+    assert re.search(r"1 input\(s\), run as \d{3} sequences,", error["message"]), error["message"]
+    assert "chunking.window_overlap" in error["message"]
+    sparse = {**body, "chunking": {"size": 64, "window": 128, "window_overlap": 16}}  # ~10 windows
+    assert client.post("/v1/embeddings", json=sparse).status_code == 200
 
 
 @pytest.mark.anyio
