@@ -121,14 +121,23 @@ def over_http(url: str | None, repeats: int) -> list[dict]:
     from .http_latency import serving
 
     with serving(url) as base_url, httpx.Client(base_url=base_url, timeout=3600) as http:
+        per_request = http.get("/info").json()["limits"]["max_client_batch_size"]
+
         def count(inputs: list[str]) -> list[int]:
-            return [len(t) for t in http.post("/tokenize", json={"inputs": inputs}).json()]
+            counts = []
+            for start in range(0, len(inputs), per_request):
+                response = http.post("/tokenize", json={"inputs": inputs[start : start + per_request]})
+                response.raise_for_status()
+                counts += [len(t) for t in response.json()]
+            return counts
 
         texts = workloads(count)
 
         def post(inputs: list[str], attention: dict | None = None) -> None:
             body = {"input": inputs} if attention is None else {"input": inputs, "attention": attention}
-            http.post("/v1/embeddings", json=body).raise_for_status()
+            response = http.post("/v1/embeddings", json=body)
+            if response.status_code != 200:
+                raise RuntimeError(f"POST /v1/embeddings: {response.status_code} {response.text[:500]}")
 
         full = {"method": "full"}
         chunks, document, shorts = texts["chunks"], texts["document"], texts["shorts"]
