@@ -37,22 +37,21 @@ from models.pooling import EVERY_TOKEN, Output
 
 from . import errors
 from .batching import Job
-from .middleware import ARRIVAL_KEY, METHOD_KEY, REQUEST_ID_KEY
+from .middleware import ARRIVAL_KEY, REQUEST_ID_KEY
 from .pipeline import (
     Embedded,
     EmbedOptions,
     check_budget,
     check_request_tokens,
     fidelity_reruns,
-    parse_inputs,
     plan_request,
     request_timeout_s,
-    resolve_request_attention,
     run_planner,
+    start_request,
     submit_unless_disconnected,
 )
 from .schemas import ChunkingRequest
-from .state import ServiceState, get_state
+from .state import ServiceState
 
 CHUNKING_FIELDS = tuple(field.name for field in dataclasses.fields(ChunkingSpec))
 LATE_INPUTS_FIELDS = ("window", "window_overlap")  # what `chunking` may set beside late_chunking
@@ -78,13 +77,7 @@ async def embed_chunks(
     """One chunked request: each text cut as `chunking` says, or (late_inputs, Jina's form)
     the texts as the consecutive chunks of one text. Raises ServiceError with the documented
     status; a bad chunking field is a 422 naming it (`chunking.overlap`)."""
-    state = get_state(request)
-    spec, target = resolve_request_attention(state.default_spec, options.attention, state.settings.target_fidelity)
-    request.scope[METHOD_KEY] = spec.method
-    encoder, batcher = state.require_ready()
-    inputs, params = parse_inputs(raw_inputs, options.param, state.settings.max_client_batch_size)
-    if options.dimensions is not None and options.dimensions > encoder.dim:
-        raise errors.invalid_field("dimensions", f"must be in [1, {encoder.dim}], got {options.dimensions}")
+    state, spec, target, encoder, batcher, inputs, params = start_request(request, raw_inputs, options)
     asked = chunking_spec(chunking, late_inputs)
     where = "late_chunking" if late_inputs else "chunking"
     if late_inputs:
@@ -139,11 +132,7 @@ async def embed_chunks(
 async def embed_tokens(request: Request, raw_inputs: Any, options: EmbedOptions) -> Embedded:
     """/embed_all: every token's last hidden state, per input (n_i, dim) rows of
     `Embedded.vectors`, input after input (n_i = `Embedded.tokens[i]`), not normalised."""
-    state = get_state(request)
-    spec, target = resolve_request_attention(state.default_spec, options.attention, state.settings.target_fidelity)
-    request.scope[METHOD_KEY] = spec.method
-    encoder, batcher = state.require_ready()
-    inputs, params = parse_inputs(raw_inputs, options.param, state.settings.max_client_batch_size)
+    state, spec, target, encoder, batcher, inputs, params = start_request(request, raw_inputs, options)
     call = await plan_request(encoder, inputs, params, spec, target, options)
     tokens = [planned.tokens for planned in call.inputs]
     if sum(tokens) > state.settings.max_embed_all_tokens:

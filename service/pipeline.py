@@ -101,8 +101,12 @@ def _header_safe(name: str) -> str:
     return urllib.parse.quote(name, safe="".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%"))
 
 
-async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Embedded:
-    """Run the whole pipeline for one request; raises ServiceError with the documented status."""
+def start_request(
+    request: Request, raw_inputs: Any, options: EmbedOptions
+) -> tuple[ServiceState, AttentionSpec, float | None, Encoder, Batcher, list, list[str]]:
+    """What every embedding route does first: the request's attention (and target fidelity),
+    the ready encoder and scheduler, the parsed inputs and their parameter names, and
+    `dimensions` checked against the model. Raises ServiceError."""
     state = get_state(request)
     spec, target = resolve_request_attention(state.default_spec, options.attention, state.settings.target_fidelity)
     request.scope[METHOD_KEY] = spec.method
@@ -110,6 +114,12 @@ async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Emb
     inputs, params = parse_inputs(raw_inputs, options.param, state.settings.max_client_batch_size)
     if options.dimensions is not None and options.dimensions > encoder.dim:
         raise errors.invalid_field("dimensions", f"must be in [1, {encoder.dim}], got {options.dimensions}")
+    return state, spec, target, encoder, batcher, inputs, params
+
+
+async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Embedded:
+    """Run the whole pipeline for one request; raises ServiceError with the documented status."""
+    state, spec, target, encoder, batcher, inputs, params = start_request(request, raw_inputs, options)
     call = await plan_request(encoder, inputs, params, spec, target, options)
     check_request_tokens(sum(planned.tokens for planned in call.inputs), options.param, state.settings.max_request_tokens)
     rerun = fidelity_reruns(encoder, call, options.fidelity)
