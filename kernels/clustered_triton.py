@@ -3,8 +3,8 @@ arXiv:2007.04825): the triton backend's stages (kernels/stages.py runs them); th
 they match is clustered.py.
 
     hash, cluster, refine, centroids   LSH codes (hashing_triton), Hamming K-means
-                             (hamming_triton), Euclidean refinement and cluster means
-                             (lloyd_triton), each spread over (chunks of queries, B * H)
+                             (hamming_triton), Euclidean refinement (lloyd_triton) and cluster
+                             means (means_triton), each spread over (chunks of queries, B * H)
     centroid_attention_triton    V^c = A^c V and each cluster's top-k keys of A^c, the keys
                                  split across programs (centroid_triton; A^c is never written)
     _broadcast_kernel            clustered: every query gets its centroid's row of V^c
@@ -37,7 +37,8 @@ from .hamming_triton import hamming_kmeans_triton
 from .hashing import hash_planes, on_device
 from .hashing_triton import hash_codes_triton
 from .kmeans import initial_offsets
-from .lloyd_triton import cluster_means_triton, refine_clusters_triton
+from .lloyd_triton import refine_clusters_triton
+from .means_triton import cluster_means_triton
 from .spec import AttentionSpec
 from .stages import CentroidAttention, ClusteredStages, applied_by_stages
 from .triton_helpers import mma, online_softmax_step, rounded, upcast

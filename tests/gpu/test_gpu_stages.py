@@ -118,7 +118,7 @@ def test_means_centroid_pass_layout_and_sparse_part(n, clusters, topk, batch, po
     from kernels.cluster_layout_triton import cluster_layout_triton
     from kernels.clustered import TILE
     from kernels.clustered_triton import TRITON
-    from kernels.lloyd_triton import cluster_means_triton
+    from kernels.means_triton import cluster_means_triton
 
     q, k, v, mask = inputs(n, batch)
     s = spec(clusters, topk)

@@ -46,7 +46,8 @@ from kernels.cluster_layout_triton import cluster_layout_triton  # noqa: E402
 from kernels.clustered import cluster_tiles  # noqa: E402
 from kernels.hamming_triton import hamming_kmeans_triton  # noqa: E402
 from kernels.hashing_triton import hash_codes_triton  # noqa: E402
-from kernels.lloyd_triton import cluster_means_triton, refine_clusters_triton  # noqa: E402
+from kernels.lloyd_triton import refine_clusters_triton  # noqa: E402
+from kernels.means_triton import cluster_means_triton  # noqa: E402
 from kernels.triton_helpers import chunking  # noqa: E402
 
 METHODS = ("clustered", "i-clustered")
