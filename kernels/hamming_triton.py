@@ -21,9 +21,8 @@ reference stops once the centroids repeat; here an iteration whose head did not 
 the previous one is skipped on the device (a flag per cluster block), which gives the same.
 
 Donors. A query's level is 1 + its Hamming distance to its centroid (padded queries 0): the
-reference's donor order is level descending, then position. From the chunks' level
-histograms the update kernel finds the level, the chunk and the rank within that chunk of
-the e-th donor, then reads only that chunk: no scan over a head's N queries.
+reference's donor order is level descending, then position. The update kernel
+(hamming_update_triton) finds the e-th donor from the chunks' level histograms.
 """
 
 from __future__ import annotations
@@ -34,18 +33,16 @@ import triton.language as tl
 from torch import Tensor
 
 from .blocks import pow2_block
+from .hamming_update_triton import _hamming_update_kernel
 from .triton_helpers import (
     any_set,
     average_chunk,
     chunking,
     cluster_block,
-    cluster_range,
+    code_signs,
     count_real,
     mma,
     one_hot,
-    scalar_at,
-    sum_chunks,
-    sum_chunks_2d,
     upcast,
 )
 
@@ -68,15 +65,6 @@ SCAN = 1024
 COUNT_BLOCK = 4096
 # Chunks per load when the update sums the chunks' counts and votes.
 CHUNK_GROUP = 16
-
-
-@triton.jit
-def _signs(codes, BLOCK_BITS: tl.constexpr):
-    """int64 codes (rows,) -> (rows, BLOCK_BITS) int8, +1 where bit b is set, else -1. Bits
-    past the code's are 0 in every code: -1 on both sides of a dot, a constant +1 each."""
-    bit = tl.arange(0, BLOCK_BITS)
-    word = tl.where(bit[None, :] < 32, codes.to(tl.int32)[:, None], (codes >> 32).to(tl.int32)[:, None])
-    return (((word >> (bit[None, :] & 31)) & 1) * 2 - 1).to(tl.int8)
 
 
 @triton.jit
@@ -127,7 +115,7 @@ def _hamming_initial_kernel(
     bit = tl.arange(0, BLOCK_BITS)
     for first in range(start, stop, BLOCK_N):
         rows = first + tl.arange(0, BLOCK_N)
-        signs = _signs(tl.load(codes_row + rows, mask=rows < stop, other=0), BLOCK_BITS)
+        signs = code_signs(tl.load(codes_row + rows, mask=rows < stop, other=0), BLOCK_BITS)
         tl.store(signs_ptr + (bh * N + rows)[:, None] * BLOCK_BITS + bit[None, :], signs, mask=rows[:, None] < stop)
     offset = tl.load(offsets_ptr + head)
     # The clusters whose target rank can fall in this chunk's real ranks (with a cluster to
@@ -162,7 +150,7 @@ def _hamming_initial_kernel(
                 real_seen += tl.sum(real.to(tl.int32), axis=0)
                 padded_seen += tl.sum(padded.to(tl.int32), axis=0)
             tl.store(centroids_ptr + bh * C + cols, code, mask=mine)
-            tl.store(centroid_signs_ptr + (bh * C + cols)[:, None] * BLOCK_BITS + bit[None, :], _signs(code, BLOCK_BITS),
+            tl.store(centroid_signs_ptr + (bh * C + cols)[:, None] * BLOCK_BITS + bit[None, :], code_signs(code, BLOCK_BITS),
                      mask=mine[:, None])
 
 
@@ -274,94 +262,6 @@ def _store_votes(part_votes_ptr, part_counts_ptr, votes, part, cols, C, BLOCK_BI
     tl.store(part_counts_ptr + part * C + cols, members, mask=cols < C)
 
 
-@triton.jit
-def _donor_position(level_row, part_levels_row, above, through, rank, N, CHUNK, CHUNKS,
-                    LEVELS: tl.constexpr, CHUNK_BLOCK: tl.constexpr, SCAN: tl.constexpr):
-    """Position of the donor of rank `rank` (0 = farthest): its level from the head's level
-    counts (above[l]: donors above level l, through[l]: above[l] + level l's), its chunk from
-    the chunks' counts of that level, its place from that chunk's levels in position order."""
-    levels = tl.arange(0, LEVELS)
-    level = tl.sum(tl.where((above <= rank) & (rank < through), levels, 0), axis=0)
-    rank_in_level = rank - scalar_at(above, levels, level)
-    chunks = tl.arange(0, CHUNK_BLOCK)
-    per_chunk = tl.load(part_levels_row + chunks * LEVELS + level, mask=chunks < CHUNKS, other=0)
-    through_chunk = tl.cumsum(per_chunk, axis=0)
-    holds = (through_chunk - per_chunk <= rank_in_level) & (rank_in_level < through_chunk)
-    chunk = tl.sum(tl.where(holds, chunks, 0), axis=0)
-    rank_in_chunk = rank_in_level - scalar_at(through_chunk - per_chunk, chunks, chunk)
-    position = 0
-    seen = 0
-    stop = tl.minimum(chunk * CHUNK + CHUNK, N)
-    for first in range(chunk * CHUNK, stop, SCAN):
-        rows = first + tl.arange(0, SCAN)
-        same = tl.load(level_row + rows, mask=rows < stop, other=-1).to(tl.int32) == level
-        order = seen + tl.cumsum(same.to(tl.int32), axis=0) - 1
-        position += tl.sum(tl.where(same & (order == rank_in_chunk), rows, 0), axis=0)
-        seen += tl.sum(same.to(tl.int32), axis=0)
-    return position
-
-
-@triton.jit
-def _hamming_update_kernel(
-    codes_ptr, centroids_ptr, centroid_signs_ptr, flags_in_ptr, flags_out_ptr, level_ptr,
-    part_votes_ptr, part_counts_ptr, part_levels_ptr,
-    N, C, BITS, CHUNK, CHUNKS, BLOCKS, PER_PROGRAM,
-    BLOCK_C: tl.constexpr, COUNT_C: tl.constexpr, BLOCK_BITS: tl.constexpr, LEVELS: tl.constexpr,
-    CHUNK_BLOCK: tl.constexpr, CHUNK_GROUP: tl.constexpr, VOTE_GROUP: tl.constexpr, FLAG_BLOCK: tl.constexpr,
-    SCAN: tl.constexpr,
-):
-    """New centroids of PER_PROGRAM clusters of one (batch, head): the majority vote of their
-    members' bits (ties to 0), the chunks' signed votes summed in chunk order, and for the e-th empty
-    cluster (in cluster order) the code of the e-th farthest query, the padded ones after the
-    real ones (more empty clusters than queries: the rest take the last). flags_out says
-    whether any of them changed; a head that did not change before is left as it is."""
-    block = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    changed = tl.full([], 0, tl.int32)
-    if any_set(flags_in_ptr + bh * BLOCKS, BLOCKS, FLAG_BLOCK):
-        first_cluster = block * PER_PROGRAM
-        last_cluster = tl.minimum(first_cluster + PER_PROGRAM, C)
-        # Empty clusters before this program's, from every cluster's member count.
-        counts_head = part_counts_ptr + bh * CHUNKS * C
-        empties_before = 0
-        for c_start in range(0, first_cluster, COUNT_C):
-            cols = c_start + tl.arange(0, COUNT_C)
-            counts = sum_chunks(counts_head, C, CHUNKS, cols, cols < first_cluster, CHUNK_GROUP)
-            empties_before += tl.sum(((counts == 0) & (cols < first_cluster)).to(tl.int32), axis=0)
-        bit = tl.arange(0, BLOCK_BITS).to(tl.int64)
-        index = tl.arange(0, BLOCK_C)
-        for c_start in range(first_cluster, last_cluster, BLOCK_C):
-            cols = c_start + index
-            in_block = cols < last_cluster
-            votes = sum_chunks_2d(part_votes_ptr + bh * CHUNKS * C * BLOCK_BITS, C * BLOCK_BITS, CHUNKS,
-                                  cols[:, None] * BLOCK_BITS + bit[None, :], in_block[:, None] & (bit[None, :] >= 0),
-                                  VOTE_GROUP)
-            members = sum_chunks(counts_head, C, CHUNKS, cols, in_block, CHUNK_GROUP)
-            majority = (votes > 0) & (bit[None, :] < BITS)  # ties (votes 0) to 0
-            code = tl.sum(majority.to(tl.int64) << bit[None, :], axis=1)
-            empty = ((members == 0) & in_block).to(tl.int32)
-            block_empties = tl.sum(empty, axis=0)
-            if block_empties > 0:
-                levels = tl.arange(0, LEVELS)
-                level_counts = sum_chunks(part_levels_ptr + bh * CHUNKS * LEVELS, LEVELS, CHUNKS, levels, levels >= 0,
-                                          CHUNK_GROUP)
-                through = tl.cumsum(level_counts, axis=0, reverse=True)  # donors at this level or above
-                order = tl.cumsum(empty, axis=0) - 1  # each empty cluster's place among the block's
-                for e in range(0, block_empties):
-                    i = tl.sum(tl.where((empty != 0) & (order == e), index, 0), axis=0)
-                    position = _donor_position(level_ptr + bh * N, part_levels_ptr + bh * CHUNKS * LEVELS,
-                                               through - level_counts, through, tl.minimum(empties_before + e, N - 1),
-                                               N, CHUNK, CHUNKS, LEVELS, CHUNK_BLOCK, SCAN)
-                    code = tl.where(index == i, tl.load(codes_ptr + bh * N + position), code)
-            empties_before += block_empties
-            old = tl.load(centroids_ptr + bh * C + cols, mask=in_block, other=0)
-            changed += tl.sum(((old != code) & in_block).to(tl.int32), axis=0)
-            tl.store(centroids_ptr + bh * C + cols, code, mask=in_block)
-            tl.store(centroid_signs_ptr + (bh * C + cols)[:, None] * BLOCK_BITS + bit[None, :],
-                     _signs(code, BLOCK_BITS), mask=in_block[:, None])
-    tl.store(flags_out_ptr + bh * BLOCKS + block, (changed > 0).to(tl.int32))
-
-
 def hamming_kmeans_triton(
     codes: Tensor, query_mask: Tensor, clusters: int, iterations: int, offsets: Tensor, bits: int,
     exact_case: bool = False,
@@ -423,15 +323,10 @@ def hamming_kmeans_triton(
 
 
 # For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
-# launch's arguments do not give, as one program sees them on average. Empty clusters: about
-# 2 x (C / 100)^2 a head in the first of 10 iterations, almost none after (the reference on real
-# text); a donor is found in one chunk.
+# launch's arguments do not give, as one program sees them on average (the update's are
+# hamming_update_triton's).
 LOOP_BOUNDS = {
     "_hamming_initial_kernel": lambda a: {**average_chunk(a["N"], a["CHUNK"]), "c_first": 0,
                                           "c_last": a["C"] / triton.cdiv(a["N"], a["CHUNK"]) + 3},
     "_hamming_assign_kernel": lambda a: average_chunk(a["N"], a["CHUNK"]),
-    "_hamming_update_kernel": lambda a: {
-        **cluster_range(a["C"], a["PER_PROGRAM"]), "chunk": 0, "stop": a["CHUNK"],
-        "block_empties": 0.2 * (a["C"] / 100) ** 2 / a["BLOCKS"],
-    },
 }

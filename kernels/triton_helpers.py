@@ -217,3 +217,13 @@ def one_hot(index, cols, dtype: tl.constexpr):
     else:
         hot = (cols[:, None] == index[None, :]).to(dtype)
     return hot
+
+
+@triton.jit
+def code_signs(codes, BLOCK_BITS: tl.constexpr):
+    """int64 codes (rows,) -> (rows, BLOCK_BITS) int8, +1 where bit b is set, else -1. Bits
+    past the code's are 0 in every code: -1 on both sides of a dot, a constant +1 each."""
+    bit = tl.arange(0, BLOCK_BITS)
+    word = tl.where(bit[None, :] < 32, codes.to(tl.int32)[:, None], (codes >> 32).to(tl.int32)[:, None])
+    return (((word >> (bit[None, :] & 31)) & 1) * 2 - 1).to(tl.int8)
+
