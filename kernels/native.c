@@ -224,7 +224,9 @@ static void hamming_nearest_portable(const uint64_t *codes, const uint8_t *real,
  * portable loop at 200-800 clusters on a Zen 4; without it, bit counting by shifts and adds
  * in vectors measured slower than the portable loop on AVX2). */
 #include <immintrin.h>
-typedef uint64_t words __attribute__((vector_size(64)));
+/* Queries scored together by hamming_nearest_vpopcnt: each block of centroid codes is read
+ * once for all of them, and their minima are independent chains. */
+#define HAMMING_GROUP 4
 
 /* hamming_nearest_portable's result: each lane keeps the least key distance << 16 | index
  * over the centroids it sees, so one minimum gives both and the lower index wins a tie. */
@@ -232,26 +234,32 @@ __attribute__((target("avx512vpopcntdq"))) static void hamming_nearest_vpopcnt(
     const uint64_t *codes, const uint8_t *real, int64_t n, const uint64_t *cent, int64_t c, int64_t *assign,
     float *dist) {
     const int64_t full = c - c % 8;
-    const words lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    for (int64_t i = 0; i < n; i++) {
-        if (!real[i]) continue; /* hamming_nearest sets padded queries */
-        const uint64_t x = codes[i];
-        words least = ~(words){0};
+    const __m512i lane = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+    for (int64_t i0 = 0; i0 < n; i0 += HAMMING_GROUP) {
+        __m512i x[HAMMING_GROUP], least[HAMMING_GROUP];
+        for (int g = 0; g < HAMMING_GROUP; g++) { /* a short tail repeats its last query */
+            x[g] = _mm512_set1_epi64((long long)codes[i0 + g < n ? i0 + g : n - 1]);
+            least[g] = _mm512_set1_epi64(-1);
+        }
         for (int64_t j = 0; j < full; j += 8) {
-            words block;
-            memcpy(&block, cent + j, sizeof block);
-            const words key = (words)_mm512_popcnt_epi64((__m512i)(block ^ x)) << 16 | (lane + (uint64_t)j);
-            const words less = (words)(key < least);
-            least = (key & less) | (least & ~less);
+            const __m512i block = _mm512_loadu_si512(cent + j);
+            const __m512i index = _mm512_add_epi64(lane, _mm512_set1_epi64(j));
+            for (int g = 0; g < HAMMING_GROUP; g++) {
+                const __m512i count = _mm512_popcnt_epi64(_mm512_xor_si512(block, x[g]));
+                least[g] = _mm512_min_epu64(least[g], _mm512_or_si512(_mm512_slli_epi64(count, 16), index));
+            }
         }
-        uint64_t best = ~0ULL;
-        for (int l = 0; l < 8; l++) best = least[l] < best ? least[l] : best;
-        for (int64_t j = full; j < c; j++) {
-            const uint64_t key = (uint64_t)__builtin_popcountll(x ^ cent[j]) << 16 | (uint64_t)j;
-            best = key < best ? key : best;
+        for (int g = 0; g < HAMMING_GROUP && i0 + g < n; g++) {
+            const int64_t i = i0 + g;
+            if (!real[i]) continue; /* hamming_nearest sets padded queries */
+            uint64_t best = _mm512_reduce_min_epu64(least[g]);
+            for (int64_t j = full; j < c; j++) {
+                const uint64_t key = (uint64_t)__builtin_popcountll(codes[i] ^ cent[j]) << 16 | (uint64_t)j;
+                best = key < best ? key : best;
+            }
+            assign[i] = (int64_t)(best & 0xFFFF);
+            dist[i] = (float)(best >> 16);
         }
-        assign[i] = (int64_t)(best & 0xFFFF);
-        dist[i] = (float)(best >> 16);
     }
 }
 #endif
@@ -280,6 +288,8 @@ static void hamming_kmeans_one(const uint64_t *codes, const uint8_t *real, int64
     uint16_t *keys = malloc(256 * sizeof *keys);
     int64_t *members = malloc(c * sizeof *members);
     int32_t *ones = malloc(c * 64 * sizeof *ones);
+    ints lane_index;
+    for (int l = 0; l < LANES; l++) lane_index[l] = l;
     uint64_t *updated = malloc(c * sizeof *updated);
     int64_t *donor = malloc(c * sizeof *donor);
     for (int64_t it = 0; it < iterations; it++) {
@@ -291,7 +301,12 @@ static void hamming_kmeans_one(const uint64_t *codes, const uint8_t *real, int64
             members[assign[i]]++;
             int32_t *row = ones + assign[i] * 64;
             const uint64_t x = codes[i];
-            for (int b = 0; b < 64; b++) row[b] += (int32_t)((x >> b) & 1);
+            for (int part = 0; part < 64; part += LANES) { /* LANES bits at a time, in vectors */
+                ints sum, bit = (ints){0} + (int32_t)((x >> part) & ((1u << LANES) - 1));
+                memcpy(&sum, row + part, sizeof sum);
+                sum += (bit >> lane_index) & 1;
+                memcpy(row + part, &sum, sizeof sum);
+            }
         }
         int64_t empty = 0;
         for (int64_t j = 0; j < c; j++) {
@@ -346,10 +361,11 @@ static void cluster_means_one(const void *q, int64_t dtype, int64_t q0, const in
 /* Queries scored together by euclid_nearest: independent FMA chains hide their latency. */
 #define GROUP 8
 
-/* For the GROUP queries x[g] (D floats each): argmax_j (2 x . c_j - |c_j|^2), the lowest j
- * among equals, into arg[g]. cent_t (D, CP) and neg_norm (CP) are 64-byte aligned, CP a
- * multiple of LANES (padding slots hold -FLT_MAX). Each lane keeps its own best over the
- * blocks of LANES clusters; the lanes are reduced once at the end. */
+/* For the GROUP queries x[g] (D floats each): argmax_j (x . 2c_j - |c_j|^2), the lowest j
+ * among equals, into arg[g]. cent_t (D, CP) holds the centroids doubled (exact: a power of
+ * two, so x . 2c_j is 2 x . c_j bit for bit) and neg_norm (CP) their -|c_j|^2, both 64-byte
+ * aligned, CP a multiple of LANES (padding slots hold -FLT_MAX). Each lane keeps its own best
+ * over the blocks of LANES clusters; the lanes are reduced once at the end. */
 static void euclid_nearest(const float *const *x, const float *cent_t, const float *neg_norm, int64_t d, int64_t cp,
                            int64_t *arg) {
     floats best[GROUP], acc[GROUP];
@@ -358,7 +374,7 @@ static void euclid_nearest(const float *const *x, const float *cent_t, const flo
         for (int g = 0; g < GROUP; g++) acc[g] = *(const floats *)(neg_norm + jb);
         for (int64_t t = 0; t < d; t++) {
             const floats col = *(const floats *)(cent_t + t * cp + jb);
-            for (int g = 0; g < GROUP; g++) acc[g] += (2.0f * x[g][t]) * col;
+            for (int g = 0; g < GROUP; g++) acc[g] += x[g][t] * col;
         }
         ints j;
         for (int l = 0; l < LANES; l++) j[l] = (int32_t)(jb + l);
@@ -423,7 +439,7 @@ static void refine_one(const void *q, int64_t dtype, int64_t q0, const uint8_t *
             for (int64_t t = 0; t < d; t++) {
                 const float x = j < c ? cent[j * d + t] : 0.0f;
                 s += x * x;
-                cent_t[t * cp + j] = x;
+                cent_t[t * cp + j] = 2.0f * x;
             }
             neg_norm[j] = j < c ? -s : -FLT_MAX; /* padding slots never win */
         }
