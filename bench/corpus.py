@@ -6,6 +6,8 @@ text: Debian's manual pages, rendered with `man` (plain text, no hyphenation).
         evenly over the candidates)
     passages(documents, per_document, words, seed)      -> [Query]: word spans from inside each
         document (between 10% and 90% of it) that occur in no other document
+    questions(documents, path)                          -> [Query]: questions written by hand
+        about the default corpus's pages (QUESTIONS), for the pages in `documents`
 
 The same machine and seed give the same corpus; another machine's man pages give another.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MAN_DIR = Path("/usr/share/man")
+QUESTIONS = Path(__file__).parent / "data" / "man-questions.tsv"
 SECTIONS = ("man1", "man8", "man5")
 # Compressed size of a page whose rendered text is ~2k-30k tokens; rendering is the slow part,
 # so candidates are chosen by size first.
@@ -110,6 +113,19 @@ def passages(docs: list[Document], per_document: int, words: int, seed: int = 0)
             if len(passage) > words * 2 and not any(passage in other for j, other in enumerate(flat) if j != index):
                 queries.append(Query(passage, index))
                 found += 1
+    return queries
+
+
+def questions(docs: list[Document], path: Path = QUESTIONS) -> list[Query]:
+    """The questions of `path` (lines of page name, tab, question; # comments) about the pages
+    in `docs`; none when another machine's man pages make another corpus."""
+    index = {doc.name: i for i, doc in enumerate(docs)}
+    queries = []
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            page, text = line.split("\t", 1)
+            if page in index:
+                queries.append(Query(text.strip(), index[page]))
     return queries
 
 

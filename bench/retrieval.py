@@ -1,13 +1,16 @@
-"""Retrieval over long documents: a passage from inside one document must find that document
-among the others. One vector per document against chunk vectors (naive chunks, late chunks
-over the whole context, late chunks in windows), for every attention method; then the
-passkey and needle probes (bench.probes) at growing lengths.
+"""Retrieval over long documents: a query must find its document among the others, on two
+query sets: verbatim passages from inside the documents, and questions written by hand in
+other words (bench/data/man-questions.tsv, for the default corpus's pages). One vector per
+document against chunk vectors (naive chunks, late chunks over the whole context, late
+chunks in windows), for every attention method; then the passkey and needle probes
+(bench.probes) at growing lengths.
 
     python -m bench.retrieval [--docs 8] [--min-tokens 2000] [--max-tokens 4500] [--queries 10]
         [--methods full clustered i-clustered smyrf] [--probe-lengths 1024 4096]
         [--probe-candidates 4] [--probe-methods full] [--sweep 0 63 127 255] [--name retrieval-cpu]
 
-A document scores by its best chunk (cosine); recall@1 and MRR over the queries. Times are
+A document scores by its best chunk (cosine); recall@1 and MRR over the queries of each set
+(`recall_at_1`, `mrr`: passages; `question_recall_at_1`, `question_mrr`: questions). Times are
 the embedding calls (the forward passes and their planning), what the server spends on the
 approach: wall-clock seconds and CPU seconds of this process (one torch thread by default, so
 that other work on a shared machine changes the wall clock more than the CPU seconds);
@@ -34,7 +37,7 @@ from models import load_encoder
 from models.chunking import ChunkingSpec
 
 from .common import RESULTS_DIR, device_name, print_table, write_results
-from .corpus import documents, passages
+from .corpus import documents, passages, questions
 from .probes import TASKS, haystack, probe
 
 APPROACHES = ("document", "naive", "late-window", "late-whole")
@@ -80,39 +83,50 @@ def cosines_to_exact(vectors: list[Tensor], exact: list[Tensor]) -> tuple[float,
 
 def retrieval(encoder, args, chunking: ChunkingSpec) -> list[dict]:
     docs = documents(encoder, args.docs, args.min_tokens, args.max_tokens)
-    queries = passages(docs, args.queries, args.query_words, seed=args.seed)
+    query_sets = {"": passages(docs, args.queries, args.query_words, seed=args.seed), "question_": questions(docs)}
     print(f"corpus: {len(docs)} man pages, {sum(d.tokens for d in docs)} tokens "
-          f"({min(d.tokens for d in docs)}-{max(d.tokens for d in docs)} each), {len(queries)} queries")  # fmt: skip
+          f"({min(d.tokens for d in docs)}-{max(d.tokens for d in docs)} each), {len(query_sets[''])} passages, "
+          f"{len(query_sets['question_'])} questions")  # fmt: skip
     texts = [d.text for d in docs]
-    query_vectors = encoder.embed([q.text for q in queries], AttentionSpec(method="full"))
-    answers = [q.document for q in queries]
+    query_sets = {prefix: (encoder.embed([q.text for q in queries], AttentionSpec(method="full")), [q.document for q in queries])
+                  for prefix, queries in query_sets.items() if queries}  # fmt: skip
+
+    def scores(vectors: list[Tensor]) -> dict:
+        figures = {}
+        for prefix, (query_vectors, answers) in query_sets.items():
+            figures[f"{prefix}recall_at_1"], figures[f"{prefix}mrr"] = rank_scores(query_vectors, vectors, answers)
+        return figures
     rows, exact = [], {}
     for method in sorted(args.methods, key=lambda m: m != "full"):  # exact first: the others compare to it
         spec = AttentionSpec(method=method)
         for approach in APPROACHES:
             vectors, seconds, cpu = timed(lambda: embed_approach(encoder, approach, texts, spec, chunking), args.repeats)
-            recall, mrr = rank_scores(query_vectors, vectors, answers)
             if method == "full":
                 exact[approach] = vectors
             cos = cosines_to_exact(vectors, exact[approach]) if approach in exact else (None, None)
             rows.append(dict(
-                approach=approach, method=method, recall_at_1=recall, mrr=mrr, seconds=seconds, cpu_seconds=cpu,
+                approach=approach, method=method, **scores(vectors), seconds=seconds, cpu_seconds=cpu,
                 chunks=sum(v.shape[0] for v in vectors), cos_mean=cos[0], cos_min=cos[1],
             ))  # fmt: skip
-            print(f"  {approach:12s} {method:12s} R@1 {recall:.3f}  MRR {mrr:.3f}  {seconds:7.2f} s  {cpu:7.2f} cpu-s",
-                  flush=True)  # fmt: skip
+            print(f"  {approach:12s} {method:12s} {_figures(rows[-1])}  {seconds:7.2f} s  {cpu:7.2f} cpu-s", flush=True)
     for overlap in args.sweep:
         swept = ChunkingSpec(**{**chunking.__dict__, "window_overlap": overlap})
         full = AttentionSpec(method="full")
         vectors, seconds, cpu = timed(lambda: embed_approach(encoder, "late-window", texts, full, swept), args.repeats)
-        recall, mrr = rank_scores(query_vectors, vectors, answers)
-        rows.append(dict(approach=f"late-window overlap {overlap}", method="full", recall_at_1=recall, mrr=mrr,
+        rows.append(dict(approach=f"late-window overlap {overlap}", method="full", **scores(vectors),
                          seconds=seconds, cpu_seconds=cpu, chunks=sum(v.shape[0] for v in vectors)))  # fmt: skip
-        print(f"  window_overlap {overlap:4d}  R@1 {recall:.3f}  MRR {mrr:.3f}  {seconds:7.2f} s  {cpu:7.2f} cpu-s", flush=True)
+        print(f"  window_overlap {overlap:4d}  {_figures(rows[-1])}  {seconds:7.2f} s  {cpu:7.2f} cpu-s", flush=True)
     naive_cpu = {r["method"]: r["cpu_seconds"] for r in rows if r["approach"] == "naive"}
     for row in rows:
         row["vs_naive"] = row["cpu_seconds"] / naive_cpu[row["method"]]
     return rows
+
+
+def _figures(row: dict) -> str:
+    text = f"passages R@1 {row['recall_at_1']:.3f} MRR {row['mrr']:.3f}"
+    if "question_mrr" in row:
+        text += f"  questions R@1 {row['question_recall_at_1']:.3f} MRR {row['question_mrr']:.3f}"
+    return text
 
 
 def probes(encoder, args, chunking: ChunkingSpec) -> list[dict]:
@@ -140,16 +154,18 @@ def plot(rows: list[dict], name: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for approach, marker in zip(APPROACHES, "osD^"):
-        points = [r for r in rows if r["approach"] == approach]
-        ax.scatter([r["cpu_seconds"] for r in points], [r["mrr"] for r in points], marker=marker, label=approach)
-        for r in points:
-            ax.annotate(r["method"], (r["cpu_seconds"], r["mrr"]), fontsize=7, xytext=(3, 2), textcoords="offset points")
-    ax.set_xlabel("CPU seconds to embed the corpus (this CPU)")
-    ax.set_ylabel("MRR, passage -> document")
-    ax.set_title("Retrieval over long documents: one vector vs chunks, per attention method")
-    ax.legend()
+    panels = [("mrr", "passages")] + ([("question_mrr", "questions")] if "question_mrr" in rows[0] else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    for ax, (key, label) in zip(axes[0], panels):
+        for approach, marker in zip(APPROACHES, "osD^"):
+            points = [r for r in rows if r["approach"] == approach]
+            ax.scatter([r["cpu_seconds"] for r in points], [r[key] for r in points], marker=marker, label=approach)
+            for r in points:
+                ax.annotate(r["method"], (r["cpu_seconds"], r[key]), fontsize=7, xytext=(3, 2), textcoords="offset points")
+        ax.set_xlabel("CPU seconds to embed the corpus (this CPU)")
+        ax.set_ylabel(f"MRR, {label} -> document")
+        ax.set_title(f"Retrieval over long documents ({label}), per attention method")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(RESULTS_DIR / f"{name}.png", dpi=120)
 
@@ -184,8 +200,8 @@ def main() -> None:
     chunking = ChunkingSpec(size=args.size, overlap=args.overlap, boundaries=args.boundaries, window_overlap=args.window_overlap)
     print(f"chunking: {chunking}")
     rows = retrieval(encoder, args, chunking)
-    print_table(rows, ["approach", "method", "recall_at_1", "mrr", "seconds", "cpu_seconds", "vs_naive", "chunks",
-                       "cos_mean", "cos_min"])  # fmt: skip
+    print_table(rows, ["approach", "method", "recall_at_1", "mrr", "question_recall_at_1", "question_mrr", "seconds",
+                       "cpu_seconds", "vs_naive", "chunks", "cos_mean", "cos_min"])  # fmt: skip
     probe_rows = probes(encoder, args, chunking) if args.probe_lengths else []
     if probe_rows:
         print_table(probe_rows, ["task", "tokens", "approach", "method", "recall_at_1", "mrr", "seconds", "cpu_seconds"])

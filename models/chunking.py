@@ -29,10 +29,11 @@ from .inputs import is_int
 
 BOUNDARIES = ("tokens", "sentences", "paragraphs")
 # The default window_overlap, as a share of a window's text tokens: each later window's kept
-# tokens see at least this much left context, for 1 / (1 - share) times the tokens run. An
-# eighth (63 tokens of a 512-token window): retrieval on bench.retrieval is as good as with a
-# quarter or more, and late chunking costs ~1.3x naive chunking's CPU time (a quarter: ~1.6x).
-WINDOW_OVERLAP_SHARE = 0.125
+# tokens see at least this much left context, for 1 / (1 - share) times the tokens run. A
+# quarter (127 tokens of a 512-token window): on bench.retrieval the least share at which late
+# chunks retrieve at least as well as naive chunks on both its query sets, for ~1.4x naive
+# chunking's CPU time (docs/benchmarks.md has the sweep).
+WINDOW_OVERLAP_SHARE = 0.25
 
 # A sentence ends at . ! or ? (and any closing quotes or brackets) before whitespace, or at a
 # blank line; a paragraph at a blank line. The next unit begins where the match ends.
