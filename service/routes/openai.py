@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse
 
 from ..auth import require_api_key
 from ..chunking import embed_chunks
+from ..floats import json_rows
 from ..pipeline import FIDELITY_REFERENCE, EmbedOptions, embed
 from ..schemas import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse
 from ..state import get_state
@@ -67,7 +68,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONRes
         rows = embedded.vectors.numpy().astype("<f4")
         data = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
     else:
-        data = embedded.vectors.tolist()
+        data = json_rows(embedded.vectors)
     tokens = sum(embedded.tokens)
     for item, vector in zip(items, data):
         item["embedding"] = vector

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ..auth import require_api_key
 from ..chunking import embed_chunks, embed_tokens
+from ..floats import json_rows
 from ..pipeline import EmbedOptions, embed
 from ..schemas import ERROR_RESPONSES, ChunkEmbedding, EmbedAllRequest, EmbedRequest
 
@@ -61,12 +62,12 @@ async def tei_embed(body: EmbedRequest, request: Request) -> JSONResponse:
     )
     if body.chunking is None:
         embedded = await embed(request, body.inputs, options)
-        return JSONResponse(embedded.vectors.tolist(), headers=embedded.headers())
+        return JSONResponse(json_rows(embedded.vectors), headers=embedded.headers())
     chunked = await embed_chunks(request, body.inputs, options, body.chunking)
     answer = [
         [
             {"chunk": j, "embedding": vector, "text_span": list(c.text_span), "token_span": list(c.token_span)}
-            for j, (c, vector) in enumerate(zip(chunks, vectors.tolist()))
+            for j, (c, vector) in enumerate(zip(chunks, json_rows(vectors)))
         ]
         for chunks, vectors in zip(chunked.chunks, chunked.per_input())
     ]
@@ -96,5 +97,5 @@ async def tei_embed_all(body: EmbedAllRequest, request: Request) -> Response:
 
 def _token_json(vectors: Tensor, tokens: list[int]) -> bytes:
     """Per input its (tokens, dim) rows of `vectors`, as JSON `[[[float]]]`."""
-    nested = [part.tolist() for part in vectors.split(tokens)]
+    nested = [json_rows(part) for part in vectors.split(tokens)]
     return json.dumps(nested, allow_nan=False, separators=(",", ":")).encode()
