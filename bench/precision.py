@@ -1,13 +1,14 @@
 """The served precision: float32 against bfloat16 on this CPU, in one run.
 
-    python -m bench.precision [--tokens 16384] [--repeats 3] [--skip-http]
+    python -m bench.precision [--tokens 16384] [--repeats 3] [--http-repeats 20] [--skip-http]
 
 In-process, one document of real prose (Debian's licence texts) of `--tokens` tokens:
 - exact attention in float32 and in bfloat16, and the cosine between the two vectors;
 - the server's default, auto at target fidelity 0.98, in float32 (the float32 calibration
   table) and in bfloat16 (the bfloat16 table), with each one's cosine to exact in float32.
 Over HTTP (unless --skip-http): 64 short texts in one request to a float32 server and to a
-bfloat16 server (`python -m service --dtype ...`, started here), the server's default attention.
+bfloat16 server (`python -m service --dtype ...`, started here), the server's default attention,
+`http_repeats` rounds (a request takes a tenth of a second: a few rounds are noise).
 Variants run in turn, `repeats` rounds after an untimed one; medians and the medians of the
 per-round ratios are reported. Prints a table and writes bench/results/precision.json.
 """
@@ -96,16 +97,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--http-repeats", type=int, default=20)
     parser.add_argument("--skip-http", action="store_true")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     rows, chosen = in_process(args.tokens, args.repeats)
     print_table(rows, ["variant", "tokens", "median_s", "vs_exact_float32", "vs_auto_float32", "cosine_to_exact_float32"])
     print(f"auto at {TARGET} chose: {chosen}")
-    http_rows = [] if args.skip_http else over_http(args.repeats)
+    http_rows = [] if args.skip_http else over_http(args.http_repeats)
     if http_rows:
         print_table(http_rows, ["variant", "median_s", "vs_float32"])
-    meta = run_conditions(chosen=chosen, repeats=args.repeats)
+    meta = run_conditions(chosen=chosen, repeats=args.repeats, http_repeats=args.http_repeats)
     print(f"\nwrote {write_results('precision', rows + http_rows, meta)}")
 
 
