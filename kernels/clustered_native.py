@@ -90,5 +90,5 @@ def improved_sparse(
 NATIVE = ClusteredStages(
     name="native", compute=native.compute_dtype, hash=hash_queries, cluster=cluster_codes,
     refine=refine_assignments, centroids=native.cluster_means, centroid_attention=centroid_attention,
-    sparse=improved_sparse, broadcast=broadcast_values,
+    sparse=improved_sparse, broadcast=broadcast_values, contiguous=True,
 )

@@ -56,5 +56,5 @@ def cluster_attention(
 
 NATIVE = SmyrfStages(
     name="native", compute=native.compute_dtype, hash=hash_tokens, sort=sort_by_hash,
-    cluster_attention=cluster_attention,
+    cluster_attention=cluster_attention, contiguous=True,
 )

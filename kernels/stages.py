@@ -64,6 +64,9 @@ class ClusteredStages:
     # The exact case (kmeans.one_query_per_cluster) on the final assignments; a backend whose
     # cluster and refine stages apply it themselves passes `applied_by_stages`.
     exact_case: Callable[[Tensor, Tensor, int], Tensor] = one_query_per_cluster
+    # Whether its stages read q as contiguous rows: then q is laid out once, before the hash,
+    # instead of copied by each stage that needs it so.
+    contiguous: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ class SmyrfStages:
     hash: Callable[..., tuple[Tensor, Tensor]]
     sort: Callable[..., tuple[Tensor, Tensor]]
     cluster_attention: Callable[..., Tensor]
+    # Whether its stages read q, k and v as contiguous rows: then they are laid out once.
+    contiguous: bool = False
 
 
 Observe = Callable[..., Any]
@@ -101,6 +106,7 @@ def run_clustered(
     """
     compute = stages.compute(q.dtype)
     qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
+    qc = qc.contiguous() if stages.contiguous else qc
     key_mask, query_mask = token_masks(q, k, key_padding_mask)
     assign = cluster_queries(stages, qc, query_mask, spec, observe)
     centroids = observe("centroids", stages.centroids, qc, assign, spec.clusters)
@@ -137,6 +143,8 @@ def run_smyrf(
     """SMYRF attention through `stages`: (B, H, N, D), (B, H, M, D), (B, H, M, Dv) -> (B, H, N, Dv)."""
     compute = stages.compute(q.dtype)
     qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
+    if stages.contiguous:
+        qc, kc, vc = qc.contiguous(), kc.contiguous(), vc.contiguous()
     q_hashes, k_hashes = observe("hash", stages.hash, qc, kc, key_padding_mask, spec)
     q_orders, k_orders = observe("sort", stages.sort, q_hashes, k_hashes)
     return observe(
