@@ -114,8 +114,6 @@ def _hamming_update_kernel(
     tl.store(flags_out_ptr + bh * BLOCKS + block, (changed > 0).to(tl.int32))
 
 
-
-
 # For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
 # launch's arguments do not give, as one program sees them on average. Empty clusters: about
 # 2 x (C / 100)^2 a head in the first of 10 iterations, almost none after (the reference on real

@@ -18,11 +18,10 @@ result does not depend on which program ran first. A refinement step from assign
                         x in its dtype against the float32 means (split-precision dots), the
                         chunk's sums under the new assignments for the next step
 
-`_sums_kernel` (means_triton) writes the sums of the starting assignments. The reference stops once the
-assignments repeat; here a head none of whose queries moved in the previous step skips the
-rest on the device. Static shapes and no host synchronisation: one call is a CUDA graph.
+`_sums_kernel` (means_triton) writes the sums of the starting assignments. The reference
+stops once the assignments repeat; here a head none of whose queries moved in the previous
+step skips the rest on the device. Static shapes and no host synchronisation: one call is a CUDA graph.
 """
-
 
 from __future__ import annotations
 
@@ -208,8 +207,8 @@ def _nearest_kernel(
         if not LAST:
             tl.debug_barrier()  # the assignments, stored above, are read back by other threads
             chunk_sums(x_head, assign_row, part_sums_ptr + (bh * CHUNKS + chunk) * C * D,
-                        part_counts_ptr + (bh * CHUNKS + chunk) * C, start, stop, C, D, stride_xn, stride_xd,
-                        BLOCK_N, BLOCK_C, HEAD_DIM, UPCAST)
+                       part_counts_ptr + (bh * CHUNKS + chunk) * C, start, stop, C, D, stride_xn, stride_xd,
+                       BLOCK_N, BLOCK_C, HEAD_DIM, UPCAST)
     tl.store(moved_out_ptr + bh * CHUNKS + chunk, (moved > 0).to(tl.int32))
     if LAST and EXACT_CASE:
         rank_seen = count_real(mask_row, 0, start, COUNT_BLOCK)

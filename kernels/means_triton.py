@@ -12,7 +12,6 @@ result does not depend on which program ran first.
                                             empty clusters
 """
 
-
 from __future__ import annotations
 
 import torch
@@ -56,7 +55,7 @@ def load_rows(x_head, rows, stop, D, stride_xn, stride_xd, HEAD_DIM: tl.constexp
 
 @triton.jit
 def chunk_sums(x_head, assign_row, part_sums_row, part_counts_row, start, stop, C, D, stride_xn, stride_xd,
-                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
     """One chunk's member sums (C, D) float32 and counts (C,) int32: one-hot(cluster) @ rows."""
     dims = tl.arange(0, HEAD_DIM)
     for c_start in range(0, C, BLOCK_C):
@@ -189,7 +188,6 @@ def means(x: Tensor, buffers: Buffers, moved: Tensor, clusters: int, chunks: int
     )
 
 
-
 def cluster_means_triton(x: Tensor, assign: Tensor, clusters: int) -> tuple[Tensor, Tensor]:
     """Cluster means of x (B, H, N, D) under assign (B, H, N) in [0, C]: two launches.
 
@@ -202,12 +200,6 @@ def cluster_means_triton(x: Tensor, assign: Tensor, clusters: int) -> tuple[Tens
     sums(x, assign, None, copy, buffers, clusters, chunk, chunks, exact_case=False)
     means(x, buffers, buffers.moved[1], clusters, chunks)
     return buffers.means.view(b, h, clusters, d), buffers.members.view(b, h, clusters)
-
-
-# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
-# launch's arguments do not give, as one program sees them on average. The refinement's steps
-# on real queries left no cluster empty (the reference on real text): the candidates and donor
-# launches find nothing to do.
 
 
 # For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the

@@ -226,4 +226,3 @@ def code_signs(codes, BLOCK_BITS: tl.constexpr):
     bit = tl.arange(0, BLOCK_BITS)
     word = tl.where(bit[None, :] < 32, codes.to(tl.int32)[:, None], (codes >> 32).to(tl.int32)[:, None])
     return (((word >> (bit[None, :] & 31)) & 1) * 2 - 1).to(tl.int8)
-
