@@ -23,12 +23,12 @@ from __future__ import annotations
 import base64
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from ..auth import require_api_key
 from ..chunking import embed_chunks
-from ..floats import json_rows
 from ..pipeline import FIDELITY_REFERENCE, EmbedOptions, embed
+from ..responses import json_response, json_rows
 from ..schemas import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse
 from ..state import get_state
 
@@ -41,7 +41,7 @@ router = APIRouter(tags=["openai"])
     responses=ERROR_RESPONSES,
     dependencies=[Depends(require_api_key)],
 )
-async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
     options = EmbedOptions(
         "input",
         body.attention,
@@ -56,33 +56,39 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONRes
         embedded = chunked.embedded
     else:
         chunked, embedded = None, await embed(request, body.input, options)
-    if chunked is None or body.late_chunking:  # one item per input
-        items: list[dict] = [{"object": "embedding", "index": i} for i in range(embedded.vectors.shape[0])]
-    else:  # one item per chunk
-        items = [
-            {"object": "embedding", "index": i, "chunk": j, "text_span": list(c.text_span), "token_span": list(c.token_span)}
-            for i, chunks in enumerate(chunked.chunks)
-            for j, c in enumerate(chunks)
-        ]
-    if body.encoding_format == "base64":
-        rows = embedded.vectors.numpy().astype("<f4")
-        data = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
-    else:
-        data = json_rows(embedded.vectors)
-    tokens = sum(embedded.tokens)
-    for item, vector in zip(items, data):
-        item["embedding"] = vector
-    for item, cosine in zip(items, embedded.fidelity or ()):
-        item["fidelity"] = cosine
-    content = {
-        "object": "list",
-        "data": items,
-        "model": get_state(request).encoder.name,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        "attention": embedded.attention,
-        "prompt_name": embedded.prompt_name,
-        "adapter": embedded.adapter,
-    }
-    if embedded.fidelity is not None:
-        content["fidelity_reference"] = FIDELITY_REFERENCE
-    return JSONResponse(content, headers=embedded.headers())
+    model = get_state(request).encoder.name
+
+    def answer() -> dict:
+        if chunked is None or body.late_chunking:  # one item per input
+            items: list[dict] = [{"object": "embedding", "index": i} for i in range(embedded.vectors.shape[0])]
+        else:  # one item per chunk
+            items = [
+                {"object": "embedding", "index": i, "chunk": j, "text_span": list(c.text_span),
+                 "token_span": list(c.token_span)}
+                for i, chunks in enumerate(chunked.chunks)
+                for j, c in enumerate(chunks)
+            ]
+        if body.encoding_format == "base64":
+            rows = embedded.vectors.numpy().astype("<f4")
+            data = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
+        else:
+            data = json_rows(embedded.vectors)
+        tokens = sum(embedded.tokens)
+        for item, vector in zip(items, data):
+            item["embedding"] = vector
+        for item, cosine in zip(items, embedded.fidelity or ()):
+            item["fidelity"] = cosine
+        content = {
+            "object": "list",
+            "data": items,
+            "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            "attention": embedded.attention,
+            "prompt_name": embedded.prompt_name,
+            "adapter": embedded.adapter,
+        }
+        if embedded.fidelity is not None:
+            content["fidelity_reference"] = FIDELITY_REFERENCE
+        return content
+
+    return await json_response(answer, embedded.headers())

@@ -13,23 +13,19 @@ the exact embedding in `x-fidelity` (comma-separated, input order).
 With `chunking` the answer is, per input, its chunks in order, each `{chunk, embedding,
 text_span, token_span}` (service.chunking; `x-fidelity` then lists one cosine per chunk).
 /embed_all answers, per input, one vector per token ([CLS] and [SEP] included, in the order
-POST /tokenize lists them): the last hidden states, not normalised, as TEI does. Its JSON is
-rendered off the event loop (~8 KB a token).
+POST /tokenize lists them): the last hidden states, not normalised, as TEI does (~5 KB of
+JSON a token). Every answer is built and printed off the event loop (service.responses).
 """
 
 from __future__ import annotations
 
-import json
-
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
-from torch import Tensor
+from fastapi.responses import Response
 
 from ..auth import require_api_key
 from ..chunking import embed_chunks, embed_tokens
-from ..floats import json_rows
 from ..pipeline import EmbedOptions, embed
+from ..responses import json_response, json_rows
 from ..schemas import ERROR_RESPONSES, ChunkEmbedding, EmbedAllRequest, EmbedRequest
 
 router = APIRouter(tags=["tei"])
@@ -48,7 +44,7 @@ router = APIRouter(tags=["tei"])
     dependencies=[Depends(require_api_key)],
     summary="Tei Embed (TEI's root route: the same as /embed)",
 )
-async def tei_embed(body: EmbedRequest, request: Request) -> JSONResponse:
+async def tei_embed(body: EmbedRequest, request: Request) -> Response:
     options = EmbedOptions(
         "inputs",
         body.attention,
@@ -62,16 +58,19 @@ async def tei_embed(body: EmbedRequest, request: Request) -> JSONResponse:
     )
     if body.chunking is None:
         embedded = await embed(request, body.inputs, options)
-        return JSONResponse(json_rows(embedded.vectors), headers=embedded.headers())
+        return await json_response(lambda: json_rows(embedded.vectors), embedded.headers())
     chunked = await embed_chunks(request, body.inputs, options, body.chunking)
-    answer = [
-        [
-            {"chunk": j, "embedding": vector, "text_span": list(c.text_span), "token_span": list(c.token_span)}
-            for j, (c, vector) in enumerate(zip(chunks, json_rows(vectors)))
+
+    def answer() -> list:
+        return [
+            [
+                {"chunk": j, "embedding": vector, "text_span": list(c.text_span), "token_span": list(c.token_span)}
+                for j, (c, vector) in enumerate(zip(chunks, json_rows(vectors)))
+            ]
+            for chunks, vectors in zip(chunked.chunks, chunked.per_input())
         ]
-        for chunks, vectors in zip(chunked.chunks, chunked.per_input())
-    ]
-    return JSONResponse(answer, headers=chunked.embedded.headers())
+
+    return await json_response(answer, chunked.embedded.headers())
 
 
 @router.post(
@@ -91,11 +90,6 @@ async def tei_embed_all(body: EmbedAllRequest, request: Request) -> Response:
         adapter=body.adapter,
     )
     embedded = await embed_tokens(request, body.inputs, options)
-    content = await run_in_threadpool(_token_json, embedded.vectors, embedded.tokens)
-    return Response(content, media_type="application/json", headers=embedded.headers())
-
-
-def _token_json(vectors: Tensor, tokens: list[int]) -> bytes:
-    """Per input its (tokens, dim) rows of `vectors`, as JSON `[[[float]]]`."""
-    nested = [json_rows(part) for part in vectors.split(tokens)]
-    return json.dumps(nested, allow_nan=False, separators=(",", ":")).encode()
+    # Per input its (tokens, dim) rows: `[[[float]]]`.
+    return await json_response(lambda: [json_rows(part) for part in embedded.vectors.split(embedded.tokens)],
+                               embedded.headers())

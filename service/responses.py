@@ -1,4 +1,6 @@
-"""Vectors as JSON numbers: float32 values written with the digits that identify them.
+"""How the embedding routes write their answers: vectors as JSON numbers with the digits that
+identify a float32 (`json_rows`), and JSON bodies built and printed off the event loop
+(`json_response`).
 
 A float32 widened to a Python float prints with up to 17 significant digits (its double's
 shortest repr), though 9 always identify a float32. `json_rows` rounds each value to the
@@ -11,8 +13,13 @@ the same values bit for bit. Values outside the range where that rounding is one
 
 from __future__ import annotations
 
+import json
+from typing import Any, Callable, Mapping
+
 import numpy as np
 import torch
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 from torch import Tensor
 
 DIGITS = 9  # significant decimal digits that identify every float32
@@ -38,3 +45,14 @@ def json_rows(vectors: Tensor) -> list:
     for i in np.flatnonzero(~usable.reshape(-1) | (flat.astype(np.float32) != exact.reshape(-1))):
         flat[i] = float(format(wide.flat[i], f".{DIGITS}g"))
     return rounded.tolist()
+
+
+async def json_response(build: Callable[[], Any], headers: Mapping[str, str]) -> Response:
+    """The JSON response of `build()`, rendered as JSONResponse renders, with `build` and the
+    printing run in a worker thread: the vectors of a large request take tens of milliseconds
+    to print, which the event loop would otherwise spend instead of serving other requests."""
+
+    def render() -> bytes:
+        return json.dumps(build(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+    return Response(await run_in_threadpool(render), media_type="application/json", headers=headers)
