@@ -83,19 +83,22 @@ def cosines_to_exact(vectors: list[Tensor], exact: list[Tensor]) -> tuple[float,
 
 def retrieval(encoder, args, chunking: ChunkingSpec) -> list[dict]:
     docs = documents(encoder, args.docs, args.min_tokens, args.max_tokens)
-    query_sets = {"": passages(docs, args.queries, args.query_words, seed=args.seed), "question_": questions(docs)}
+    # Each query set by the prefix of its figures' names: "" for passages, "question_".
+    asked = {"": passages(docs, args.queries, args.query_words, seed=args.seed), "question_": questions(docs)}
     print(f"corpus: {len(docs)} man pages, {sum(d.tokens for d in docs)} tokens "
-          f"({min(d.tokens for d in docs)}-{max(d.tokens for d in docs)} each), {len(query_sets[''])} passages, "
-          f"{len(query_sets['question_'])} questions")  # fmt: skip
+          f"({min(d.tokens for d in docs)}-{max(d.tokens for d in docs)} each), {len(asked[''])} passages, "
+          f"{len(asked['question_'])} questions")  # fmt: skip
     texts = [d.text for d in docs]
-    query_sets = {prefix: (encoder.embed([q.text for q in queries], AttentionSpec(method="full")), [q.document for q in queries])
-                  for prefix, queries in query_sets.items() if queries}  # fmt: skip
+    embedded = {prefix: encoder.embed([q.text for q in queries], AttentionSpec(method="full"))
+                for prefix, queries in asked.items() if queries}  # fmt: skip
 
     def scores(vectors: list[Tensor]) -> dict:
         figures = {}
-        for prefix, (query_vectors, answers) in query_sets.items():
+        for prefix, query_vectors in embedded.items():
+            answers = [q.document for q in asked[prefix]]
             figures[f"{prefix}recall_at_1"], figures[f"{prefix}mrr"] = rank_scores(query_vectors, vectors, answers)
         return figures
+
     rows, exact = [], {}
     for method in sorted(args.methods, key=lambda m: m != "full"):  # exact first: the others compare to it
         spec = AttentionSpec(method=method)
