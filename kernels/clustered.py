@@ -73,11 +73,18 @@ def _centroid_attention(centroids: Tensor, k: Tensor, key_mask: Tensor, scale: f
 
 
 def _broadcast(per_cluster: Tensor, assign: Tensor) -> Tensor:
-    """Give each query its cluster's row: (B, H, C, F) -> (B, H, N, F); padded queries 0."""
-    b, h, _, f = per_cluster.shape
+    """Give each query its cluster's row: (B, H, C, F) -> (B, H, N, F); padded queries 0.
+
+    The rows are picked by one index_select over the flattened (B, H, C + 1) rows (a gather
+    along C would expand the index to (B, H, N, F)), in (B, N, H) order: the result is a
+    (B, H, N, F) view of a (B, N, H, F) tensor, the token-major layout the encoder's packed
+    tokens take back without another copy."""
+    b, h, c, f = per_cluster.shape
     padded_row = torch.zeros(b, h, 1, f, dtype=per_cluster.dtype, device=per_cluster.device)
-    rows = torch.cat([per_cluster, padded_row], dim=2)
-    return rows.gather(2, assign[..., None].expand(-1, -1, -1, f))
+    rows = torch.cat([per_cluster, padded_row], dim=2).view(b * h * (c + 1), f)
+    first_row = torch.arange(b * h, device=assign.device).view(b, 1, h) * (c + 1)  # of each (b, h)
+    index = (assign.transpose(1, 2) + first_row).reshape(-1)  # (B * N * H,)
+    return rows.index_select(0, index).view(b, -1, h, f).transpose(1, 2)
 
 
 def cluster_tiles(assign: Tensor, clusters: int, tile: int, n_tiles: int | None = None) -> tuple[Tensor, Tensor, Tensor]:

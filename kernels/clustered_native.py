@@ -8,7 +8,8 @@ They do the reference's work without its (N, C) score matrices, (C, M) probabili
 read it): no stage makes a float32 copy of q, k or v. The gathers of each cluster's top-k rows
 stay PyTorch ops (those few rows are upcast), and the centroid pass of clustered attention
 (no top-k) is PyTorch's SDPA with the centroids as queries, on a quarter of the (batch, head)
-slices of k and v at a time, upcast to float32 when they are not.
+slices of k and v at a time, upcast to float32 when they are not, except on bfloat16 k and v
+where the CPU has AVX512-BF16: there a native pass multiplies them as they are (vdpbf16ps).
 """
 
 from __future__ import annotations
@@ -51,12 +52,17 @@ def centroid_attention(centroids: Tensor, k: Tensor, v: Tensor, key_mask: Tensor
 
 
 def _centroid_values(centroids: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, scale: float) -> Tensor:
-    """V^c through SDPA in float32: centroids (B, H, C, D) float32, k, v (B, H, M, D|Dv) ->
-    (B, H, C, Dv). SDPA takes one dtype, and rounding the centroids to k's would change the
-    logits, so k and v are taken in UPCAST_PARTS parts of their (batch, head) slices, each
-    upcast on its own: at most that fraction of them is ever held in float32. Both dtypes take
-    the same parts (SDPA's result may depend on the shape of a call), so bfloat16 gives what
-    float32 gives on the same values."""
+    """V^c: centroids (B, H, C, D) float32, k, v (B, H, M, D|Dv) -> (B, H, C, Dv) float32.
+
+    bfloat16 keys and values on a CPU with AVX512-BF16 take the native bfloat16 pass
+    (native.centroid_values_bf16), which computes what a bfloat16 SDPA does: the centroids and
+    the probabilities rounded to bfloat16, every sum in float32. Otherwise SDPA in float32:
+    it takes one dtype, so k and v are taken in UPCAST_PARTS parts of their (batch, head)
+    slices, each upcast on its own (at most that fraction of them is ever held in float32),
+    and float32 inputs take the same parts (SDPA's result may depend on the shape of a call):
+    there bfloat16 gives what float32 gives on the same values."""
+    if native.bf16_centroid_pass(k, v):
+        return native.centroid_values_bf16(centroids, k, v, key_mask, scale)
     b, h, c, _ = centroids.shape
     dv = v.shape[-1]
     cent, keys, vals = (t.reshape(b * h, 1, *t.shape[2:]) for t in (centroids, k, v))  # one slice per row

@@ -609,6 +609,172 @@ void centroid_attention(const float *cent, const void *kt, const void *v, int64_
                       top_valid, r0, r1);
 }
 
+/* ---- Clustered attention: the centroid pass in bfloat16 (AVX512-BF16) --------------- */
+
+int bf16_dot(void);
+
+#if defined(__AVX512F__)
+/* Centroid rows worked on together: each block of keys and of values is loaded once for all. */
+#define VROWS 16
+/* How far a row's logits may rise above the reference its exponentials are taken from before
+ * the reference moves up to them (and what was summed is rescaled): exp(8) keeps every term
+ * and the sums well inside float32 and bfloat16, and most blocks skip the horizontal maximum. */
+#define REFERENCE_SLACK 8.0f
+
+/* exp of every lane, as 2^n 2^f with n = round(x log2 e) and |f| <= 1/2: 2^f by its Taylor
+ * polynomial of degree 5 (relative error below 3e-6, far under the bfloat16 rounding the
+ * probabilities take next), 2^n by vscalefps, which gives 0 where x is very negative. */
+static inline __m512 exp_bf16_lanes(__m512 x) {
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147181f)); /* in [-ln2 / 2, ln2 / 2] */
+    __m512 p = _mm512_set1_ps(1.0f / 120);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One (batch, head) slice's keys and values laid out for vdpbf16ps. kw (MB, D / 2, 16): for
+ * each block of 16 keys and pair of dimensions s, the 16 keys' words (dimensions 2s, 2s + 1);
+ * vw (MB * 8, DV): for each pair of keys i, per value column e the word (v[2i][e],
+ * v[2i + 1][e]); live (MB): each block's real keys as a 16-bit mask. Keys past M are 0 and
+ * not live. k and v: the slice's first bfloat16 key and value rows, k_row and v_row elements
+ * apart. */
+__attribute__((target("avx512bf16"))) static void lay_out_slice(const uint16_t *k, const uint16_t *v,
+                                                                const uint8_t *real, int64_t m, int64_t d, int64_t dv,
+                                                                int64_t k_row, int64_t v_row, uint32_t *kw,
+                                                                uint32_t *vw, uint16_t *live) {
+    const int64_t pairs = d / 2, mb = (m + 15) / 16;
+    for (int64_t blk = 0; blk < mb; blk++) {
+        const int64_t j0 = blk * 16, len = m - j0 < 16 ? m - j0 : 16;
+        const __mmask16 inside = (__mmask16)(len == 16 ? 0xffff : (1u << len) - 1);
+        const __m128i bytes = _mm_maskz_loadu_epi8(inside, real + j0);
+        live[blk] = _mm_mask_test_epi8_mask(inside, bytes, bytes);
+        uint32_t *block = kw + blk * pairs * 16;
+        for (int64_t l = 0; l < 16; l++) {
+            if (l < len) {
+                const uint16_t *key = k + (j0 + l) * k_row;
+                for (int64_t s = 0; s < pairs; s++) memcpy(block + s * 16 + l, key + 2 * s, sizeof *block);
+            } else {
+                for (int64_t s = 0; s < pairs; s++) block[s * 16 + l] = 0;
+            }
+        }
+        for (int64_t i = 0; i < 8; i++) {
+            const int64_t even = j0 + 2 * i, odd = even + 1;
+            for (int64_t e = 0; e < dv; e += 16) {
+                const __m256i lo = even < m ? _mm256_loadu_si256((const __m256i *)(v + even * v_row + e)) : _mm256_setzero_si256();
+                const __m256i hi = odd < m ? _mm256_loadu_si256((const __m256i *)(v + odd * v_row + e)) : _mm256_setzero_si256();
+                const __m512i words = _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+                _mm512_storeu_si512(vw + (blk * 8 + i) * dv + e, words);
+            }
+        }
+    }
+}
+
+/* centroid_values_bf16 for rows [r0, r1) of the flattened (BH, C). */
+__attribute__((target("avx512bf16"))) static void centroid_values_rows(
+    const uint32_t *cent, const uint16_t *k, const uint16_t *v, const uint8_t *keymask, int64_t heads, int64_t c,
+    int64_t d, int64_t m, int64_t dv, int64_t k_batch, int64_t k_head, int64_t k_row, int64_t v_batch,
+    int64_t v_head, int64_t v_row, float *values, int64_t r0, int64_t r1) {
+    const int64_t pairs = d / 2, mb = (m + 15) / 16;
+    uint32_t *kw = aligned_alloc(64, mb * pairs * 16 * sizeof *kw);
+    uint32_t *vw = aligned_alloc(64, mb * 8 * dv * sizeof *vw);
+    uint16_t *live = malloc(mb * sizeof *live);
+    float *acc = aligned_alloc(64, VROWS * dv * sizeof *acc); /* each row's unnormalised A^c V */
+    int64_t laid_out = -1;
+    for (int64_t r = r0; r < r1;) {
+        const int64_t bh = r / c, rows = r1 - r < VROWS ? r1 - r : VROWS;
+        const int64_t g_end = (bh + 1) * c - r < rows ? (bh + 1) * c - r : rows; /* stay in one (b, h) */
+        if (bh != laid_out) {
+            const int64_t b = bh / heads, h = bh % heads;
+            lay_out_slice(k + b * k_batch + h * k_head, v + b * v_batch + h * v_head, keymask + b * m, m, d, dv, k_row,
+                          v_row, kw, vw, live);
+            laid_out = bh;
+        }
+        const uint32_t *row[VROWS];
+        float ref[VROWS];
+        __m512 total[VROWS];
+        for (int g = 0; g < VROWS; g++) {
+            row[g] = cent + (r + (g < g_end ? g : g_end - 1)) * pairs; /* a short group repeats its last row */
+            ref[g] = -FLT_MAX;
+            total[g] = _mm512_setzero_ps();
+        }
+        memset(acc, 0, VROWS * dv * sizeof *acc);
+        for (int64_t blk = 0; blk < mb; blk++) {
+            const __mmask16 real = live[blk];
+            if (!real) continue;
+            __m512 logit[VROWS];
+            for (int g = 0; g < VROWS; g++) logit[g] = _mm512_setzero_ps();
+            for (int64_t s = 0; s < pairs; s++) {
+                const __m512bh col = (__m512bh)_mm512_load_si512(kw + (blk * pairs + s) * 16);
+                for (int g = 0; g < VROWS; g++)
+                    logit[g] = _mm512_dpbf16_ps(logit[g], col, (__m512bh)_mm512_set1_epi32((int)row[g][s]));
+            }
+            uint32_t weights[VROWS][8] __attribute__((aligned(32))); /* each row's probabilities by pairs of keys */
+            for (int g = 0; g < VROWS; g++) {
+                if (_mm512_mask_cmp_ps_mask(real, logit[g], _mm512_set1_ps(ref[g] + REFERENCE_SLACK), _CMP_GT_OQ)) {
+                    const float top = _mm512_mask_reduce_max_ps(real, logit[g]);
+                    const float shrink = ref[g] == -FLT_MAX ? 0.0f : expf(ref[g] - top);
+                    total[g] = _mm512_mul_ps(total[g], _mm512_set1_ps(shrink));
+                    for (int64_t e = 0; e < dv; e++) acc[g * dv + e] *= shrink;
+                    ref[g] = top;
+                }
+                const __m512 p = exp_bf16_lanes(_mm512_sub_ps(logit[g], _mm512_set1_ps(ref[g])));
+                const __m256bh rounded = _mm512_maskz_cvtneps_pbh(real, p);
+                total[g] = _mm512_add_ps(total[g], _mm512_cvtpbh_ps(rounded)); /* the weights V is summed with */
+                _mm256_store_si256((__m256i *)weights[g], (__m256i)rounded);
+            }
+            const uint32_t *vblock = vw + blk * 8 * dv;
+            for (int64_t e = 0; e < dv; e += 16) {
+                __m512 sum[VROWS];
+                for (int g = 0; g < VROWS; g++) sum[g] = _mm512_load_ps(acc + g * dv + e);
+                for (int i = 0; i < 8; i++) {
+                    const __m512bh col = (__m512bh)_mm512_load_si512(vblock + i * dv + e);
+                    for (int g = 0; g < VROWS; g++)
+                        sum[g] = _mm512_dpbf16_ps(sum[g], col, (__m512bh)_mm512_set1_epi32((int)weights[g][i]));
+                }
+                for (int g = 0; g < VROWS; g++) _mm512_store_ps(acc + g * dv + e, sum[g]);
+            }
+        }
+        for (int g = 0; g < g_end; g++) {
+            const float sum = _mm512_reduce_add_ps(total[g]);
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            for (int64_t e = 0; e < dv; e++) values[(r + g) * dv + e] = acc[g * dv + e] * inv;
+        }
+        r += g_end;
+    }
+    free(kw), free(vw), free(live), free(acc);
+}
+#endif
+
+/* The centroid pass of clustered attention (no top-k) on bfloat16 keys and values by
+ * AVX512-BF16's vdpbf16ps, as a bfloat16 SDPA computes it: the logits of the centroids, scaled
+ * and rounded to bfloat16 by the caller, summed in float32 from exact products, the softmax in
+ * float32, and V summed in float32 with the probabilities rounded to bfloat16 (the denominator
+ * sums the same rounded probabilities). values = A^c V (BH, C, DV) float32, rows of 0 where no
+ * key is real.
+ *
+ * cent (BH, C, D / 2) words (pairs of bfloat16 dimensions); k (B, H, M, D) and v (B, H, M, DV)
+ * bfloat16 at the given element strides of batch, head and row (each row contiguous, strides
+ * of k even); keymask (B, M). D even, DV a multiple of 16. Rows [r0, r1) of the flattened
+ * (BH, C). Only called where bf16_dot(): elsewhere it writes nothing. */
+void centroid_values_bf16(const uint32_t *cent, const uint16_t *k, const uint16_t *v, const uint8_t *keymask,
+                          int64_t heads, int64_t c, int64_t d, int64_t m, int64_t dv, int64_t k_batch, int64_t k_head,
+                          int64_t k_row, int64_t v_batch, int64_t v_head, int64_t v_row, float *values, int64_t r0,
+                          int64_t r1) {
+#if defined(__AVX512F__)
+    if (bf16_dot())
+        centroid_values_rows(cent, k, v, keymask, heads, c, d, m, dv, k_batch, k_head, k_row, v_batch, v_head, v_row,
+                             values, r0, r1);
+#else
+    (void)cent, (void)k, (void)v, (void)keymask, (void)heads, (void)c, (void)d, (void)m, (void)dv, (void)k_batch;
+    (void)k_head, (void)k_row, (void)v_batch, (void)v_head, (void)v_row, (void)values, (void)r0, (void)r1;
+#endif
+}
+
 /* ---- Improved clustered attention: the per-query sparse part (eq. 15) --------------- */
 
 /* Queries of improved_sparse worked on together: each one's sums over D and over the top k

@@ -55,6 +55,7 @@ _SIGNATURES = {
     "cluster_means": (_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64),
     "refine_clusters": (_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64),
     "centroid_attention": (_PTR,) * 3 + (_I64, _PTR) + (_I64,) * 6 + (ctypes.c_float, _I64) + (_PTR,) * 4 + (_I64, _I64),
+    "centroid_values_bf16": (_PTR,) * 4 + (_I64,) * 11 + (_PTR, _I64, _I64),
     "improved_sparse": (_PTR, _I64) + (_PTR,) * 6 + (_I64,) * 5 + (ctypes.c_float, _PTR, _I64, _I64),
     "smyrf_attention": (_PTR,) * 3 + (_I64,) + (_PTR,) * 5 + (_I64,) * 7 + (ctypes.c_float,) + (_PTR,) * 3 + (_I64, _I64),
     "smyrf_hashes": (_PTR, _PTR, _I64) + (_PTR,) * 3 + (_I64,) * 6 + (_PTR, _PTR, _I64, _I64),
@@ -245,6 +246,40 @@ def centroid_attention(
         h, c, d, m, mp, dv, scale, topk, _ptr(values), _ptr(index), _ptr(probs), _ptr(valid),
     )
     return values, index, probs, valid.bool()
+
+
+def centroid_values_bf16(centroids: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, scale: float) -> Tensor:
+    """The centroid pass of clustered attention (no top-k) on bfloat16 keys and values by
+    vdpbf16ps, as a bfloat16 SDPA computes it: centroids (B, H, C, D) float32, scaled and
+    rounded to bfloat16; k (B, H, M, D), v (B, H, M, Dv) bfloat16, any strides with contiguous
+    rows (the packed (T, H, D) layout as it is); key_mask (B, M) -> A^c V (B, H, C, Dv)
+    float32, rows of 0 where no key is real. Only where `bf16_centroid_pass(k, v)`."""
+    if not bf16_centroid_pass(k, v):
+        raise ValueError("centroid_values_bf16: needs bfloat16 k, v with D even and Dv a multiple of 16, "
+                         "on a CPU with AVX512-BF16 (bf16_centroid_pass)")
+    b, h, c, d = centroids.shape
+    m, dv = k.shape[2], v.shape[-1]
+    words = (centroids.float() * scale).to(torch.bfloat16).contiguous().view(torch.int32)  # (B, H, C, D / 2)
+    if k.stride(-1) != 1 or k.stride(2) % 2:  # rows as words: pairs of dimensions
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    real = key_mask.to(torch.uint8).contiguous()
+    values = torch.empty(b, h, c, dv, dtype=torch.float32)
+    _split(
+        library().centroid_values_bf16, b * h * c, _ptr(words), k.data_ptr(), v.data_ptr(), _ptr(real),
+        h, c, d, m, dv, *k.stride()[:3], *v.stride()[:3], _ptr(values),
+    )
+    return values
+
+
+def bf16_centroid_pass(k: Tensor, v: Tensor) -> bool:
+    """Whether centroid_values_bf16 takes these keys and values: bfloat16, D even, Dv a
+    multiple of 16, at least one key, on a CPU whose library has vdpbf16ps (bf16_dot)."""
+    return (
+        k.dtype == v.dtype == torch.bfloat16 and k.shape[-1] % 2 == 0 and v.shape[-1] % 16 == 0 and k.shape[2] > 0
+        and bf16_dot()
+    )
 
 
 def improved_sparse(

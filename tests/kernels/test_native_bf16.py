@@ -2,11 +2,13 @@
 
 The loops widen each bfloat16 row as they read it (exact) and compute in float32, so every
 stage must give what the float32 loops give on the same values upcast, bit for bit, and the
-output that result rounded to bfloat16; only SMYRF's logits, where the CPU has AVX512-BF16
-(native.bf16_dot()), are summed in another order, within float32 rounding. Against the
-reference run on those values in float32 (float64 where the method is exact), discrete
-decisions follow the tie rules of ties.py and outputs agree to the output's bfloat16 rounding.
-No stage may make a float32 copy of q, k or v.
+output that result rounded to bfloat16. Where the CPU has AVX512-BF16 (native.bf16_dot()),
+two parts multiply bfloat16 as it is: SMYRF's logits (summed in another order, within float32
+rounding) and clustered attention's centroid pass (native.bf16_centroid_pass: the centroids
+and the probabilities rounded to bfloat16, as a bfloat16 SDPA computes, within CENTROID_PASS_TOL
+of exact attention). Against the reference run on those values in float32 (float64 where the
+method is exact), discrete decisions follow the tie rules of ties.py and outputs agree to the
+output's bfloat16 rounding. No stage may make a float32 copy of q, k or v.
 """
 
 import math
@@ -35,6 +37,10 @@ BF16 = torch.bfloat16
 # significand, 2^-9 relative): one unit of margin.
 OUT_RTOL, OUT_ATOL = 2**-8, 1e-6
 SCALE = 0.25
+# The bfloat16 centroid pass weighs each value row by its probability rounded to bfloat16
+# (within 2^-9 relative) and divides by the sum of those weights: each weight is off by at
+# most 2^-8 relative, exponential included, so V^c moves by at most 2^-7 of the largest |v|.
+CENTROID_PASS_TOL = 2**-7
 
 SPECS = {
     "clustered": AttentionSpec(method="clustered", clusters=6, iterations=5, refine=2, seed=9),
@@ -82,10 +88,16 @@ def test_every_stage_equals_the_float32_loops_on_the_same_values(method, n, m, l
     want = stage_outputs(stages, *upcast(q, k, v), SPECS[method], mask)
     assert got.keys() == want.keys()
     last = {"clustered": "broadcast", "i-clustered": "sparse", "smyrf": "cluster_attention"}[method]
+    bf16_pass = method == "clustered" and native.bf16_centroid_pass(k, v)
     for name in got:
         if name in (last, "out") and method == "smyrf" and native.bf16_dot():  # logits summed by pairs
             assert got[name].dtype == BF16
             torch.testing.assert_close(got[name].float(), want[name], rtol=OUT_RTOL, atol=OUT_ATOL)
+        elif name in ("centroid_attention", last, "out") and bf16_pass:  # V^c from bfloat16 products
+            tolerance = CENTROID_PASS_TOL * v.abs().max().item()
+            values = got[name].values if name == "centroid_attention" else got[name]
+            expected = want[name].values if name == "centroid_attention" else want[name]
+            torch.testing.assert_close(values.float(), expected, rtol=OUT_RTOL, atol=tolerance)
         elif name in (last, "out"):  # the output, in q's dtype
             assert_same(got[name], want[name].to(BF16), name)
         else:
@@ -192,7 +204,9 @@ def test_attention_equals_the_reference_in_float32_on_the_same_values(method, n,
     out = attention(q, k, v, spec, key_padding_mask=mask, backend="native")
     expected = attention(*upcast(q, k, v), spec, key_padding_mask=mask, backend="reference")
     assert out.dtype == BF16
-    torch.testing.assert_close(out.float(), expected, rtol=OUT_RTOL, atol=OUT_ATOL)
+    bf16_pass = method == "clustered" and native.bf16_centroid_pass(k, v)
+    atol = CENTROID_PASS_TOL * v.abs().max().item() if bf16_pass else OUT_ATOL
+    torch.testing.assert_close(out.float(), expected, rtol=OUT_RTOL, atol=atol)
 
 
 @pytest.mark.parametrize("method", list(SPECS))
@@ -251,3 +265,55 @@ def test_float16_is_computed_in_float32_and_returned_in_float16():
         out = attention(q, k, v, spec, backend="native")
         assert out.dtype == torch.float16
         assert torch.equal(out, attention(*upcast(q, k, v), spec, backend="native").to(torch.float16))
+
+
+needs_bf16_dot = pytest.mark.skipif(not native.bf16_dot(), reason="no AVX512-BF16: the centroid pass is SDPA in float32")
+
+
+def rounded_centroid_attention(centroids, k, v, mask, scale):
+    """What the bfloat16 centroid pass approximates, in float64: exact attention of the
+    centroids scaled and rounded to bfloat16 (rows of 0 where no key is real)."""
+    rounded = (centroids * scale).to(BF16).double()
+    return _centroid_attention(rounded, k.double(), mask, 1.0) @ v.double()
+
+
+# (b, h, c, m, d, dv, lengths, packed): a short last block of keys (M % 16), an odd M, padding,
+# a batch row with no real key, groups of rows that cross (batch, head) slices (C % 16), other
+# models' D and Dv, and k, v as strided views of the packed (T, H, D) layout.
+CENTROID_PASS_SHAPES = [(1, 2, 20, 100, 32, 32, None, False), (2, 3, 13, 77, 16, 16, [77, 30], True),
+                        (2, 2, 9, 40, 32, 64, [0, 17], False), (1, 2, 40, 517, 64, 48, None, True)]
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("b, h, c, m, d, dv, lengths, packed", CENTROID_PASS_SHAPES)
+def test_the_bfloat16_centroid_pass_is_attention_of_the_rounded_centroids(b, h, c, m, d, dv, lengths, packed):
+    g = torch.Generator().manual_seed(c)
+    centroids = torch.randn(b, h, c, d, generator=g)
+    if packed:
+        k, v = (torch.randn(b, m, h, e, generator=g).to(BF16).transpose(1, 2) for e in (d, dv))
+    else:
+        k, v = (torch.randn(b, h, m, e, generator=g).to(BF16) for e in (d, dv))
+    mask = torch.ones(b, m, dtype=torch.bool) if lengths is None else padding_mask(b, m, lengths)
+    assert native.bf16_centroid_pass(k, v)
+    got = native.centroid_values_bf16(centroids, k, v, mask, SCALE)
+    want = rounded_centroid_attention(centroids, k, v, mask, SCALE)
+    assert got.dtype == torch.float32 and got.shape == (b, h, c, dv)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=CENTROID_PASS_TOL * v.abs().max().item())
+    assert not got[~mask.any(1)].any()  # no real key: rows of 0
+
+
+@needs_bf16_dot
+def test_the_bfloat16_centroid_pass_follows_logits_past_float32s_range():
+    # Logits that rise key by key to 100 (exp(100) overflows float32): each row's reference
+    # must move up with them. Row 1's padded keys have the largest logits and must get no weight.
+    m, d = 200, 16
+    k = torch.zeros(2, 1, m, d)
+    k[..., 0] = torch.arange(m) * 0.5  # exact in bfloat16
+    k, v = k.to(BF16), torch.randn(2, 1, m, 16, generator=torch.Generator().manual_seed(1)).to(BF16)
+    centroids = torch.zeros(2, 1, 3, d)
+    centroids[..., 0] = torch.tensor([1.0, 0.5, -1.0]) / SCALE  # the maximum last, halfway, first
+    mask = padding_mask(2, m, [m, 150])
+    got = native.centroid_values_bf16(centroids, k, v, mask, SCALE)
+    want = rounded_centroid_attention(centroids, k, v, mask, SCALE)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=CENTROID_PASS_TOL * v.abs().max().item())
