@@ -5,7 +5,10 @@
 In-process, one document of real prose (Debian's licence texts) of `--tokens` tokens:
 - exact attention in float32 and in bfloat16, and the cosine between the two vectors;
 - the server's default, auto at target fidelity 0.98, in float32 (the float32 calibration
-  table) and in bfloat16 (the bfloat16 table), with each one's cosine to exact in float32.
+  table) and in bfloat16 (the bfloat16 table), with each one's cosine to exact in float32;
+- how far bfloat16 moves the default's vector, beside how far another seed moves it in the
+  same dtype: an approximate method's clusters come from q, so bfloat16 can only be asked to
+  change its answer about as much as a different seed does.
 Over HTTP (unless --skip-http): 64 short texts in one request to a float32 server and to a
 bfloat16 server (`python -m service --dtype ...`, started here), the server's default attention,
 `http_repeats` rounds (a request takes a tenth of a second: a few rounds are noise).
@@ -30,7 +33,7 @@ EXACT = AttentionSpec(method="full")
 AUTO = AttentionSpec(method="auto")
 
 
-def in_process(tokens: int, repeats: int) -> tuple[list[dict], dict]:
+def in_process(tokens: int, repeats: int) -> tuple[list[dict], dict, dict]:
     full32 = load_encoder(None, dtype="float32")
     half = load_encoder(None, dtype="bfloat16")
     ids = long_text_ids(full32, tokens)
@@ -44,20 +47,30 @@ def in_process(tokens: int, repeats: int) -> tuple[list[dict], dict]:
     reference = vectors["exact float32"]()
     rows = []
     for name, fn in vectors.items():
-        cosine = torch.nn.functional.cosine_similarity(fn(), reference).item()
         rows.append({
             "variant": name,
             "tokens": len(ids),
             "median_s": statistics.median(times[name]),
             "vs_exact_float32": statistics.median(e / s for s, e in zip(times[name], times["exact float32"])),
             "vs_auto_float32": statistics.median(a / s for s, a in zip(times[name], times["auto 0.98 float32"])),
-            "cosine_to_exact_float32": cosine,
+            "cosine_to_exact_float32": cosine(fn(), reference),
         })  # fmt: skip
     chosen = {
         "float32": full32.calibration.choose(len(ids), TARGET).spec.to_json() if full32.calibration else None,
         "bfloat16": half.calibration.choose(len(ids), TARGET).spec.to_json() if half.calibration else None,
     }
-    return rows, chosen
+    default32, default16 = vectors["auto 0.98 float32"](), vectors["auto 0.98 bfloat16"]()
+    other_seed = AttentionSpec(method="auto", seed=1)
+    agreement = {
+        "bfloat16 default vs float32 default": cosine(default16, default32),
+        "float32 default, seed 1 vs seed 0": cosine(full32.embed([ids], other_seed, target_fidelity=TARGET), default32),
+        "bfloat16 default, seed 1 vs seed 0": cosine(half.embed([ids], other_seed, target_fidelity=TARGET), default16),
+    }
+    return rows, chosen, agreement
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a, b).item()
 
 
 def over_http(repeats: int) -> list[dict]:
@@ -101,13 +114,15 @@ def main() -> None:
     parser.add_argument("--skip-http", action="store_true")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    rows, chosen = in_process(args.tokens, args.repeats)
+    rows, chosen, agreement = in_process(args.tokens, args.repeats)
     print_table(rows, ["variant", "tokens", "median_s", "vs_exact_float32", "vs_auto_float32", "cosine_to_exact_float32"])
     print(f"auto at {TARGET} chose: {chosen}")
+    for pair, value in agreement.items():
+        print(f"cosine, {pair}: {value:.5f}")
     http_rows = [] if args.skip_http else over_http(args.http_repeats)
     if http_rows:
         print_table(http_rows, ["variant", "median_s", "vs_float32"])
-    meta = run_conditions(chosen=chosen, repeats=args.repeats, http_repeats=args.http_repeats)
+    meta = run_conditions(chosen=chosen, agreement=agreement, repeats=args.repeats, http_repeats=args.http_repeats)
     print(f"\nwrote {write_results('precision', rows + http_rows, meta)}")
 
 
