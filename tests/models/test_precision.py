@@ -1,12 +1,17 @@
 """Serving in bfloat16: what "auto" picks, and every architecture's bf16 encoder against its
 float32 self at over 512 tokens, with every method.
 
-Exact attention in bf16 keeps a cosine >= 0.999 to float32. An approximate method's clusters
-come from q, which bf16 rounds upstream, so its bf16 and float32 runs are two approximations
-of the same exact vector: each must be as close to exact attention in float32 as the other,
-within 0.02, and the two within 0.98 of each other."""
+Exact attention in bf16 keeps a cosine >= PARITY to float32, and so does every method on the
+tiny checkpoints. On the default model an approximate method's clusters come from q, which
+bf16 rounds upstream, so its bf16 and float32 runs are two approximations of the same exact
+vector, as two seeds' runs are: bf16 must move the vector no further than another seed does
+in float32 (within SEED_MARGIN; and to PARITY where another seed stays that close), never
+below 0.98, and each run must be as close to exact attention in float32 as the other, within
+0.02."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -18,6 +23,8 @@ from models.precision import cpu_has_bf16, resolve_dtype
 
 SMALL = dict(clusters=16, topk=16, iterations=5, refine=1, hash_rounds=2, cluster_size=32, seed=3)
 METHODS = ["full", "clustered", "i-clustered", "smyrf"]
+PARITY = 0.999
+SEED_MARGIN = 0.002
 
 
 def test_named_dtypes_and_what_auto_picks(monkeypatch):
@@ -45,7 +52,7 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
     assert not cpu_has_bf16(tmp_path / "missing")
 
 
-def _agree(float32_encoder, bfloat16_encoder, texts: list[str], knobs: dict) -> None:
+def _agree(float32_encoder, bfloat16_encoder, texts: list[str], knobs: dict, every_method_to_parity: bool) -> None:
     cosine = torch.nn.functional.cosine_similarity
     assert max(float32_encoder.count_tokens(texts)) > 512
     exact = float32_encoder.embed(texts, AttentionSpec(method="full"))
@@ -53,13 +60,17 @@ def _agree(float32_encoder, bfloat16_encoder, texts: list[str], knobs: dict) -> 
         spec = AttentionSpec(method=method, **knobs)
         reference = float32_encoder.embed(texts, spec)
         half = bfloat16_encoder.embed(texts, spec)
+        agreement = cosine(half, reference)
         assert half.dtype == torch.float32
+        if method == "full" or every_method_to_parity:
+            assert agreement.min() >= PARITY, (method, agreement.tolist())
         if method == "full":
-            assert cosine(half, reference).min() >= 0.999, cosine(half, reference).tolist()
             continue
+        other_seed = cosine(float32_encoder.embed(texts, dataclasses.replace(spec, seed=spec.seed + 1)), reference)
+        floor = (other_seed.clamp(max=PARITY) - SEED_MARGIN).clamp(min=0.98)
+        assert (agreement >= floor).all(), (method, agreement.tolist(), other_seed.tolist())
         gap = (cosine(half, exact) - cosine(reference, exact)).abs()
         assert gap.max() <= 0.02, (method, gap.tolist())
-        assert cosine(half, reference).min() >= 0.98, (method, cosine(half, reference).tolist())
 
 
 def test_the_default_model_in_bfloat16_matches_float32(default_encoder, long_text):
@@ -67,7 +78,7 @@ def test_the_default_model_in_bfloat16_matches_float32(default_encoder, long_tex
     assert half.dtype == torch.bfloat16 and half.info()["dtype"] == "bfloat16"
     assert half.backend == default_encoder.backend  # native on a CPU where it is built, in bf16 too
     texts = [long_text(700, seed=11), "a short query", long_text(200, seed=12)]
-    _agree(default_encoder, half, texts, dict(seed=3))  # the default knobs
+    _agree(default_encoder, half, texts, dict(seed=3), every_method_to_parity=False)  # the default knobs
     assert half.float32().dtype == torch.float32 and half.float32() is half.float32()
 
 
@@ -92,4 +103,4 @@ def test_every_architecture_in_bfloat16_matches_float32(case, tmp_path, long_tex
     # Learned position tables are extended past their length by copying; RoPE runs on.
     exact = load_encoder(tmp_path, max_input_tokens=1024)
     half = load_encoder(tmp_path, max_input_tokens=1024, dtype="bfloat16")
-    _agree(exact, half, [long_text(700, seed=13), "a short query", long_text(90, seed=14)], SMALL)
+    _agree(exact, half, [long_text(700, seed=13), "a short query", long_text(90, seed=14)], SMALL, every_method_to_parity=True)
