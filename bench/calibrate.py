@@ -1,6 +1,6 @@
 """Calibrate auto mode: fidelity and time of a grid of attention configurations per length.
 
-    python -m bench.calibrate [--model DIR] [--dtype float32|bfloat16|auto] [--lengths 1024 ... 32768]
+    python -m bench.calibrate [--model DIR] [--dtype float32|bfloat16|auto] [--lengths 512 ... 32768]
                               [--docs 2] [--out PATH]
     python -m bench.calibrate --plot [--table PATH]
 
@@ -69,7 +69,7 @@ TARGETS = (0.98, 0.99, 0.995)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the embedded model)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--docs", type=int, default=2, help="calibration documents per length")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=DTYPE_SETTINGS, help="the served precision")

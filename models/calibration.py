@@ -14,11 +14,14 @@ Fidelity is the cosine of a document's embedding to its exact-attention embeddin
 float32 (whatever dtype the table was measured in, so that it says what a user gets; a
 bucket's `exact_fidelity_min` is exact attention's own, below 1 in bfloat16);
 `fidelity_min` is the worst over the calibration documents, and it is what a target is
-checked against. `Calibration.choose(tokens, target)` picks, from the bucket that covers
-the input (the smallest bucket at least as long, else the longest), the fastest
-configuration whose `fidelity_min` meets the target, or exact attention when none does or
-none is at least MIN_SPEEDUP times faster than exact: a gain inside one measurement's timing
-noise does not pay for the fidelity it costs. The table is only as good as the texts and device it was measured on:
+checked against. `Calibration.choose(tokens, target)` judges an input by the buckets around
+its length (the longest at most as long and the shortest at least as long; the longest
+bucket alone past it) and picks the fastest configuration that meets the target and is at
+least MIN_SPEEDUP times faster than exact in each of them, or exact attention when none is:
+a gain inside one measurement's timing noise does not pay for the fidelity it costs, and
+neither fidelity nor speed-up is monotone in length (a document's pooled vector averages its
+tokens' errors, so 200 clusters keep less fidelity at 512 tokens than at 1024). An input
+shorter than every bucket runs exact attention: the table says nothing about it. The table is only as good as the texts and device it was measured on:
 a table measured on a CPU says little about a GPU's times.
 """
 
@@ -74,6 +77,10 @@ class Bucket:
     def exact(self) -> Measured:
         return Measured(EXACT, self.exact_fidelity, self.exact_fidelity, self.exact_ms)
 
+    def measured(self, spec: AttentionSpec) -> Measured | None:
+        """This bucket's measurement of `spec`, None where the grid did not run it here."""
+        return next((m for m in self.configs if m.spec == spec), None)
+
     def frontier(self) -> list[Measured]:
         """The Pareto set, fastest first: no other entry is both faster and at least as faithful."""
         entries = sorted((self.exact(), *self.configs), key=lambda m: (m.ms, -m.fidelity_min))
@@ -122,18 +129,36 @@ class Calibration:
         bucket is the cautious one), or the longest bucket for longer inputs."""
         return next((b for b in self.buckets if b.tokens >= tokens), self.buckets[-1])
 
+    def around(self, tokens: int) -> tuple[Bucket, ...]:
+        """The buckets an input of `tokens` tokens is judged by: the longest at most as long and
+        the shortest at least as long (one bucket at a bucket's length, the longest bucket past
+        it), none for an input shorter than every bucket."""
+        if tokens < self.buckets[0].tokens:
+            return ()
+        lower = max((b for b in self.buckets if b.tokens <= tokens), key=lambda b: b.tokens)
+        upper = self.bucket_for(tokens)
+        return (lower,) if lower is upper else (lower, upper)
+
     def choose(self, tokens: int, target: float, seed: int = 0) -> Choice:
         """The fastest calibrated configuration for an input of `tokens` tokens whose worst
-        measured fidelity is >= target; exact attention when none is, or when none is at least
-        MIN_SPEEDUP times faster than exact."""
-        bucket = self.bucket_for(tokens)
-        best = bucket.exact()
-        for entry in bucket.configs:
-            pays = entry.ms * MIN_SPEEDUP <= bucket.exact_ms
-            if entry.fidelity_min >= target and pays and entry.ms < best.ms:
-                best = entry
-        spec = best.spec if best.spec.method == "full" else dataclasses.replace(best.spec, seed=seed)
-        return Choice(spec, bucket.tokens, best.fidelity_min, bucket.exact_ms / best.ms)
+        measured fidelity is >= target and which is at least MIN_SPEEDUP times faster than
+        exact, in every bucket around the input (`around`); exact attention when none is.
+        Fidelity and speed-up are the worst of those buckets'; speed is compared in the
+        longer one."""
+        upper = self.bucket_for(tokens)
+        judged = self.around(tokens)
+        best = Choice(EXACT, upper.tokens, upper.exact_fidelity, 1.0)
+        best_ms = upper.exact_ms
+        for entry in upper.configs:
+            measured = [bucket.measured(entry.spec) for bucket in judged]
+            if not judged or None in measured or entry.ms >= best_ms:
+                continue
+            pairs = list(zip(judged, measured))
+            if all(m.fidelity_min >= target and m.ms * MIN_SPEEDUP <= b.exact_ms for b, m in pairs):
+                fidelity = min(m.fidelity_min for m in measured)
+                speedup = min(b.exact_ms / m.ms for b, m in pairs)
+                best, best_ms = Choice(dataclasses.replace(entry.spec, seed=seed), upper.tokens, fidelity, speedup), entry.ms
+        return best
 
     def info(self) -> dict[str, Any]:
         """For GET /info: where the table came from and each bucket's Pareto frontier."""

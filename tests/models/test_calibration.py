@@ -46,22 +46,22 @@ TABLE = {
 
 def test_choose_fastest_meeting_target_per_bucket():
     table = parse_calibration(TABLE, "test")
-    assert table.choose(8000, 0.9).spec == AttentionSpec(method="smyrf")
-    assert table.choose(8000, 0.98).spec == AttentionSpec(method="i-clustered", clusters=100)
-    chosen = table.choose(8000, 0.99)
+    assert table.choose(8192, 0.9).spec == AttentionSpec(method="smyrf")
+    assert table.choose(100_000, 0.98).spec == AttentionSpec(method="i-clustered", clusters=100)
+    chosen = table.choose(8192, 0.99)
     assert chosen.spec == AttentionSpec(method="i-clustered", clusters=200)
     assert (chosen.bucket, chosen.fidelity, chosen.speedup) == (8192, 0.993, 4000.0 / 2500.0)
     # None meets the target: exact. Short input: exact is fastest whatever the target.
-    assert table.choose(8000, 0.995).spec.method == "full"
-    assert table.choose(500, 0.9).spec.method == "full"
-    assert table.choose(500, 0.9).fidelity == 1.0
+    assert table.choose(8192, 0.995).spec.method == "full"
+    assert table.choose(1024, 0.9).spec.method == "full"
+    assert table.choose(1024, 0.9).fidelity == 1.0
 
 
 def test_an_approximation_within_a_tenth_of_exact_is_not_chosen():
     near = {**TABLE, "buckets": [{"tokens": 1024, "exact_ms": 100.0, "configs": [config("clustered", 0.99, 95.0)]}]}
-    assert parse_calibration(near, "test").choose(1000, 0.98).spec.method == "full"
+    assert parse_calibration(near, "test").choose(1024, 0.98).spec.method == "full"
     pays = {**TABLE, "buckets": [{"tokens": 1024, "exact_ms": 100.0, "configs": [config("clustered", 0.99, 90.0)]}]}
-    chosen = parse_calibration(pays, "test").choose(1000, 0.98)
+    chosen = parse_calibration(pays, "test").choose(1024, 0.98)
     assert chosen.spec.method == "clustered" and chosen.speedup == 100.0 / 90.0
 
 
@@ -70,10 +70,33 @@ def test_bucket_is_the_next_longer_one_and_the_longest_beyond():
     assert [table.bucket_for(n).tokens for n in (1, 1024, 1025, 8192, 100_000)] == [1024, 1024, 8192, 8192, 8192]
 
 
+def test_an_input_between_buckets_is_judged_by_both():
+    # 200 clusters meet 0.98 at 2048 but not at 1024 (a short document's vector averages fewer
+    # tokens' errors): an input in between runs what meets the target and pays at both.
+    between = {**TABLE, "buckets": [
+        {"tokens": 1024, "exact_ms": 100.0, "configs": [config("clustered", 0.97, 80.0, clusters=200),
+                                                        config("clustered", 0.99, 85.0, clusters=400),
+                                                        config("smyrf", 0.99, 99.0)]},
+        {"tokens": 2048, "exact_ms": 400.0, "configs": [config("clustered", 0.985, 200.0, clusters=200),
+                                                        config("clustered", 0.99, 250.0, clusters=400),
+                                                        config("smyrf", 0.99, 150.0)]},
+    ]}  # fmt: skip
+    table = parse_calibration(between, "test")
+    assert [b.tokens for b in table.around(1500)] == [1024, 2048]
+    assert [b.tokens for b in table.around(2048)] == [2048] and [b.tokens for b in table.around(9000)] == [2048]
+    assert table.around(1000) == ()
+    assert table.choose(2048, 0.98).spec == AttentionSpec(method="smyrf")
+    chosen = table.choose(1500, 0.98)  # smyrf does not pay at 1024, 200 clusters miss the target there
+    assert chosen.spec == AttentionSpec(method="clustered", clusters=400)
+    assert (chosen.bucket, chosen.fidelity, chosen.speedup) == (2048, 0.99, 100.0 / 85.0)
+    assert table.choose(1500, 0.995).spec.method == "full"
+    assert table.choose(1000, 0.5).spec.method == "full"  # shorter than every bucket: exact
+
+
 def test_choice_keeps_the_request_seed():
     table = parse_calibration(TABLE, "test")
-    assert table.choose(8000, 0.98, seed=7).spec.seed == 7
-    assert table.choose(500, 0.98, seed=7).spec == AttentionSpec(method="full")
+    assert table.choose(8192, 0.98, seed=7).spec.seed == 7
+    assert table.choose(1024, 0.98, seed=7).spec == AttentionSpec(method="full")
 
 
 def test_frontier_is_the_pareto_set_fastest_first():
@@ -140,10 +163,15 @@ def test_find_prefers_the_model_folder_then_the_shipped_table(tmp_path):
     assert find_calibration("all-MiniLM-L6-v2", None, "cpu") == shipped
 
 
-def test_shipped_default_table_picks_exact_short_and_approximate_long():
-    table = load_calibration(SHIPPED_DIR / table_name("all-MiniLM-L6-v2", "cpu"))
-    assert (table.model, table.device) == ("all-MiniLM-L6-v2", "cpu")
-    assert [b.tokens for b in table.buckets] == [1024, 2048, 4096, 8192, 16384, 32768]
-    assert table.choose(512, 0.98).spec.method == "full"
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shipped_default_tables_pick_exact_short_and_approximate_long(dtype):
+    table = load_calibration(SHIPPED_DIR / table_name("all-MiniLM-L6-v2", "cpu", dtype))
+    assert (table.model, table.device, table.dtype) == ("all-MiniLM-L6-v2", "cpu", dtype)
+    assert [b.tokens for b in table.buckets][-5:] == [2048, 4096, 8192, 16384, 32768]
+    # Inputs shorter than the first bucket take its choice: it must be exact attention, which
+    # is the fastest there (clustered at a few hundred tokens is slower than exact).
+    assert table.buckets[0].tokens <= 1024
+    for target in (0.95, 0.98, 0.99, 0.995):
+        assert table.choose(300, target).spec.method == "full"
     long = table.choose(16384, 0.98)
     assert long.spec.method != "full" and long.speedup > 1 and long.fidelity >= 0.98
