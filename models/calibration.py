@@ -21,8 +21,9 @@ least MIN_SPEEDUP times faster than exact in each of them, or exact attention wh
 a gain inside one measurement's timing noise does not pay for the fidelity it costs, and
 neither fidelity nor speed-up is monotone in length (a document's pooled vector averages its
 tokens' errors, so 200 clusters keep less fidelity at 512 tokens than at 1024). An input
-shorter than every bucket runs exact attention: the table says nothing about it. The table is only as good as the texts and device it was measured on:
-a table measured on a CPU says little about a GPU's times.
+shorter than every bucket runs exact attention: the table says nothing about it. The table
+is only as good as the texts and device it was measured on: a table measured on a CPU says
+little about a GPU's times.
 """
 
 from __future__ import annotations
@@ -125,8 +126,8 @@ class Calibration:
         return str(self.meta.get("dtype", "float32"))
 
     def bucket_for(self, tokens: int) -> Bucket:
-        """The smallest bucket at least `tokens` long (fidelity falls with length: the longer
-        bucket is the cautious one), or the longest bucket for longer inputs."""
+        """The smallest bucket at least `tokens` long, or the longest bucket for longer inputs:
+        the longer of the buckets `around` an input, the one its echo names."""
         return next((b for b in self.buckets if b.tokens >= tokens), self.buckets[-1])
 
     def around(self, tokens: int) -> tuple[Bucket, ...]:
