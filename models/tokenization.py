@@ -28,8 +28,10 @@ class TextTokenizer:
     """A checkpoint's tokenizer. `prefix` and `suffix`: the special token ids it puts around
     one text's tokens ([101] and [102], [CLS] and [SEP], for BERT)."""
 
-    def __init__(self, path: str | Path):
-        self._tokenizer = Tokenizer.from_file(str(path))
+    def __init__(self, source: str | Path | Tokenizer):
+        """source: a tokenizer.json file, or a built `tokenizers.Tokenizer` (a GGUF's vocabulary:
+        models.gguf_checkpoint)."""
+        self._tokenizer = source if isinstance(source, Tokenizer) else Tokenizer.from_file(str(source))
         self._tokenizer.no_truncation()
         self._tokenizer.no_padding()
         # Special tokens the post-processor adds around one text (2 for [CLS] x [SEP]).

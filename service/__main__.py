@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import uvicorn
 from pydantic import ValidationError
 
+from models.loader import resolve_model
+
 from .logs import configure as configure_logging
 from .settings import Settings
 
@@ -50,8 +52,10 @@ def _exit_cleanly(signum: int, frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_settings(argv)
-    if settings.model is not None and not settings.model.is_dir():
-        sys.exit(f"--model: {settings.model} is not a directory")
+    try:
+        resolve_model(settings.model)
+    except FileNotFoundError as error:
+        sys.exit(f"--model: {error}")
     configure_logging(settings.log_format, settings.log_level)
     from .app import create_app
 

@@ -29,10 +29,11 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="interface to bind")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0 = any free port)")
-    model: Path | None = Field(
+    model: str | None = Field(
         None,
-        description="local model folder (config.json, *.safetensors, tokenizer.json); "
-        "unset = the embedded all-MiniLM-L6-v2",
+        description="the model to serve: a checkpoint folder (config.json, *.safetensors, tokenizer.json), a GGUF "
+        "file, or a name: nomic-embed-text-v1.5 (alias nomic), all-MiniLM-L6-v2 (alias minilm); unset = "
+        "nomic-embed-text-v1.5, fetched once by `python -m models.fetch`",
     )
     device: str = Field("auto", description='torch device for the model: "auto" (cuda if available), "cpu", "cuda:0", ...')
     dtype: Literal[DTYPE_SETTINGS] = Field(  # type: ignore[valid-type]

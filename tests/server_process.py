@@ -29,10 +29,14 @@ class ServerFailed(AssertionError):
 
 @contextlib.contextmanager
 def running_server(
-    log_path: Path, *flags: str, env: dict[str, str] | None = None, ready_timeout_s: float = 240
+    log_path: Path, *flags: str, env: dict[str, str] | None = None, ready_timeout_s: float = 240,
+    model: str | None = "all-MiniLM-L6-v2",
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """Start `python -m service` on 127.0.0.1 with `flags`, wait until /health/ready answers
     200, yield (base URL, process); on exit stop it (SIGTERM, then SIGKILL after 15 s).
+
+    model: the --model flag, unless `flags` name one: the small plumbing model by default;
+    None serves the server's own default (nomic-embed-text-v1.5).
 
     The server's settings come from the flags alone: CLUSTERSERVE_* variables of the calling
     environment are dropped; `env` adds variables on top.
@@ -40,6 +44,8 @@ def running_server(
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     environment = {k: v for k, v in os.environ.items() if not k.startswith("CLUSTERSERVE_")} | (env or {})
+    if model is not None and "--model" not in flags:
+        flags = (*flags, "--model", model)
     command = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port), *flags]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT)

@@ -47,7 +47,7 @@ MIN_COSINE_APPROXIMATE = 0.995
 def encoder():
     from models import load_encoder
 
-    return load_encoder(None, device="cuda", dtype=torch.bfloat16)
+    return load_encoder("all-MiniLM-L6-v2", device="cuda", dtype=torch.bfloat16)
 
 
 @pytest.fixture

@@ -1,4 +1,6 @@
-"""Shared fixtures for the models tests: the default encoder, loaded once."""
+"""Shared fixtures for the models tests: the plumbing encoder (all-MiniLM-L6-v2, small and
+fast: `default_encoder`) and the served default, nomic-embed-text-v1.5 (`nomic_encoder`), each
+loaded once."""
 
 import os
 import random
@@ -14,7 +16,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 def default_encoder():
     from models import load_encoder
 
-    return load_encoder(None)
+    return load_encoder("all-MiniLM-L6-v2")
+
+
+@pytest.fixture(scope="session")
+def nomic_encoder():
+    from default_model import require_default_model
+
+    from models import load_encoder
+
+    require_default_model()
+    return load_encoder(None, dtype="float32")
 
 
 @pytest.fixture(scope="session")

@@ -156,7 +156,7 @@ def test_limits_and_errors(default_encoder, full_spec, text):
 def test_truncate_cuts_the_document_before_it_is_chunked(full_spec, text):
     from models import load_encoder
 
-    short = load_encoder(None, max_input_tokens=64)
+    short = load_encoder("all-MiniLM-L6-v2", max_input_tokens=64)
     with pytest.raises(InputTooLong):
         plan_chunks(short, [text], full_spec, ChunkingSpec(size=16))
     right = plan_chunks(short, [text], full_spec, ChunkingSpec(size=16), truncate=True)

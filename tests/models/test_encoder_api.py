@@ -15,7 +15,7 @@ from models.loader import extend_positions
 @pytest.fixture(scope="module")
 def short_encoder():
     """The default model limited to 64 tokens, so limits are cheap to reach."""
-    return load_encoder(None, max_input_tokens=64)
+    return load_encoder("all-MiniLM-L6-v2", max_input_tokens=64)
 
 
 def test_info_and_attributes(default_encoder):
@@ -166,9 +166,12 @@ def test_unsupported_architecture_is_named(tmp_path):
         EncoderConfig.from_dict(relative)
 
 
-def test_missing_files_say_what_is_missing(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+def test_missing_files_say_what_is_missing(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="no such folder or file.*all-minilm-l6-v2"):
         load_encoder(tmp_path / "nowhere")
+    monkeypatch.setenv("CLUSTERSERVE_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(FileNotFoundError, match=r"nomic-embed-text-v1.5 is not fetched.*python -m models.fetch"):
+        load_encoder(None)
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_encoder(tmp_path)
 
@@ -223,7 +226,7 @@ def test_exact_configurations_of_approximate_methods_match_full(default_encoder,
 
 
 def test_bfloat16_weights_give_float32_vectors_close_to_float32(default_encoder, full_spec):
-    encoder = load_encoder(None, max_input_tokens=512, dtype=torch.bfloat16)
+    encoder = load_encoder("all-MiniLM-L6-v2", max_input_tokens=512, dtype=torch.bfloat16)
     assert encoder.dtype == torch.bfloat16 and encoder.info()["dtype"] == "bfloat16"
     texts = ["half precision weights", "still return float32 vectors on the cpu"]
     vectors = encoder.embed(texts, full_spec)
@@ -267,13 +270,13 @@ def test_prepare_raises_typed_errors_naming_the_input(short_encoder):
 def test_the_backend_is_stored_checked_and_reaches_every_attention_call(monkeypatch):
     from kernels import BACKENDS
 
-    assert load_encoder(None, max_input_tokens=64).backend == "auto"
+    assert load_encoder("all-MiniLM-L6-v2", max_input_tokens=64).backend == "auto"
     concrete = BACKENDS[1]
-    assert load_encoder(None, max_input_tokens=64, backend=concrete).backend == concrete
+    assert load_encoder("all-MiniLM-L6-v2", max_input_tokens=64, backend=concrete).backend == concrete
     with pytest.raises(ValueError, match="^backend:"):
-        load_encoder(None, max_input_tokens=64, backend="cuda")
+        load_encoder("all-MiniLM-L6-v2", max_input_tokens=64, backend="cuda")
     # Triton on CPU tensors is refused by kernels.attention: the encoder's choice got there.
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    on_triton = load_encoder(None, max_input_tokens=64, backend="triton")
+    on_triton = load_encoder("all-MiniLM-L6-v2", max_input_tokens=64, backend="triton")
     with pytest.raises(ValueError, match="triton"):
         on_triton.embed(["a few words"], AttentionSpec(method="clustered", clusters=2))

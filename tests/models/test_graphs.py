@@ -315,10 +315,10 @@ def test_captures_keep_the_device_constants_they_read():
 def test_load_encoder_keeps_no_graphs_on_a_cpu_and_checks_their_settings():
     from models import load_encoder
 
-    assert load_encoder(None, max_input_tokens=128).graphs is None
+    assert load_encoder("all-MiniLM-L6-v2", max_input_tokens=128).graphs is None
     for name, bad in (("cuda_graphs", -1), ("cuda_graph_max_length", 0)):
         with pytest.raises(ValueError, match=name):
-            load_encoder(None, max_input_tokens=128, **{name: bad})
+            load_encoder("all-MiniLM-L6-v2", max_input_tokens=128, **{name: bad})
 
 
 def test_encoder_pads_and_replays_only_with_graphs_and_short_enough_inputs(default_encoder, long_text):

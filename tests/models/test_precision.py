@@ -74,7 +74,7 @@ def _agree(float32_encoder, bfloat16_encoder, texts: list[str], knobs: dict, eve
 
 
 def test_the_default_model_in_bfloat16_matches_float32(default_encoder, long_text):
-    half = load_encoder(None, dtype="bfloat16")
+    half = load_encoder("all-MiniLM-L6-v2", dtype="bfloat16")
     assert half.dtype == torch.bfloat16 and half.info()["dtype"] == "bfloat16"
     assert half.backend == default_encoder.backend  # native on a CPU where it is built, in bf16 too
     texts = [long_text(700, seed=11), "a short query", long_text(200, seed=12)]

@@ -50,7 +50,7 @@ def test_unknown_prompt_is_a_value_error_naming_it(folder, full_spec):
         encoder.embed(["a text"], full_spec, prompt_name="passage")
     assert isinstance(error.value, ValueError) and error.value.name == "passage"
     with pytest.raises(UnknownPrompt, match="'query'.*no prompts"):
-        load_encoder(None).embed(["a text"], full_spec, prompt_name="query")
+        load_encoder("all-MiniLM-L6-v2").embed(["a text"], full_spec, prompt_name="query")
     with pytest.raises(ValueError, match="token-id inputs"):
         encoder.embed([[101, 102]], full_spec, prompt_name="query")
 

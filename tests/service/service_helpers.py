@@ -27,6 +27,7 @@ from service.settings import Settings
 LICENSES = Path("/usr/share/common-licenses")
 # Limits of the session app: small, so 413s and truncation cost no real inference.
 REAL_LIMITS = dict(
+    model="all-MiniLM-L6-v2",  # the plumbing model: small and fast; the default has tests of its own
     warmup=False,
     dtype="float32",  # the numbers the tests compare do not depend on the CPU's bf16 support
     max_input_tokens=1024,
