@@ -1,7 +1,7 @@
 """Calibrate auto mode: fidelity and time of a grid of attention configurations per length.
 
-    python -m bench.calibrate [--model DIR] [--dtype float32|bfloat16|auto] [--lengths 512 ... 32768]
-                              [--docs 2] [--out PATH]
+    python -m bench.calibrate [--model DIR|FILE.gguf|NAME] [--dtype float32|bfloat16|auto]
+                              [--lengths 512 ... 8192] [--docs 2] [--grid FILE] [--out PATH]
     python -m bench.calibrate --plot [--table PATH]
 
 For each length bucket, embeds `--docs` documents of real text (Debian's license texts, the
@@ -12,8 +12,9 @@ time. Fidelity is the cosine of a configuration's embedding to exact attention's
 says what a user gets; in bfloat16 each bucket also records exact attention's own fidelity
 (`exact_fidelity_min`). Time is per document, in the served dtype. Writes the table
 (models/calibration.py has the format) next to the model (DIR/calibration.<device>[-bf16].json),
-or for the embedded default model to models/calibrations/, which ships with clusterserve;
-`--out` writes it elsewhere. Prints each bucket's frontier and the configuration chosen for
+or for a model given by name (the default, nomic-embed-text-v1.5, or all-MiniLM-L6-v2) to
+models/calibrations/, which ships with clusterserve; `--out` writes it elsewhere. `--grid`
+replaces the grid by one AttentionSpec per line of a file, as JSON keyword arguments. Prints each bucket's frontier and the configuration chosen for
 fidelity targets 0.98, 0.99 and 0.995, and draws latency against fidelity per method and
 length with the Pareto frontier (bench/results/calibration-<device>.png).
 """
@@ -40,7 +41,7 @@ from models.calibration import (
     parse_calibration,
     table_name,
 )
-from models.loader import DEFAULT_MODEL_NAME
+from models.loader import DEFAULT_MODEL_NAME, MODEL_ALIASES, resolve_model
 from models.precision import DTYPE_SETTINGS, dtype_name, resolve_dtype
 
 from .common import CALIBRATION_TEXTS, RESULTS_DIR, device_name, long_text_ids, print_table
@@ -68,8 +69,9 @@ TARGETS = (0.98, 0.99, 0.995)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the embedded model)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--model", default=None, help="checkpoint folder, GGUF file or model name (default: the default model)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--grid", type=Path, default=None, help="one AttentionSpec's JSON keyword arguments per line")
     parser.add_argument("--docs", type=int, default=2, help="calibration documents per length")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=DTYPE_SETTINGS, help="the served precision")
@@ -88,12 +90,16 @@ def main() -> None:
     torch.set_grad_enabled(False)
     encoder = load_encoder(args.model, max_input_tokens=max(args.lengths), device=args.device, dtype=args.dtype)
     kind, dtype = encoder.device.type, dtype_name(encoder.dtype)
+    named = args.model is None or args.model.lower() in MODEL_ALIASES
     out = args.out or (
-        args.model / f"calibration.{kind}{DTYPE_SUFFIXES[dtype]}.json"
-        if args.model
-        else SHIPPED_DIR / table_name(encoder.name, kind, dtype)
+        SHIPPED_DIR / table_name(encoder.name, kind, dtype)
+        if named
+        else resolve_model(args.model).folder / f"calibration.{kind}{DTYPE_SUFFIXES[dtype]}.json"
     )
-    raw = measure(encoder, args.lengths, args.docs)
+    grid = GRID if args.grid is None else [
+        AttentionSpec(**json.loads(line)) for line in args.grid.read_text().splitlines() if line.strip()
+    ]
+    raw = measure(encoder, args.lengths, args.docs, grid)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(raw, indent=1) + "\n")
     table = parse_calibration(raw, str(out))

@@ -33,7 +33,8 @@ HELD_BACK_TEXTS = ("MPL-1.1", "MPL-2.0", "GFDL-1.3", "Artistic", "BSD")
 def long_text_ids(encoder, tokens: int, offset: int = 0, texts: tuple[str, ...] | None = None) -> list[int]:
     """Token ids of `tokens` tokens of real English prose (Debian's license texts, all of them
     or the named ones, repeated when more is asked than they hold), starting `offset` tokens
-    in, with [CLS]/[SEP]."""
+    in, framed as the encoder frames a text: [CLS], the model's default prompt's tokens (nomic's
+    "search_document: "), the text, [SEP]."""
     if texts is None:
         files = sorted(p for p in LICENSE_DIR.iterdir() if p.is_file() and not p.is_symlink())
     else:
@@ -42,10 +43,11 @@ def long_text_ids(encoder, tokens: int, offset: int = 0, texts: tuple[str, ...] 
         raise FileNotFoundError(f"no texts under {LICENSE_DIR}; install Debian's base-files")
     corpus = "\n\n".join(p.read_text(errors="replace") for p in files)
     body = encoder.tokenize([corpus])[0].ids[1:-1]  # without the special tokens
-    need = offset + tokens - 2
+    prompt = encoder.tokenize([encoder.prompts.text(None)])[0].ids[1:-1]
+    need = offset + tokens - 2 - len(prompt)
     body = (body * (need // len(body) + 1))[offset:need]
     first, last = encoder.tokenize([""])[0].ids
-    return [first, *body, last]
+    return [first, *prompt, *body, last]
 
 
 def capture_qkv(encoder, ids: list[int], layer: int = 0) -> tuple[torch.Tensor, ...]:

@@ -103,9 +103,11 @@ def plan_chunks(
     target_fidelity: float | None = None, truncate: bool = False, truncation_direction: str = "right",
     prompt_name: str | None = None, adapter: str | None = None,
 ) -> ChunkPlan:
-    """Plan chunking each text (see the module docstring). A text longer than
-    `encoder.max_input_tokens` (prompt and special tokens included) raises InputTooLong
-    unless `truncate`, which cuts it ("right" keeps its start, "left" its end). Raises
+    """Plan chunking each text (see the module docstring). A text may be longer than
+    `encoder.max_input_tokens`: no pass is (each chunk, or late chunking's window, is within
+    it), so a caller limits the passes' tokens instead. `truncate` cuts a text longer than
+    `encoder.max_input_tokens` (prompt and special tokens included) to it first ("right" keeps
+    its start, "left" its end). Raises
     ValueError "<field>: ..." naming a ChunkingSpec field that does not fit the model or
     "chunking: ..." for token-id inputs, and models.plan's errors."""
     if not isinstance(chunking, ChunkingSpec):
@@ -124,8 +126,8 @@ def plan_chunks(
     limit = encoder.max_input_tokens - framing
     documents = []
     for index, (text, tokens) in enumerate(zip(texts, encoder.tokenizer.encode_body(list(texts)))):
-        if len(tokens.ids) > limit:
-            if not truncate or limit < 1:
+        if len(tokens.ids) > limit and truncate:
+            if limit < 1:
                 raise InputTooLong(index, len(tokens.ids) + framing, encoder.max_input_tokens)
             keep = slice(None, limit) if truncation_direction == "right" else slice(-limit, None)
             tokens = Tokens(tokens.ids[keep], tokens.offsets[keep])

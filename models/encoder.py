@@ -110,6 +110,7 @@ class Encoder:
             "max_input_tokens": self.max_input_tokens,
             "native_positions": self.native_positions,
             "position_extension": self.position_extension,
+            "position_scaling": _position_scaling(self.model.config),
             "pooling": self.pooling.mode,
             "normalize": self.pooling.normalize,
             "special_tokens": self.tokenizer.num_special_tokens,
@@ -380,6 +381,17 @@ class Forward:
         with torch.inference_mode():
             hidden = self.model.end(self.state)
         return [part.float().cpu() for part in self.state.packed.split(hidden)]
+
+
+def _position_scaling(config) -> dict[str, Any] | None:
+    """The rotary scaling a checkpoint is published with (nomic-embed-text: dynamic NTK x2 past
+    its 2,048 trained positions, to 8,192); None for none."""
+    if not config.uses_rope or config.rope_type == "default":
+        return None
+    scaling = {"type": config.rope_type, "factor": config.rope_factor}
+    if config.rope_type == "dynamic":
+        scaling["trained_positions"] = config.rope_original_positions
+    return scaling
 
 
 def finish(pooled: Tensor, normalize: bool = True, dimensions: int | None = None) -> Tensor:

@@ -40,6 +40,8 @@ async def info(request: Request) -> JSONResponse:
             "native_positions": encoder.native_positions,
             "extended_positions": encoder.max_input_tokens,
             "position_extension": model.get("position_extension"),
+            # rotary scaling the checkpoint is published with, e.g. nomic's dynamic NTK x2 past 2,048
+            "position_scaling": model.get("position_scaling"),
             "max_input_tokens": encoder.max_input_tokens,
             # name -> text prepended to each text; requests without prompt_name get the default
             "prompts": model.get("prompts", {}),

@@ -153,12 +153,14 @@ def test_limits_and_errors(default_encoder, full_spec, text):
         plan_chunks(default_encoder, ["   "], full_spec, ChunkingSpec())
 
 
-def test_truncate_cuts_the_document_before_it_is_chunked(full_spec, text):
+def test_a_document_longer_than_one_pass_is_chunked_and_truncate_cuts_it_first(full_spec, text):
     from models import load_encoder
 
     short = load_encoder("all-MiniLM-L6-v2", max_input_tokens=64)
-    with pytest.raises(InputTooLong):
-        plan_chunks(short, [text], full_spec, ChunkingSpec(size=16))
+    whole = plan_chunks(short, [text], full_spec, ChunkingSpec(size=16, window=64, window_overlap=16))
+    assert whole.inputs[0].tokens > 64 and max(planned.tokens for planned in whole.plan.inputs) <= 64
+    naive = plan_chunks(short, [text], full_spec, ChunkingSpec(size=16, late=False))
+    assert len(naive.inputs[0].chunks) == len(whole.inputs[0].chunks)
     right = plan_chunks(short, [text], full_spec, ChunkingSpec(size=16), truncate=True)
     left = plan_chunks(short, [text], full_spec, ChunkingSpec(size=16), truncate=True, truncation_direction="left")
     assert right.inputs[0].tokens == left.inputs[0].tokens == 64
