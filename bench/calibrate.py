@@ -14,8 +14,9 @@ says what a user gets; in bfloat16 each bucket also records exact attention's ow
 (models/calibration.py has the format) next to the model (DIR/calibration.<device>[-bf16].json),
 or for a model given by name (the default, nomic-embed-text-v1.5, or all-MiniLM-L6-v2) to
 models/calibrations/, which ships with clusterserve; `--out` writes it elsewhere. `--grid`
-replaces the grid by one AttentionSpec per line of a file, as JSON keyword arguments. Prints each bucket's frontier and the configuration chosen for
-fidelity targets 0.98, 0.99 and 0.995, and draws latency against fidelity per method and
+replaces the grid by one AttentionSpec per line of a file, as JSON keyword arguments. Prints
+each bucket's frontier and the configuration chosen for fidelity targets 0.98, 0.99 and
+0.995, and draws latency against fidelity per method and
 length with the Pareto frontier (bench/results/calibration-<device>.png).
 """
 

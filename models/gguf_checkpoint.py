@@ -255,7 +255,8 @@ def _tokenizer(meta: dict[str, Any], vocabulary: list[str]):
             raise ValueError(f"GGUF metadata: tokenizer.ggml.{key} is missing")
         return vocabulary[int(value)], int(value)
 
-    cls, sep, unk = special("cls_token_id", "bos_token_id"), special("seperator_token_id", "eos_token_id"), special("unknown_token_id")
+    cls, sep = special("cls_token_id", "bos_token_id"), special("seperator_token_id", "eos_token_id")
+    unk = special("unknown_token_id")
     tokenizer = Tokenizer(WordPiece(vocab, unk_token=unk[0], max_input_chars_per_word=100))
     tokenizer.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, lowercase=True)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()

@@ -1,9 +1,11 @@
 """load_encoder: a HuggingFace checkpoint folder, a GGUF file or a model name -> Encoder.
 
-A GGUF file is read by models.gguf_checkpoint into the same pieces. A folder: reads config.json, every *.safetensors file, tokenizer.json and the sentence-transformers
-pooling files; maps checkpoint names onto our modules (any prefix such as "bert.",
-"roberta." or "model.", legacy LayerNorm gamma/beta, torch parametrizations, fused projections
-split into their parts), checking every name and shape; extends a learned position table by
+A folder: reads config.json, every *.safetensors file, tokenizer.json and the
+sentence-transformers pooling and prompt files. A GGUF file: models.gguf_checkpoint reads it
+into the same pieces, under the same checkpoint names. Either way, maps checkpoint names
+onto our modules (any prefix such as "bert.", "roberta." or "model.", legacy LayerNorm
+gamma/beta, torch parametrizations, fused projections split into their parts), checking
+every name and shape; extends a learned position table by
 copying it (Longformer's initialisation, Beltagy et al. 2020) when asked for more tokens than
 the checkpoint was trained on. Nothing is fetched from a model hub.
 """

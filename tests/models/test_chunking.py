@@ -14,7 +14,7 @@ import torch
 from kernels import AttentionSpec
 from models.chunk_plan import plan_chunks, plan_late_inputs
 from models.chunking import ChunkingSpec, chunk_spans, unit_starts, windows
-from models.inputs import EmptyInput, InputTooLong
+from models.inputs import EmptyInput
 from models.pooling import EVERY_TOKEN, POOLED, Output
 
 GPL = Path("/usr/share/common-licenses/GPL-3")

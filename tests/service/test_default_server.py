@@ -69,7 +69,7 @@ def test_openai_client_gets_768_d_vectors_with_the_document_prompt(server, refer
 
 
 def test_inference_client_feature_extraction(server, monkeypatch):
-    huggingface_hub = pytest.importorskip("huggingface_hub")
+    pytest.importorskip("huggingface_hub")
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)

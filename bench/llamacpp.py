@@ -1,0 +1,183 @@
+"""This server against llama.cpp on the same GGUF, over HTTP as users call them.
+
+    python -m bench.llamacpp [--repeats 3] [--threads 2] [--model FILE.gguf] [--server-args ...]
+
+Starts `python -m service` with its defaults (the default model; `auto` at the server's
+target fidelity, bfloat16 where the CPU is fast at it) and llama-cpp-python's server
+(`python -m llama_cpp.server`, an OpenAI-style /v1/embeddings) on the same GGUF file, both
+with the same threads, and posts the same workloads to each, the two in turn each round (so
+the machine's drift falls on both alike): 64 short texts in one request, 6 paragraphs of
+~460 tokens in one request, one ~2k-token document, one ~8k-token document. Texts carry
+nomic's "search_document: " themselves, which this server then leaves as they are, so both
+embed the same tokens. Past nomic's 2,048 trained positions this server applies the published
+dynamic NTK scaling; llama.cpp is given the same (the rotary base that scaling gives at the
+8k document's length) by a second llama.cpp server for that workload.
+
+Reports per workload each server's median seconds, the ratio, and the least cosine between
+the two servers' vectors; writes bench/results/llamacpp.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from models.fetch import default_model_path
+from models.rotary import inverse_frequencies
+
+from .common import LICENSE_DIR, print_table, run_conditions, write_results
+from .short_texts import sentences
+
+PROMPT = "search_document: "
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _server(command: list[str], ready_path: str, log: Path, timeout_s: float = 600):
+    port = _free_port()
+    with open(log, "w") as out:
+        process = subprocess.Popen([*command, "--port", str(port)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{command[2]} exited with {process.returncode}: {log.read_text()[-2000:]}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(base + ready_path, timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{command[2]} not ready after {timeout_s} s")
+            time.sleep(0.5)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _embed(http: httpx.Client, base: str, texts: list[str]) -> tuple[float, np.ndarray]:
+    start = time.perf_counter()
+    response = http.post(base + "/v1/embeddings", json={"input": texts, "model": "nomic-embed-text-v1.5",
+                                                      "encoding_format": "float"})
+    elapsed = time.perf_counter() - start
+    response.raise_for_status()
+    rows = sorted(response.json()["data"], key=lambda d: d["index"])
+    vectors = np.array([row["embedding"] for row in rows], dtype=np.float64)
+    return elapsed, vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+
+
+def workloads(tokenizer) -> dict[str, list[str]]:
+    """name -> the texts of one request, prompt included."""
+    prose = "\n\n".join((LICENSE_DIR / name).read_text() for name in ("GPL-3", "Apache-2.0", "GPL-2", "LGPL-2.1"))
+    words = prose.split()
+
+    def of_tokens(target: int, start: int = 0) -> str:
+        low, high = 1, len(words) - start
+        while low < high:  # the longest run of words whose text is within `target` tokens
+            middle = (low + high + 1) // 2
+            if tokenizer(PROMPT + " ".join(words[start : start + middle])) <= target:
+                low = middle
+            else:
+                high = middle - 1
+        return PROMPT + " ".join(words[start : start + low])
+
+    return {
+        "64 short texts": [PROMPT + s for s in sentences(64)],
+        "6 paragraphs of ~460 tokens": [of_tokens(460, 400 * i) for i in range(6)],
+        "one 2k-token document": [of_tokens(2040)],
+        "one 8k-token document": [of_tokens(8150)],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: the default model's)")
+    parser.add_argument("--server-args", nargs="*", default=[], help="extra flags for python -m service")
+    args = parser.parse_args()
+
+    from models import load_encoder
+
+    model = args.model or default_model_path()
+    encoder = load_encoder(model)
+    tokenizer = encoder.tokenizer
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode([text])[0].ids)
+
+    loads = workloads(count)
+    long_tokens = count(loads["one 8k-token document"][0])
+    config = encoder.model.config
+    inv_freq = inverse_frequencies(long_tokens, config.head_dim, config.rope_theta, "cpu", config.rope_type,
+                                   config.rope_factor, config.rope_original_positions)
+    scaled_base = float(1 / inv_freq[1]) ** (config.head_dim / 2)
+    del encoder
+
+    logs = ROOT / "bench" / "out"
+    logs.mkdir(parents=True, exist_ok=True)
+    ours = [sys.executable, "-m", "service", "--model", str(model), "--host", "127.0.0.1", *args.server_args]
+    llama = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--embedding", "true", "--n_ctx", "8192",
+             "--n_batch", "8192", "--n_ubatch", "8192", "--n_threads", str(args.threads),
+             "--n_threads_batch", str(args.threads), "--host", "127.0.0.1"]
+    env_threads = {"OMP_NUM_THREADS": str(args.threads)}
+    import os
+
+    os.environ.update(env_threads)
+    rows = []
+    with (
+        _server(ours, "/health/ready", logs / "ours.log") as ours_url,
+        _server(llama, "/v1/models", logs / "llama.log") as llama_url,
+        _server([*llama, "--rope_freq_base", f"{scaled_base:.6f}"], "/v1/models", logs / "llama-8k.log") as llama_8k_url,
+        httpx.Client(timeout=1800) as http,
+    ):
+        for name, texts in loads.items():
+            peer = llama_8k_url if name.startswith("one 8k") else llama_url
+            _embed(http, ours_url, texts)  # untimed: first-request costs on both
+            _embed(http, peer, texts)
+            times = {"clusterserve": [], "llama.cpp": []}
+            for _ in range(args.repeats):
+                ours_s, ours_vectors = _embed(http, ours_url, texts)
+                peer_s, peer_vectors = _embed(http, peer, texts)
+                times["clusterserve"].append(ours_s)
+                times["llama.cpp"].append(peer_s)
+            ours_s, peer_s = (statistics.median(times[k]) for k in ("clusterserve", "llama.cpp"))
+            ran = http.post(ours_url + "/v1/embeddings", json={"input": texts[:1]}).headers.get("x-attention")
+            rows.append({
+                "workload": name,
+                "tokens": sum(count(t) for t in texts),
+                "clusterserve_s": ours_s,
+                "llama_cpp_s": peer_s,
+                "speedup": peer_s / ours_s,
+                "min_cosine": float((ours_vectors * peer_vectors).sum(axis=1).min()),
+                "attention": ran,
+            })  # fmt: skip
+            print(f"{name}: clusterserve {ours_s:.3f} s, llama.cpp {peer_s:.3f} s", flush=True)
+        info = http.get(ours_url + "/info").json()
+    print_table(rows, ["workload", "tokens", "clusterserve_s", "llama_cpp_s", "speedup", "min_cosine", "attention"])
+    meta = run_conditions(model=str(model), repeats=args.repeats, threads=args.threads, served_dtype=info.get("dtype"),
+                          backend=info.get("backend"), llama_cpp_rope_freq_base_8k=scaled_base)
+    print(f"wrote {write_results('llamacpp', rows, meta)}")
+
+
+if __name__ == "__main__":
+    main()
