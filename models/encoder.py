@@ -41,7 +41,7 @@ from .inputs import InputTooLong, is_int, prepare_inputs
 from .packing import bucket_length, pack
 from .plan import UnknownAdapter, plan
 from .pooling import Output, PoolingConfig, pool, pool_each
-from .prompts import Prompts
+from .prompts import NO_PROMPT, Prompts
 from .tokenization import TextTokenizer, Tokens
 
 __all__ = ["Chunked", "Encoder", "InputTooLong", "finish"]
@@ -139,8 +139,9 @@ class Encoder:
     ) -> list[list[int]]:
         """Token ids per input, within `max_input_tokens` (see `models.inputs.prepare_inputs`;
         raises its EmptyInput, InvalidTokenIds, InputTooLong). Texts get the prompt
-        `prompt_name` (None: the checkpoint's default prompt, if any) prepended; its tokens
-        count toward the limit. Naming a prompt for token-id inputs is a ValueError."""
+        `prompt_name` (None: the checkpoint's default prompt, if any; NO_PROMPT: none)
+        prepended; its tokens count toward the limit. Naming a prompt for token-id inputs is a
+        ValueError."""
         prompt = self.prompts.text(prompt_name)
         if prompt and not self.pooling.include_prompt:
             raise ValueError(
@@ -152,7 +153,7 @@ class Encoder:
         )
         if prompt and is_text:
             inputs = [self.prompts.prepend(prompt_name, text) for text in inputs]
-        elif prompt_name is not None and not is_text:
+        elif prompt_name not in (None, NO_PROMPT) and not is_text:
             raise ValueError("prompt_name: prompts apply to texts; token-id inputs are used exactly as given")
         return prepare_inputs(
             self.tokenizer,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from kernels import AttentionSpec, Resolved, resolve_auto
 
-from .prompts import UnknownPrompt
+from .prompts import NO_PROMPT, UnknownPrompt
 
 if TYPE_CHECKING:
     from .encoder import Encoder
@@ -109,17 +109,19 @@ def choose_prompt_and_adapter(
 ) -> tuple[str | None, str | None]:
     """The prompt the texts get and the task adapter that runs (None: none, the base weights).
 
-    The prompt is the one named, else the checkpoint's default prompt; token-id inputs get
-    none. The adapter is the one named, else the adapter named like the prompt in effect: Jina
-    v3 names its prompts after its tasks, so `prompt_name="retrieval.query"` selects both.
+    The prompt is the one named, else the checkpoint's default prompt; NO_PROMPT and token-id
+    inputs get none. The adapter is the one named, else the adapter named like the prompt in
+    effect: Jina v3 names its prompts after its tasks, so `prompt_name="retrieval.query"`
+    selects both.
     Raises UnknownPrompt or UnknownAdapter naming the ones the checkpoint has."""
     prompts, adapters = encoder.prompts, tuple(encoder.adapters)
-    if prompt_name is not None and prompt_name not in prompts.prompts:
+    if prompt_name not in (None, NO_PROMPT) and prompt_name not in prompts.prompts:
         raise UnknownPrompt(prompt_name, tuple(prompts.prompts))
     if adapter is not None and adapter not in adapters:
         raise UnknownAdapter(adapter, adapters)
     texts = all(isinstance(one, str) for one in inputs)
     chosen = (prompt_name if prompt_name is not None else prompts.default_name) if texts else None
+    chosen = chosen or None  # NO_PROMPT: none
     if adapter is not None:
         return chosen, adapter
     return chosen, chosen if chosen in adapters else None

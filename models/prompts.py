@@ -9,6 +9,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# The prompt_name that asks for no prompt, whatever the checkpoint's default: each text is
+# embedded exactly as written (as Ollama embeds it).
+NO_PROMPT = ""
+
 
 class UnknownPrompt(ValueError):
     """`name` is not one of the checkpoint's prompts."""
@@ -25,7 +29,9 @@ class Prompts:
     default_name: str | None = None
 
     def text(self, name: str | None) -> str:
-        """The text to prepend for prompt `name` (None: the default prompt, or none)."""
+        """The text to prepend for prompt `name` (None: the default prompt, or none; NO_PROMPT: none)."""
+        if name == NO_PROMPT:
+            return ""
         if name is None:
             return self.prompts[self.default_name] if self.default_name else ""
         if name not in self.prompts:

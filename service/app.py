@@ -31,7 +31,7 @@ from .batching import Batcher
 from .errors import install_error_handlers
 from .metrics import Metrics
 from .middleware import RequestMiddleware
-from .routes import health, info, metrics, openai, tei, tokenize
+from .routes import health, info, metrics, ollama, openai, tei, tokenize
 from .settings import Settings
 from .state import ServiceState
 
@@ -125,7 +125,7 @@ def create_app(settings: Settings | None = None, load: Callable[[Settings], Enco
     app.state.metrics = metrics_
     openapi.install(app, state)
     install_error_handlers(app)
-    for module in (openai, tei, tokenize, info, health, metrics):
+    for module in (openai, tei, ollama, tokenize, info, health, metrics):
         app.include_router(module.router)
     if settings.cors_origins:
         app.add_middleware(

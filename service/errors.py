@@ -1,4 +1,6 @@
-"""The JSON error model: every failure is `{"error": {"message", "type", "param"}}`.
+"""The JSON error model: every failure is `{"error": {"message", "type", "param"}}`, except on
+Ollama's routes (paths under /api/), which answer as Ollama does: `{"error": message}`, with
+400 where the others answer 422 (Ollama refuses every bad body with 400).
 
 Routes raise `ServiceError` (or let FastAPI raise its own validation and HTTP errors); the
 handlers installed by `install_error_handlers` turn each into the documented status and
@@ -155,10 +157,19 @@ def error_body(status: int, message: str, param: str | None) -> dict[str, Any]:
     return {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param}}
 
 
-def error_response(error: ServiceError) -> JSONResponse:
-    return JSONResponse(
-        error_body(error.status, error.message, error.param), error.status, headers=error.headers
-    )
+OLLAMA_PREFIX = "/api/"  # Ollama's routes: its error shape and statuses
+
+
+def shaped_error(path: str, status: int, message: str, param: str | None) -> tuple[int, dict[str, Any]]:
+    """The status and body of a failure on `path`, in the shape of the API it belongs to."""
+    if path.startswith(OLLAMA_PREFIX):
+        return (400 if status == 422 else status), {"error": message}
+    return status, error_body(status, message, param)
+
+
+def error_response(error: ServiceError, path: str = "") -> JSONResponse:
+    status, body = shaped_error(path, error.status, error.message, error.param)
+    return JSONResponse(body, status, headers=error.headers)
 
 
 def param_from_loc(loc: tuple[Any, ...]) -> str | None:
@@ -187,7 +198,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
         _count(request, exc.reason)
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -205,7 +216,7 @@ def install_error_handlers(app: FastAPI) -> None:
                 message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
             error = ServiceError(422, "invalid_field", f"{param or 'body'}: {message}", param)
         _count(request, error.reason)
-        return error_response(error)
+        return error_response(error, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -213,6 +224,5 @@ def install_error_handlers(app: FastAPI) -> None:
         reason = reasons.get(exc.status_code, "malformed_json" if exc.status_code == 400 else "internal")
         _count(request, reason)
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-        return JSONResponse(
-            error_body(exc.status_code, message, None), exc.status_code, headers=exc.headers
-        )
+        status, body = shaped_error(request.url.path, exc.status_code, message, None)
+        return JSONResponse(body, status, headers=exc.headers)

@@ -28,9 +28,14 @@ from models.graphs import EVENTS, LayerGraphs
 from .errors import FAILURE_REASONS
 
 # Labels of the endpoint series, pre-created at start-up.
-INFERENCE_ENDPOINTS = ("/v1/embeddings", "/embed", "/", "/embed_all")  # "/": TEI's root route, the same as /embed
+INFERENCE_ENDPOINTS = (  # "/": TEI's root route, the same as /embed; /api/*: Ollama's
+    "/v1/embeddings", "/embed", "/", "/embed_all", "/api/embed", "/api/embeddings",
+)
 OTHER_ENDPOINTS = (
     "/tokenize",
+    "/api/tags",
+    "/api/show",
+    "/api/version",
     "/info",
     "/health",
     "/health/live",

@@ -18,7 +18,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import error_body
+from .errors import shaped_error
 from .logs import log_request
 from .metrics import INFERENCE_ENDPOINTS, NO_METHOD, OTHER_ENDPOINTS, Metrics
 
@@ -75,14 +75,14 @@ class RequestMiddleware:
             if isinstance(body_or_error, tuple):
                 code, reason, message = body_or_error
                 self.metrics.failures.labels(reason=reason).inc()
-                await _send_json(send_with_headers, code, error_body(code, message, None))
+                await _send_json(send_with_headers, *shaped_error(scope.get("path", ""), code, message, None))
                 return
             await self.app(scope, _replay(body_or_error, receive), send_with_headers)
         except Exception:
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             self.metrics.failures.labels(reason="internal").inc()
             if not started:
-                await _send_json(send_with_headers, 500, error_body(500, "internal server error", None))
+                await _send_json(send_with_headers, *shaped_error(scope.get("path", ""), 500, "internal server error", None))
         finally:
             self._record(scope, request_id, status, time.monotonic() - arrival, sent_headers)
 
