@@ -270,8 +270,13 @@ def table_name(model: str, device: str, dtype: str = "float32") -> str:
 def find_calibration(model: str, folder: Path | None, device: str, dtype: str = "float32") -> Path | None:
     """Where a table for this model, device kind and dtype is, if anywhere: in the model's
     folder (calibration.<device>[-bf16].json), else among the tables shipped with clusterserve
-    (models/calibrations/)."""
-    candidates = [SHIPPED_DIR / table_name(model, device, dtype)]
-    if folder is not None:
-        candidates.insert(0, folder / f"calibration.{device}{DTYPE_SUFFIXES[dtype]}.json")
+    (models/calibrations/); where neither has one for `dtype`, the float32 table of the same
+    device kind: its fidelities hold in another dtype within what a second seed moves a
+    vector, and its times rank configurations by float32's costs (the server logs which
+    dtype it was measured in)."""
+    candidates = []
+    for kind in dict.fromkeys((dtype, "float32")):
+        if folder is not None:
+            candidates.append(folder / f"calibration.{device}{DTYPE_SUFFIXES[kind]}.json")
+        candidates.append(SHIPPED_DIR / table_name(model, device, kind))
     return next((p for p in candidates if p.is_file()), None)

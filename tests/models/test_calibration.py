@@ -161,6 +161,17 @@ def test_find_prefers_the_model_folder_then_the_shipped_table(tmp_path):
     assert find_calibration("no-such-model", tmp_path, "cuda") is None
     shipped = SHIPPED_DIR / table_name("all-MiniLM-L6-v2", "cpu")
     assert find_calibration("all-MiniLM-L6-v2", None, "cpu") == shipped
+    assert find_calibration("all-MiniLM-L6-v2", None, "cpu", "bfloat16") == SHIPPED_DIR / table_name(
+        "all-MiniLM-L6-v2", "cpu", "bfloat16"
+    )
+
+
+def test_without_a_table_for_the_dtype_the_float32_one_of_the_device_kind_serves(tmp_path):
+    (tmp_path / "calibration.cpu.json").write_text(json.dumps(TABLE))
+    assert find_calibration("no-such-model", tmp_path, "cpu", "bfloat16") == tmp_path / "calibration.cpu.json"
+    (tmp_path / "calibration.cpu-bf16.json").write_text(json.dumps(TABLE))
+    assert find_calibration("no-such-model", tmp_path, "cpu", "bfloat16") == tmp_path / "calibration.cpu-bf16.json"
+    assert find_calibration("no-such-model", tmp_path, "cuda", "bfloat16") is None
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
