@@ -23,9 +23,7 @@ def _check_texts(value: Any) -> str | list[str]:
 
 
 # Ollama answers an empty input ("" or []) with no vectors; an empty item in a list is a 400.
-OllamaInput = Annotated[
-    Union[str, list[str]], PlainValidator(_check_texts, json_schema_input_type=Union[str, list[str]])
-]
+OllamaInput = Annotated[Union[str, list[str]], PlainValidator(_check_texts, json_schema_input_type=Union[str, list[str]])]
 MODEL_DESCRIPTION = (
     "the served model's name (GET /api/tags), or Ollama's name for it (nomic-embed-text for "
     "nomic-embed-text-v1.5), with or without the tag :latest; another name is a 404"
@@ -41,8 +39,9 @@ class OllamaEmbedRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(None, description=MODEL_DESCRIPTION)
-    input: OllamaInput | None = Field(None, description='text(s) to embed as written; "" or [] loads nothing and '
-                                      "returns no vectors, as Ollama does")
+    input: OllamaInput | None = Field(
+        None, description='text(s) to embed as written; "" or [] loads nothing and returns no vectors, as Ollama does'
+    )
     truncate: StrictBool = Field(True, description="cut inputs longer than the limit (Ollama's default) instead of 413")
     dimensions: json_int(ge=0) | None = Field(
         None, description="keep the first n dimensions, then re-normalise (Matryoshka); 0 or unset: all"

@@ -157,7 +157,7 @@ async def ollama_embeddings(body: OllamaEmbeddingsRequest, request: Request) -> 
 
 @router.get("/api/tags", response_model=OllamaTagsResponse, responses=OLLAMA_ERROR_RESPONSES)
 async def ollama_tags(request: Request) -> JSONResponse:
-    encoder = _loaded(request)
+    encoder, _ = get_state(request).require_ready()
     size = sum(p.numel() * p.element_size() for p in encoder.model.parameters())
     details = _details(encoder)
     return JSONResponse(
@@ -184,11 +184,6 @@ async def ollama_show(body: OllamaShowRequest, request: Request) -> JSONResponse
 @router.get("/api/version", response_model=OllamaVersionResponse)
 async def ollama_version() -> JSONResponse:
     return JSONResponse({"version": __version__})
-
-
-def _loaded(request: Request) -> Encoder:
-    encoder, _ = get_state(request).require_ready()
-    return encoder
 
 
 def _parameters(encoder: Encoder) -> int:

@@ -49,9 +49,7 @@ def vectors(response) -> np.ndarray:
 # --- /api/embed ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "name", ["all-minilm", "all-minilm:latest", "ALL-MiniLM", "all-MiniLM-L6-v2", "all-minilm-l6-v2:latest"]
-)
+@pytest.mark.parametrize("name", ["all-minilm", "all-minilm:latest", "ALL-MiniLM", "all-MiniLM-L6-v2", "all-minilm-l6-v2:latest"])
 def test_the_served_model_answers_to_its_own_name_and_ollamas(client, name):
     response = client.post("/api/embed", json={"model": name, "input": "hello"})
     assert response.status_code == 200, response.text
@@ -89,7 +87,8 @@ def test_dimensions_keep_the_first_components_renormalised(client):
     expected = full[:, :64] / np.linalg.norm(full[:, :64], axis=1, keepdims=True)
     np.testing.assert_allclose(cut, expected, atol=1e-6)
     for everything in (0, DIM, float(DIM)):  # Ollama's 0 is "all"; 384.0 is the integer 384
-        assert vectors(client.post("/api/embed", json={"model": MODEL, "input": TEXTS, "dimensions": everything})).shape == (2, DIM)
+        body = {"model": MODEL, "input": TEXTS, "dimensions": everything}
+        assert vectors(client.post("/api/embed", json=body)).shape == (2, DIM)
     ollama_error(client.post("/api/embed", json={"model": MODEL, "input": "a", "dimensions": DIM + 1}), 400, "dimensions")
     ollama_error(client.post("/api/embed", json={"model": MODEL, "input": "a", "dimensions": -1}), 400, "dimensions")
     ollama_error(client.post("/api/embed", json={"model": MODEL, "input": "a", "dimensions": "8"}), 400, "dimensions")
@@ -232,7 +231,8 @@ def test_bad_bodies_get_400_in_ollamas_shape_never_500(client):
               b'{"model": "all-minilm", "input": [1, 2]}', b'{"model": "all-minilm", "input": {"a": 1}}',
               b'{"model": "all-minilm", "input": "a", "dimensions": 1e9}',
               b'{"model": "all-minilm", "input": "a", "attention": {"seed": 1e30}}',
-              b'{"model": "all-minilm", "input": "a", "attention": []}', b'{"model": "all-minilm", "input": "a", "inputs": "b"}']  # fmt: skip
+              b'{"model": "all-minilm", "input": "a", "attention": []}',
+              b'{"model": "all-minilm", "input": "a", "inputs": "b"}']  # fmt: skip
     for path in ("/api/embed", "/api/embeddings", "/api/show"):
         for body in bodies:
             response = client.post(path, content=body, headers={"content-type": "application/json"})
@@ -258,7 +258,8 @@ def test_metrics_count_each_ollama_route(client):
             if name == "clusterserve_requests_total" and dict(labels)["endpoint"] == endpoint and dict(labels)["code"] == code
         )  # fmt: skip
 
-    calls = [("post", "/api/embed", {"model": MODEL, "input": "a"}, "200"), ("post", "/api/embed", {"model": "x", "input": "a"}, "404"),
+    calls = [("post", "/api/embed", {"model": MODEL, "input": "a"}, "200"),
+             ("post", "/api/embed", {"model": "x", "input": "a"}, "404"),
              ("post", "/api/embeddings", {"model": MODEL, "prompt": "a"}, "200"), ("get", "/api/tags", None, "200"),
              ("post", "/api/show", {"model": MODEL}, "200"), ("get", "/api/version", None, "200")]  # fmt: skip
     for verb, path, body, code in calls:
