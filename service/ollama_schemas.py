@@ -44,7 +44,7 @@ class OllamaEmbedRequest(BaseModel):
     )
     truncate: StrictBool = Field(True, description="cut inputs longer than the limit (Ollama's default) instead of 413")
     dimensions: json_int(ge=0) | None = Field(
-        None, description="keep the first n dimensions, then re-normalise (Matryoshka); 0 or unset: all"
+        None, description="keep the first n dimensions, then re-normalise (Matryoshka); 0, unset or the width or more: all"
     )
     options: dict[str, Any] | None = Field(None, description=OPTIONS_DESCRIPTION)
     keep_alive: Union[StrictInt, StrictFloat, str, None] = Field(None, description=KEEP_ALIVE_DESCRIPTION)

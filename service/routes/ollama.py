@@ -116,14 +116,14 @@ def _nanoseconds_since_arrival(request: Request) -> int:
     dependencies=[Depends(require_api_key)],
 )
 async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> Response:
-    model_for(request, body.model, not_pulled)
+    encoder = model_for(request, body.model, not_pulled)
     if not body.input:  # Ollama's clients send this to load a model; it is loaded
         return JSONResponse(
             {"model": body.model, "embeddings": [], "total_duration": _nanoseconds_since_arrival(request),
              "load_duration": 0, "prompt_eval_count": 0}
         )  # fmt: skip
-    # Ollama's 0 is "all of them"; more than the model has is a 400 naming the field, below.
-    dimensions = body.dimensions or None
+    # As Ollama: 0, or as many as the model has or more, keeps them all.
+    dimensions = body.dimensions if body.dimensions and body.dimensions < encoder.dim else None
     options = EmbedOptions("input", body.attention, body.truncate, dimensions=dimensions, prompt_name=NO_PROMPT)
     embedded = await embed(request, body.input, options)
 
