@@ -1,23 +1,45 @@
 """What an input costs to embed, estimated before it runs, and the knob that drives it.
 
-Work is counted in work units: one unit is a floating-point operation of a dense matrix
-product (the feed-forward blocks, the projections, exact attention). The other steps of the
-approximate methods run below that rate (popcounts, gathers, sorts), so each is weighted by
-how many GEMM operations it costs, chosen against the measured times of the shipped CPU
-calibration table (`python -m bench.cost_check`: the estimate is within 0.34x-1.26x of every
-measured configuration there, relative to exact attention, 1k-32k tokens). Per attending layer and head, for n tokens, head dim d:
+Work is counted in work units: one unit is the time of one operation of a float32 dense
+matrix product on the CPU (the projections and feed-forward blocks). Every step of a forward
+pass is counted in operations and weighted by what one of its operations costs in units,
+by the dtype the encoder computes in. Per attending layer and head, for n tokens, head dim d,
+C clusters, top-k k, SMYRF cluster size S:
 
-    full          4 n^2 d
-    clustered     hash 9 x 2 n bits d  +  Hamming K-means 23 x iterations n C
-                  + refinement 1.3 x refine n C 2d  +  centroid attention 0.47 x 4 C n d
-    i-clustered   clustered  +  top-k part 20 x (4 n k d + C n)
-    smyrf         rounds x (1.5 x 4 n S d  +  280 x n log2 n)
-    local window  4 n w d
+    full          exact x 4 n^2 d
+    clustered     hash x 2 n bits d  +  kmeans x iterations n C  +  refine x refine n C 2d
+                  +  centroid x 4 C n d                 (the centroid pass: SDPA, or vdpbf16ps)
+    i-clustered   the same hashing and clustering  +  centroid_topk x 4 C n d  (the native pass
+                  that also keeps each cluster's top k)  +  topk x 4 n k d  +  gather x C k d
+                  (each cluster's top-k keys and values gathered, memory-bound)
+    smyrf         rounds x (smyrf x 4 n S d  +  sort x n log2 n)
+    banded        exact x 4 n (block (2 band + 1) + n / block + sinks) d
+    local window  exact x 4 n w d
 
-and outside attention, 2 x the layers' parameters per token. A device turns units into
-seconds at its own rate (`Throughput`, measured once at start-up), so a budget in units holds
-the same work on every device; the per-step weights are those of the CPU loops, which makes
-the estimate coarser on a GPU (within the factor of a few a budget needs).
+and outside attention, dense x 2 x the layers' parameters per token. The weights (WEIGHTS)
+were fitted to the measured times of the shipped CPU calibration tables, all at once: a
+least-squares fit of every configuration's time on a log scale, with one weight per step
+for every dtype except the three steps whose code depends on it: the dense layers (bfloat16
+GEMMs run ~3.7x faster than float32's on a CPU with AVX512-BF16), exact attention (SDPA keeps
+float32's pace in bfloat16) and clustered attention's centroid pass (SDPA in float32, the
+native vdpbf16ps pass in bfloat16); the native loops read bfloat16 and compute in float32 at
+about float32's pace. That is why the dtype matters: in bfloat16 the dense layers are a
+smaller part of every input, so exact attention costs relatively more and the approximate
+methods save relatively more, and their fixed costs (clustering, gathers) weigh more at
+short lengths. `python -m bench.cost_check` compares the estimate with every table, as
+estimated over measured cost relative to exact attention in the same bucket (1.0 is exact):
+
+    all-MiniLM-L6-v2   float32    1k-32k tokens    72 configurations   0.43-1.15
+    all-MiniLM-L6-v2   bfloat16   512-32k tokens   84 configurations   0.68-1.38
+
+(measured on a 2-core AMD EPYC with AVX512-BF16; tests hold every shipped table to 1/3-3x).
+
+A device turns units into seconds at its own rate (`Throughput`, measured once at start-up
+by a forward pass in the served dtype), so a budget in units holds the same work on every
+device. On other device kinds (CUDA), and in dtypes without a table, the float32 CPU weights
+serve: no table measured there says otherwise, and the ranking is coarser there (within the
+factor of a few a budget needs). The bfloat16 weights assume a CPU that multiplies bfloat16
+natively (the CPUs `dtype="auto"` serves bfloat16 on).
 """
 
 from __future__ import annotations
@@ -34,25 +56,49 @@ from kernels import KNOB_RANGES, METHOD_KNOBS, AttentionSpec
 
 from .config import EncoderConfig
 
-# Work units per operation of each approximate step (see the module docstring).
-WEIGHTS = {"hash": 9.0, "kmeans": 23.0, "refine": 1.3, "centroid": 0.47, "topk": 20.0, "smyrf": 1.5, "sort": 280.0}
+# Work units per operation of each step, by the dtype an encoder computes in on a CPU (see the
+# module docstring); one unit is one operation of float32 dense layers.
+WEIGHTS: dict[str, dict[str, float]] = {
+    "float32": {
+        "dense": 1.0, "exact": 0.81, "centroid": 1.5,
+        "hash": 0.82, "kmeans": 2.9, "refine": 0.46, "centroid_topk": 0.88, "topk": 1.5, "gather": 1400.0,
+        "smyrf": 0.48, "sort": 24.0,
+    },
+    "bfloat16": {
+        "dense": 0.27, "exact": 0.75, "centroid": 0.17,
+        "hash": 0.82, "kmeans": 2.9, "refine": 0.46, "centroid_topk": 0.88, "topk": 1.5, "gather": 1400.0,
+        "smyrf": 0.48, "sort": 24.0,
+    },
+}  # fmt: skip
+
+
+def weights_for(device: str, dtype: str) -> dict[str, float]:
+    """The step weights of an encoder on a device of kind `device` ("cpu", "cuda") computing in
+    `dtype` ("float32", "bfloat16", ...): the CPU's row for its dtype; float32's row for a dtype
+    without one and on other devices, where no table has been measured."""
+    return WEIGHTS.get(dtype, WEIGHTS["float32"]) if device == "cpu" else WEIGHTS["float32"]
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """The shape facts of one encoder that its work depends on."""
+    """The facts of one encoder that its work depends on: its shape, and the dtype and device
+    kind it computes in (they set the weights of the steps)."""
 
-    per_token: float  # work units per token outside attention, every layer
+    per_token: float  # operations per token of the dense layers (projections, feed-forward), every layer
     heads: int
     head_dim: int
     global_layers: int  # layers that attend by the request's spec
     local_layers: int = 0  # layers of exact windowed attention (ModernBERT)
     window: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"  # the device kind
 
     @classmethod
     def of(cls, config: EncoderConfig, model: nn.Module) -> CostModel:
+        """The cost model of `model` as it is: its dtype and device kind are its parameters'."""
         layer_parameters = sum(p.numel() for name, p in model.named_parameters() if name.startswith("layers."))
         global_layers = sum(1 for i in range(config.num_layers) if config.is_global_layer(i))
+        first = next(model.parameters())
         return cls(
             per_token=2.0 * layer_parameters,
             heads=config.num_heads,
@@ -60,34 +106,45 @@ class CostModel:
             global_layers=global_layers,
             local_layers=config.num_layers - global_layers,
             window=config.local_attention,
+            dtype=str(first.dtype).removeprefix("torch."),
+            device=first.device.type,
         )
 
+    @property
+    def weights(self) -> dict[str, float]:
+        return weights_for(self.device, self.dtype)
+
     def attention(self, tokens: int, spec: AttentionSpec) -> float:
-        """Work units of one attending layer and head over `tokens` tokens."""
-        n, d = float(tokens), float(self.head_dim)
+        """Work units of one attending layer and head over `tokens` tokens, attending by `spec`
+        as given (a caller that runs an approximate spec that is exact by its knobs as exact
+        attention, as the server does, passes exact attention's spec)."""
+        w, n, d = self.weights, float(tokens), float(self.head_dim)
         if spec.method == "full":
-            return 4 * n * n * d
+            return w["exact"] * 4 * n * n * d
         if spec.method == "smyrf":
             size = min(spec.cluster_size, tokens)
-            return spec.hash_rounds * (WEIGHTS["smyrf"] * 4 * n * size * d + WEIGHTS["sort"] * n * math.log2(max(n, 2)))
+            return spec.hash_rounds * (w["smyrf"] * 4 * n * size * d + w["sort"] * n * math.log2(max(n, 2)))
+        if spec.method == "banded":  # the band's keys, one pooled key per block, the sinks
+            keys = min((2 * spec.band + 1) * spec.block, tokens) + -(-tokens // spec.block) + spec.sinks + 1
+            return w["exact"] * 4 * n * min(keys, tokens) * d
         if spec.method not in ("clustered", "i-clustered"):
             raise ValueError(f"spec: a concrete method, got {spec.method!r}")
         clusters = min(spec.clusters, tokens)
         work = (
-            WEIGHTS["hash"] * 2 * n * spec.bits * d
-            + WEIGHTS["kmeans"] * spec.iterations * n * clusters
-            + WEIGHTS["refine"] * spec.refine * n * clusters * 2 * d
-            + WEIGHTS["centroid"] * 4 * clusters * n * d
+            w["hash"] * 2 * n * spec.bits * d
+            + w["kmeans"] * spec.iterations * n * clusters
+            + w["refine"] * spec.refine * n * clusters * 2 * d
         )
-        if spec.method == "i-clustered":
-            work += WEIGHTS["topk"] * (4 * n * min(spec.topk, tokens) * d + clusters * n)
-        return work
+        if spec.method == "clustered":
+            return work + w["centroid"] * 4 * clusters * n * d
+        topk = min(spec.topk, tokens)
+        return work + w["centroid_topk"] * 4 * clusters * n * d + w["topk"] * 4 * n * topk * d + w["gather"] * clusters * topk * d
 
     def work(self, tokens: int, spec: AttentionSpec) -> float:
         """Work units of one input of `tokens` tokens attending by a concrete `spec`."""
-        local = 4.0 * tokens * min(self.window, tokens) * self.head_dim
+        local = self.weights["exact"] * 4.0 * tokens * min(self.window, tokens) * self.head_dim
         attention = self.global_layers * self.attention(tokens, spec) + self.local_layers * local
-        return self.per_token * tokens + self.heads * attention
+        return self.weights["dense"] * self.per_token * tokens + self.heads * attention
 
 
 @dataclass(frozen=True)
@@ -151,6 +208,7 @@ def over_budget(
     server's default knobs; AttentionSpec()'s when None); the first is the one that drives the
     work. As few of the next ones as needed are set to their defaults (`others`) for the
     request to fit, and the largest value of the first that then fits is found."""
+
     def total(caps: dict[str, int]) -> float:
         return sum(cost.work(n, _capped(spec, caps)) for n, spec in inputs)
 

@@ -112,7 +112,7 @@ class Settings(BaseSettings):
         gt=0,
         description="budget of estimated work per request, in seconds of this device's time (models.cost, at the "
         "throughput measured at start-up); a request over it is refused with 422 naming the knob that drives it; "
-        "unset = four inputs of the model's longest length at the most costly default method or calibrated "
+        "unset = two inputs of the model's longest length at the most costly default method or calibrated "
         "configuration",
     )
     request_timeout_s: float = Field(

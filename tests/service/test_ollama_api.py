@@ -150,7 +150,7 @@ def test_attention_is_an_extension_with_the_other_routes_knobs_echo_and_errors(c
 
 
 def test_a_request_over_the_work_budget_is_a_400_naming_the_knob(client):
-    heavy = {"method": "i-clustered", "clusters": 900, "topk": 900, "iterations": 100, "refine": 100}
+    heavy = {"method": "i-clustered", "clusters": 900, "topk": 128, "iterations": 100, "refine": 100}
     body = {"model": MODEL, "input": license_text(6000), "attention": heavy}
     says = ollama_error(client.post("/api/embed", json=body), 400, "over its budget")
     assert says.startswith("attention.clusters: ")
