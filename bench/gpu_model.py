@@ -4,18 +4,27 @@ per launch and per call, and its ratio to exact attention (FlashAttention-2 and 
     python -m bench.gpu_model [--lengths 4096 16384 65536] [--head-dims 64 32] [--json PATH]
 
 Every figure is an estimate. Per launch (recorded by bench.gpu_static, compiled for sm_90):
-programs and waves on 132 SMs; occupancy from registers, shared memory and warps; the
-instructions one program issues (SASS per loop x trip counts: bench.sass, bench.trip_counts)
-priced by the unit that runs them (bench.warp_cost); HBM and L2 bytes; then
+programs and waves on 132 SMs; occupancy from registers, shared memory and warps (CTAs per SM);
+the instructions the slowest program issues (SASS per loop x trip counts: bench.sass,
+bench.trip_counts, the kernels' LOOP_BOUNDS giving the slowest program's data-dependent bounds)
+priced by the unit that runs them (bench.warp_cost); HBM and L2 bytes by working set; then
 
     est_us = launch + max(issue-bound, latency-bound, bandwidth-bound)
 
 issue-bound: waves x warps per SMSP x one warp's busy cycles (bench.warp_cost);
-latency-bound: waves x one warp alone, issuing in order and waiting for its operands;
-bandwidth-bound: HBM bytes / HBM bandwidth, or L2 bytes / L2 bandwidth, whichever is longer.
-Torch ops in a call (fills, SMYRF's argsorts) are priced by their bytes. The report also
-validates the model: bench/flash_attention.py's FlashAttention-2 kernel against published H100
-figures of Triton's fused attention. bench/README.md explains the model and its constants.
+latency-bound: waves x one warp alone, issuing in order and waiting for its operands, a global
+load's latency an L2 hit's or HBM's in the proportion of its bytes each serves;
+bandwidth-bound: the longest of HBM bytes / HBM bandwidth, L2 bytes / L2 bandwidth, and L2
+bytes / what the grid's SMs move (a grid under 132 programs leaves SMs idle).
+Where loads hit: a first touch comes from HBM; a re-read misses the 50 MB L2 in the proportion
+by which one wave's share of the launch's working set overflows it (where_loads_hit).
+PyTorch ops of a call are priced as the kernels PyTorch launches for them (library_kernels:
+a segmented sort is an index fill, a key copy and cub's radix passes of one CTA a segment).
+Per call: the device's time in a CUDA graph plus one replay (the speed-ups), and op by op the
+host's time per launch, library kernel and allocation against the device's. Exact attention is
+FlashAttention-2 / -3 at their published H100 rates (FA2: Triton's, the faster FA2). The report
+also validates the model: bench/flash_attention.py's FlashAttention-2 kernel against published
+H100 figures of Triton's fused attention. bench/README.md explains the model and its constants.
 """
 
 from __future__ import annotations
@@ -41,30 +50,62 @@ from .trip_counts import UnknownBound, bound_arguments, declared_bounds, loop_tr
 SMS = 132  # H100 SXM5 (NVIDIA H100 datasheet)
 HBM_BYTES_PER_S = 3.35e12  # HBM3, H100 SXM5 datasheet
 L2_BYTES_PER_S = 7.0e12  # modelled: Chips and Cheese measured ~5.5 TB/s on the 114-SM PCIe card
-LAUNCH_US = 2.0  # modelled: one kernel boundary inside a CUDA graph (drain + fill)
-RADIX_PASSES = 4  # modelled: torch's argsort of float32 keys with int64 indices, read + write per pass
+L2_BYTES = 50e6  # H100 SXM5 datasheet: 50 MB of L2
+SM_BYTES_PER_CLK = 64  # modelled: what one SM moves to and from L2 a clock (a grid under 132 programs)
+HBM_LATENCY = 600  # cycles, a load served by HBM (an L2 hit: warp_cost.LATENCY["global"])
+LAUNCH_US = 2.0  # modelled: one kernel boundary on the device (drain + fill), in a CUDA graph or not
+# Host time (modelled, Python included): a Triton launch through its Python launcher (binding,
+# specialisation key, cache look-up, cuLaunchKernel); a torch op through ATen's dispatch; a
+# tensor from the caching allocator; one replay of a captured CUDA graph.
+HOST_TRITON_LAUNCH_US = 12.0
+HOST_TORCH_OP_US = 6.0
+HOST_ALLOCATION_US = 3.0
+HOST_GRAPH_REPLAY_US = 10.0
+HOST_SYNC_US = 10.0  # a device-to-host read: the host waits, the device idles until the next launch
+# torch.sort along a dim longer than 4096: cub's segmented radix sort, one CTA per segment,
+# RADIX_BITS digit bits a pass (cub's segmented policy), after an index fill and a key copy.
+SORT_IN_SHARED_MAX, RADIX_BITS = 4096, 6
 # Per SM on sm_90 (CUDA C++ Programming Guide, technical specifications for compute capability
 # 9.0): 64 K registers (allocated per warp in units of 256), 228 KB shared memory (1 KB of it
 # reserved per block), 32 blocks, 64 warps.
 REGISTERS, REGISTER_UNIT, SHARED_BYTES, SHARED_PER_BLOCK, MAX_BLOCKS, MAX_WARPS = 65536, 256, 233472, 1024, 32, 64
 
-# Exact attention on an H100 80GB SXM5, forward, non-causal, bf16/fp16, TFLOP/s by sequence
-# length (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, figure "Attention forward speed,
-# head dim 64"; B x N = 16k, 32 heads). Head dim 32 has no published figure: it uses d = 64's.
-FA_TFLOPS = {"fa2": {512: 282, 1024: 306, 2048: 318, 4096: 321, 8192: 322, 16384: 324},
+# Exact attention on an H100 80GB SXM5, forward, non-causal, bf16/fp16, head dim 64, TFLOP/s by
+# sequence length (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, figure "Attention
+# forward speed, head dim 64"; B x N = 16k). FA2 is the faster of the two FlashAttention-2 kernels
+# there, Dao's CUDA one and Triton's fused attention (the kernel this model validates on: 400
+# TFLOP/s at 4k, 403 at 16k); below 4k, where only the CUDA one is published, its curve scaled
+# to Triton's 4k figure. Head dim 32 has no published figure: it uses d = 64's.
+_FA2_CUDA = {512: 282, 1024: 306, 2048: 318, 4096: 321, 8192: 322, 16384: 324}
+FA_TFLOPS = {"fa2": {n: max(tf, round(tf * 400 / 321)) if n < 4096 else {4096: 400, 8192: 401, 16384: 403}[n]
+                     for n, tf in _FA2_CUDA.items()},
              "fa3": {512: 333, 1024: 392, 2048: 460, 4096: 476, 8192: 496, 16384: 497}}
 
-# What the report covers: the default knobs (bench.cpu) and the calibration grid's.
+# Pipeline stages, by kernel: the per-stage figures of the report.
+STAGES = {"_hash_kernel": "hash", "_hamming_initial_kernel": "k-means (Hamming)",
+          "_hamming_assign_kernel": "k-means (Hamming)", "_hamming_update_kernel": "k-means (Hamming)",
+          "_sums_kernel": "refine (queries)", "_means_kernel": "refine (queries)",
+          "_candidates_kernel": "refine (queries)", "_donor_kernel": "refine (queries)",
+          "_nearest_kernel": "refine (queries)", "_centroid_attention_kernel": "centroid attention",
+          "_centroid_combine_kernel": "centroid attention", "_centroid_topk_kernel": "top-k",
+          "_centroid_topk_combine_kernel": "top-k", "_layout_counts_kernel": "layout",
+          "_layout_offsets_kernel": "layout", "_layout_scatter_kernel": "layout",
+          "_broadcast_kernel": "broadcast / sparse", "_improved_tile_kernel": "broadcast / sparse",
+          "_smyrf_norms_kernel": "smyrf hash", "_smyrf_hash_kernel": "smyrf hash",
+          "_smyrf_attention_kernel": "smyrf attention"}
+
+# What the report covers: the methods' defaults (AttentionSpec's, which service.settings serves)
+# with only the knobs the label names changed.
 SPECS = {
-    "clustered 100": AttentionSpec(method="clustered", clusters=100, bits=63, iterations=10),
+    "clustered 100": AttentionSpec(method="clustered", clusters=100),
     "i-clustered 100/32 (paper)": AttentionSpec(method="i-clustered", clusters=100, topk=32, refine=0),
-    "i-clustered 100/32": AttentionSpec(method="i-clustered", clusters=100, topk=32, refine=3),
+    "i-clustered 100/32": AttentionSpec(method="i-clustered", clusters=100, topk=32),
     "smyrf 4x64": AttentionSpec(method="smyrf", hash_rounds=4, cluster_size=64),
-    "clustered 200": AttentionSpec(method="clustered", clusters=200, iterations=5, refine=3),
-    "clustered 400": AttentionSpec(method="clustered", clusters=400, iterations=5, refine=3),
-    "clustered 1600": AttentionSpec(method="clustered", clusters=1600, iterations=5, refine=3),
-    "i-clustered 200/32": AttentionSpec(method="i-clustered", clusters=200, topk=32, iterations=5, refine=3),
-    "i-clustered 400/64": AttentionSpec(method="i-clustered", clusters=400, topk=64, iterations=5, refine=3),
+    "clustered 200": AttentionSpec(method="clustered", clusters=200),
+    "clustered 400": AttentionSpec(method="clustered", clusters=400),
+    "clustered 1600": AttentionSpec(method="clustered", clusters=1600),
+    "i-clustered 200/32": AttentionSpec(method="i-clustered", clusters=200, topk=32),
+    "i-clustered 400/64": AttentionSpec(method="i-clustered", clusters=400, topk=64),
 }
 
 
@@ -77,9 +118,11 @@ class LaunchEstimate:
     shared_bytes: int
     blocks_per_sm: int  # occupancy: resident programs per SM
     waves: float  # programs / (132 x blocks_per_sm)
-    instructions: float  # warp instructions one program issues (SASS per loop x trip counts x warps)
+    instructions: float  # warp instructions the slowest program issues (SASS per loop x trip counts x warps)
+    working_set_bytes: float  # the launch's tensors
     hbm_bytes: float
     l2_bytes: float
+    hbm_fraction: float  # of the loaded bytes, those served by HBM (the rest: L2 hits)
     issue_us: float
     latency_us: float
     bandwidth_us: float
@@ -163,28 +206,48 @@ def occupancy(registers: int, warps: int, shared_bytes: int) -> int:
     return max(1, min(MAX_BLOCKS, MAX_WARPS // warps, by_registers, by_shared))
 
 
+def where_loads_hit(working_set: float, l2_bytes: float, programs: int, resident: int) -> tuple[float, float]:
+    """(HBM bytes, fraction of loaded bytes served by HBM) of a launch that loads l2_bytes from a
+    working set of its tensors' bytes. A first touch of each byte comes from HBM (bandwidth); its
+    latency is an L2 hit only when the whole working set fits the L2 (a previous launch left it
+    there). A re-read misses the L2 in the proportion by which what one wave of programs touches
+    (its share of the working set, in grid order) overflows the L2."""
+    if not l2_bytes:
+        return working_set, 1.0
+    first = min(working_set, l2_bytes)
+    rereads = l2_bytes - first
+    wave = working_set * min(1.0, SMS * resident / max(programs, 1))
+    reread_miss = max(0.0, 1.0 - L2_BYTES / wave) if wave else 0.0
+    first_miss = 1.0 if working_set > L2_BYTES else 0.0
+    return first + rereads * reread_miss, (first * first_miss + rereads * reread_miss) / l2_bytes
+
+
 def estimate_launch(launch: Launch, capability: int = 90) -> LaunchEstimate:
     """The model's figures for one recorded launch (see the module docstring)."""
     variant = compiled(launch, capability)
     trips = loop_trip_counts(launch, variant)
-    warp = warp_cost.warp_cost(variant.listing, variant.loops, lambda loop: trips[id(loop)])
     warps, registers, shared = variant.warps, variant.registers, variant.shared_bytes
     resident = occupancy(registers, warps, shared)
     programs = launch.programs
+    working_set = sum(math.prod(shape) * size for shape, size in filter(None, launch.shapes))
+    loaded = warp_cost.warp_cost(variant.listing, variant.loops, lambda loop: trips[id(loop)], simulate=False).global_bytes
+    l2_bytes = loaded * warps * programs
+    hbm_bytes, from_hbm = where_loads_hit(working_set, l2_bytes, programs, resident)
+    global_latency = warp_cost.LATENCY["global"] + from_hbm * (HBM_LATENCY - warp_cost.LATENCY["global"])
+    warp = warp_cost.warp_cost(variant.listing, variant.loops, lambda loop: trips[id(loop)], global_latency)
     per_sm = math.ceil(programs / SMS)
     together = min(per_sm, resident)
     waves = math.ceil(per_sm / together)
     warps_per_smsp = math.ceil(together * warps / warp_cost.SMSPS)
     issue = waves * warps_per_smsp * warp.busy / warp_cost.CLOCK_HZ
     latency = waves * warp.latency / warp_cost.CLOCK_HZ
-    l2_bytes = warp.global_bytes * warps * programs
-    tensor_bytes = sum(math.prod(shape) * size for shape, size in filter(None, launch.shapes))
-    hbm_bytes = min(tensor_bytes, l2_bytes) if l2_bytes else tensor_bytes
-    bandwidth = max(hbm_bytes / HBM_BYTES_PER_S, l2_bytes / L2_BYTES_PER_S)
+    active_sms = min(programs, SMS)
+    bandwidth = max(hbm_bytes / HBM_BYTES_PER_S, l2_bytes / L2_BYTES_PER_S,
+                    l2_bytes / (active_sms * SM_BYTES_PER_CLK * warp_cost.CLOCK_HZ))
     est = LAUNCH_US + 1e6 * max(issue, latency, bandwidth)
     return LaunchEstimate(launch.name, programs, warps, registers, shared, resident, programs / (SMS * resident),
-                          warp.instructions * warps, hbm_bytes, l2_bytes, 1e6 * issue, 1e6 * latency, 1e6 * bandwidth, est,
-                          _loop_rows(variant.listing, variant.loops, trips))
+                          warp.instructions * warps, working_set, hbm_bytes, l2_bytes, from_hbm, 1e6 * issue,
+                          1e6 * latency, 1e6 * bandwidth, est, _loop_rows(variant.listing, variant.loops, trips))
 
 
 def _loop_rows(listing, loops, trips, runs: float = 1.0) -> list[dict]:
@@ -202,10 +265,49 @@ def _loop_rows(listing, loops, trips, runs: float = 1.0) -> list[dict]:
     return rows
 
 
-def torch_op_us(name: str, read: int, written: int) -> float:
-    """A torch op of the call: its bytes at HBM bandwidth (a sort: RADIX_PASSES reads and writes)."""
-    passes = 2 * RADIX_PASSES if "sort" in name else 1
-    return LAUNCH_US + 1e6 * passes * (read + written) / HBM_BYTES_PER_S
+def _bytes_us(nbytes: float, programs: int = SMS) -> float:
+    """A library kernel that streams nbytes: HBM or L2 bandwidth by its working set, or what its
+    programs' SMs move when it has fewer than 132 (microseconds, launch boundary apart)."""
+    sms = min(max(programs, 1), SMS)
+    rate = min(HBM_BYTES_PER_S if nbytes > L2_BYTES else L2_BYTES_PER_S,
+               sms * SM_BYTES_PER_CLK * warp_cost.CLOCK_HZ)
+    return 1e6 * nbytes / rate
+
+
+def library_kernels(name: str, read: int, written: int, shapes: list) -> list[tuple[str, float]]:
+    """The kernels PyTorch's CUDA backend launches for one op of the call, each (name, est_us).
+
+    sort / argsort along a dim of n > 4096 (the recorded calls' case): an index fill, a copy of
+    the keys, then cub's segmented radix sort, ceil(key bits / RADIX_BITS) passes of one CTA per
+    segment, each pass reading the keys for its digit counts and keys and values again to
+    scatter them (keys float32, values int64); n <= 4096: one sort in shared memory a segment.
+    topk: radix selection over the input, 4 digit passes of two kernels, a gather, a sort of the
+    k results. cumsum: one scan. Fills, copies and element-wise ops: one kernel at their bytes."""
+    base = name.removesuffix("_")
+    shape = shapes[0] if shapes else ()
+    if base in ("sort", "argsort") and shape:
+        n = shape[-1]
+        segments = math.prod(shape[:-1])
+        key, value = read / max(segments * n, 1), 8
+        if n <= SORT_IN_SHARED_MAX:
+            return [("sort in shared memory", LAUNCH_US + _bytes_us(read + written, segments))]
+        passes = math.ceil(8 * key / RADIX_BITS)
+        waves = math.ceil(segments / SMS)
+        per_pass = waves * 1e6 * n * (key + 2 * (key + value)) / (SM_BYTES_PER_CLK * warp_cost.CLOCK_HZ)
+        return ([("index fill", LAUNCH_US + _bytes_us(segments * n * value)),
+                 ("key copy", LAUNCH_US + _bytes_us(2 * read))]
+                + [(f"segmented radix pass {i + 1}/{passes}", LAUNCH_US + per_pass) for i in range(passes)])
+    if base == "topk" and shape:
+        kernels = [(f"radix select {i // 2 + 1}/4", LAUNCH_US + _bytes_us(read)) for i in range(8)]
+        return kernels + [("gather", LAUNCH_US + _bytes_us(read + written)),
+                          ("sort of the k", LAUNCH_US + _bytes_us(2 * written))]
+    return [(base, LAUNCH_US + _bytes_us(read + written))]
+
+
+def host_us(launches: int, torch_kernels: int, allocations: int, syncs: int) -> float:
+    """The host's time for one call issued op by op (no CUDA graph)."""
+    return (launches * HOST_TRITON_LAUNCH_US + torch_kernels * HOST_TORCH_OP_US + allocations * HOST_ALLOCATION_US
+            + syncs * HOST_SYNC_US)
 
 
 def exact_ms(n: int, head_dim: int, heads: int = HEADS, batch: int = 1, which: str = "fa2") -> float:
@@ -218,19 +320,44 @@ def exact_ms(n: int, head_dim: int, heads: int = HEADS, batch: int = 1, which: s
 
 def estimate_call(label: str, spec: AttentionSpec, n: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
                   capability: int = 90) -> dict:
-    """Per launch and per call: the estimate of one attention() call on (1, 12, n, head_dim)."""
+    """Per launch and per call: the estimate of one attention() call on (1, 12, n, head_dim).
+
+    device_ms: the launches and the library kernels back to back. In a CUDA graph the call is
+    the device's time plus one replay (graph_ms); op by op (eager_ms) the host issues every
+    launch, op and allocation, and the device waits whenever the host is behind: the longer
+    of the two, plus a sync's wait each. The speed-ups are graph_ms's, as the service replays
+    its captured graphs; eager ones are reported beside them."""
     ops: list = []
     launches, counts = record_spec(spec, n, head_dim, dtype, ops=ops)
     rows = [estimate_launch(launch, capability) for launch in launches]
-    torch_us = [torch_op_us(*op) for op in ops]
-    est_ms = (sum(r.est_us for r in rows) + sum(torch_us)) / 1e3
+    library = [(op[0], library_kernels(*op)) for op in ops]
+    device_us = sum(r.est_us for r in rows) + sum(us for _, kernels in library for _, us in kernels)
+    host = host_us(len(launches), sum(len(kernels) for _, kernels in library), counts["allocations"], counts["syncs"])
+    graph_ms = (device_us + HOST_GRAPH_REPLAY_US) / 1e3
+    # Op by op the device starts after the first launch is issued and ends after the last one runs.
+    first_us = HOST_TRITON_LAUNCH_US if launches else HOST_TORCH_OP_US
+    last_us = rows[-1].est_us if rows else 0.0
+    eager_ms = (max(first_us + device_us, host + last_us) + counts["syncs"] * HOST_SYNC_US) / 1e3
+    stages: dict = {}
+    for r in rows:
+        stage = STAGES.get(r.kernel, r.kernel)
+        stages[stage] = stages.get(stage, 0.0) + r.est_us
+    for name, kernels in library:
+        stage = "smyrf sort" if "sort" in name else f"torch {name}"
+        stages[stage] = stages.get(stage, 0.0) + sum(us for _, us in kernels)
     fa2, fa3 = exact_ms(n, head_dim), exact_ms(n, head_dim, which="fa3")
     return dict(method=label, spec=asdict(spec), seq_len=n,
                 head_dim=head_dim, dtype=str(dtype).removeprefix("torch."), launches=[
                     dict(asdict(r), bound=r.bound) for r in rows],
-                torch_ops=[dict(op=name, us=us) for (name, _, _), us in zip(ops, torch_us)],
-                est_ms=est_ms, exact_fa2_ms=fa2, exact_fa3_ms=fa3,
-                est_speedup_fa2=fa2 / est_ms, est_speedup_fa3=fa3 / est_ms)
+                torch_ops=[dict(op=name, kernels=len(kernels), us=sum(us for _, us in kernels),
+                                parts=[dict(kernel=k, us=us) for k, us in kernels]) for name, kernels in library],
+                triton_launches=len(launches), library_kernels=sum(len(k) for _, k in library),
+                allocations=counts["allocations"], syncs=counts["syncs"], stages_us=stages,
+                device_ms=device_us / 1e3, host_eager_ms=host / 1e3, graph_ms=graph_ms, eager_ms=eager_ms,
+                graph_host_share=HOST_GRAPH_REPLAY_US / 1e3 / graph_ms,
+                est_ms=graph_ms, exact_fa2_ms=fa2, exact_fa3_ms=fa3,
+                est_speedup_fa2=fa2 / graph_ms, est_speedup_fa3=fa3 / graph_ms,
+                eager_speedup_fa2=fa2 / eager_ms)
 
 
 # ---- validation: a FlashAttention-2 kernel against published H100 throughput --------------------
@@ -275,38 +402,59 @@ def validate() -> list[dict]:
 
 def build_report(labels: list[str], lengths: list[int], head_dims: list[int]) -> dict:
     calls = [estimate_call(label, SPECS[label], n, d) for d in head_dims for n in lengths for label in labels]
+    validation = validate()
+    errors = [abs(v["error"]) for v in validation]
     return dict(label="estimate, sm_90 offline, no GPU", device="H100 SXM5 (modelled)", batch=1, heads=HEADS,
-                dtype="bfloat16", constants=dict(sms=SMS, clock_hz=warp_cost.CLOCK_HZ, hbm_bytes_per_s=HBM_BYTES_PER_S,
-                                                 l2_bytes_per_s=L2_BYTES_PER_S, launch_us=LAUNCH_US,
-                                                 latency_cycles=warp_cost.LATENCY, exact_tflops=FA_TFLOPS),
-                validation=validate(), calls=calls)
+                dtype="bfloat16", constants=dict(
+                    sms=SMS, clock_hz=warp_cost.CLOCK_HZ, hbm_bytes_per_s=HBM_BYTES_PER_S,
+                    l2_bytes_per_s=L2_BYTES_PER_S, l2_bytes=L2_BYTES, sm_bytes_per_clk=SM_BYTES_PER_CLK,
+                    hbm_latency_cycles=HBM_LATENCY, launch_us=LAUNCH_US, host_triton_launch_us=HOST_TRITON_LAUNCH_US,
+                    host_torch_op_us=HOST_TORCH_OP_US, host_allocation_us=HOST_ALLOCATION_US,
+                    host_graph_replay_us=HOST_GRAPH_REPLAY_US, host_sync_us=HOST_SYNC_US,
+                    latency_cycles=warp_cost.LATENCY, exact_tflops=FA_TFLOPS),
+                validation=validation, validation_error=dict(mean_abs=sum(errors) / len(errors), max_abs=max(errors)),
+                calls=calls)
 
 
 def print_report(report: dict) -> None:
-    print("Estimates (sm_90 offline, no GPU): B = 1, 12 heads, bfloat16; exact = FlashAttention-2 / -3's "
-          "published H100 throughput")
+    print("Estimates (sm_90 offline, no GPU; H100 SXM5 modelled): B = 1, 12 heads, bfloat16; exact = "
+          "FlashAttention-2 / -3 at their published H100 throughput (FA2: Triton's, the faster)")
     for call in report["calls"]:
-        if call["head_dim"] != 64 or call["method"] not in list(SPECS)[:4]:
+        if call["head_dim"] != 64 or call["method"] not in list(SPECS)[:5]:
             continue
-        print(f"\n{call['method']} at {call['seq_len']} tokens, d = {call['head_dim']}: est {call['est_ms']:.3f} ms, "
-              f"{call['est_speedup_fa2']:.2f}x FA2, {call['est_speedup_fa3']:.2f}x FA3")
+        print(f"\n{call['method']} at {call['seq_len']} tokens, d = {call['head_dim']}: est {call['graph_ms']:.3f} ms "
+              f"in a CUDA graph ({call['est_speedup_fa2']:.2f}x FA2, {call['est_speedup_fa3']:.2f}x FA3), "
+              f"{call['eager_ms']:.3f} ms op by op ({call['eager_speedup_fa2']:.2f}x FA2; host "
+              f"{call['host_eager_ms']:.3f} ms for {call['triton_launches']} launches, {call['library_kernels']} "
+              f"library kernels, {call['allocations']} allocations); graph replay {100 * call['graph_host_share']:.1f}%")
         rows = [dict(kernel=r["kernel"].removeprefix("_").removesuffix("_kernel"), programs=r["programs"],
-                     resident=r["blocks_per_sm"], waves=f"{r['waves']:.2f}", regs=r["registers"],
-                     instr=f"{r['instructions']:.3g}", hbm_MB=f"{r['hbm_bytes'] / 1e6:.1f}",
+                     warps=r["warps"], regs=r["registers"], resident=r["blocks_per_sm"], waves=f"{r['waves']:.2f}",
+                     instr=f"{r['instructions']:.3g}", ws_MB=f"{r['working_set_bytes'] / 1e6:.1f}",
+                     hbm_MB=f"{r['hbm_bytes'] / 1e6:.1f}", from_hbm=f"{r['hbm_fraction']:.2f}",
                      issue_us=f"{r['issue_us']:.1f}", latency_us=f"{r['latency_us']:.1f}",
                      bw_us=f"{r['bandwidth_us']:.1f}", est_us=f"{r['est_us']:.1f}", bound=r["bound"])
                 for r in call["launches"]]
-        rows += [dict(kernel=f"torch {op['op']}", est_us=f"{op['us']:.1f}") for op in call["torch_ops"]]
+        rows += [dict(kernel=f"torch {op['op']} ({op['kernels']} kernels)", est_us=f"{op['us']:.1f}")
+                 for op in call["torch_ops"]]
         print_table(rows, list(rows[0]))
+    print("\nPer stage (est us, in a CUDA graph)")
+    rows = [dict(method=c["method"], seq_len=c["seq_len"], d=c["head_dim"],
+                 stages="  ".join(f"{k} {v:.0f}" for k, v in c["stages_us"].items()))
+            for c in report["calls"] if c["head_dim"] == 64]
+    print_table(rows, list(rows[0]))
     print("\nPer call")
-    rows = [dict(method=c["method"], seq_len=c["seq_len"], d=c["head_dim"], est_ms=f"{c['est_ms']:.3f}",
-                 fa2_ms=f"{c['exact_fa2_ms']:.3f}", fa3_ms=f"{c['exact_fa3_ms']:.3f}",
-                 vs_fa2=f"{c['est_speedup_fa2']:.2f}x", vs_fa3=f"{c['est_speedup_fa3']:.2f}x") for c in report["calls"]]
+    rows = [dict(method=c["method"], seq_len=c["seq_len"], d=c["head_dim"], graph_ms=f"{c['graph_ms']:.3f}",
+                 eager_ms=f"{c['eager_ms']:.3f}", fa2_ms=f"{c['exact_fa2_ms']:.3f}", fa3_ms=f"{c['exact_fa3_ms']:.3f}",
+                 vs_fa2=f"{c['est_speedup_fa2']:.2f}x", vs_fa3=f"{c['est_speedup_fa3']:.2f}x",
+                 eager_vs_fa2=f"{c['eager_speedup_fa2']:.2f}x", graph_host=f"{100 * c['graph_host_share']:.1f}%")
+            for c in report["calls"]]
     print_table(rows, list(rows[0]))
     print("\nValidation: bench/flash_attention.py's FlashAttention-2 kernel against published H100 figures")
     rows = [dict(shape="x".join(map(str, v["shape"])), published=v["tflops"], model=f"{v['est_tflops']:.0f}",
-                 error=f"{100 * v['error']:+.0f}%", source=v["source"]) for v in report["validation"]]
+                 error=f"{100 * v['error']:+.0f}%", bound=v["bound"], source=v["source"]) for v in report["validation"]]
     print_table(rows, list(rows[0]))
+    error = report["validation_error"]
+    print(f"validation error: mean |error| {100 * error['mean_abs']:.0f}%, max {100 * error['max_abs']:.0f}%")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .common import RESULTS_DIR, print_table
 from .cpu import SPECS
@@ -118,15 +119,49 @@ def record_spec(spec, n: int, head_dim: int, dtype: torch.dtype, heads: int = HE
 
     q, k, v = (torch.empty(1, heads, n, head_dim, dtype=dtype, device="meta").as_subclass(_SaysCuda) for _ in range(3))
     clear_device_constants()  # on_device's cache must not hand meta tensors to a later, real call
+    host = _HostOps()
     try:
         with counting_launches(launch=keep):
             pipeline(q, k, v, spec, None, head_dim**-0.5)  # the warm-up copies the constants
         launches.clear()
-        with counting_launches(launch=keep, ops=ops) as counts:
+        with counting_launches(launch=keep, ops=ops) as counts, host:
             pipeline(q, k, v, spec, None, head_dim**-0.5)
     finally:
         clear_device_constants()
-    return launches, dict(counts)
+    counts = dict(counts)
+    counts.update(allocations=host.allocations, syncs=host.syncs)
+    if ops is not None:  # each op's input shapes, for pricing it as the kernels PyTorch launches
+        for i, (shapes, (name, read, written)) in enumerate(zip(host.kernel_shapes, ops)):
+            ops[i] = (name, read, written, shapes)
+    return launches, counts
+
+
+class _HostOps(TorchDispatchMode):
+    """The host's side of a call: allocations (an empty tensor, or a new result of an op that
+    launches a kernel), device-to-host reads that wait for the device, and each kernel op's input
+    shapes (in the order bench.timing's counter lists the ops)."""
+
+    _VIEW_OR_ALIAS = ("detach", "lift_fresh", "alias")
+
+    def __init__(self):
+        super().__init__()
+        self.allocations = self.syncs = 0
+        self.kernel_shapes: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if getattr(func, "is_view", False) or name.startswith(self._VIEW_OR_ALIAS):
+            return out
+        if name.startswith("_local_scalar_dense"):
+            self.syncs += 1
+        elif name.startswith("empty"):  # as bench.timing's counter: no kernel
+            self.allocations += 1
+        else:
+            self.kernel_shapes.append([tuple(a.shape) for a in args if isinstance(a, torch.Tensor)])
+            if not name.endswith("_") and "out" not in (kwargs or {}):
+                self.allocations += 1
+        return out
 
 
 # ---- compiling for a target without a GPU ----------------------------------------------------

@@ -194,8 +194,12 @@ class WarpCost:
         return max(short) + sum(c for p, c in self.pipes.items() if p not in OVERLAPPED)
 
 
-def warp_cost(listing: Listing, loops: list[Loop], trips) -> WarpCost:
-    """One warp's cost of the whole kernel, each loop running trips(loop) times per entry."""
+def warp_cost(listing: Listing, loops: list[Loop], trips, global_latency: float | None = None,
+              simulate: bool = True) -> WarpCost:
+    """One warp's cost of the whole kernel, each loop running trips(loop) times per entry; a
+    global load's latency is global_latency cycles (LATENCY["global"], an L2 hit, unless given).
+    simulate=False leaves the latency out (0): the counts alone."""
+    latency = dict(LATENCY, **({"global": global_latency} if global_latency is not None else {}))
     blocks = basic_blocks(listing)
     live = reachable(listing)
     multiplier = [1.0 if b in live else 0.0 for b in range(len(blocks))]
@@ -216,26 +220,30 @@ def warp_cost(listing: Listing, loops: list[Loop], trips) -> WarpCost:
                 cost.pipes[pipe] = cost.pipes.get(pipe, 0.0) + times * cycles
             if unit(ins) == "global":
                 cost.global_bytes += times * access_bytes(ins)
+    if not simulate:
+        return cost
     inside = set().union(*(loop.blocks for loop in loops)) if loops else set()
     outside = [b for b in sorted(live) if b not in inside]
-    cost.latency = _simulate(listing, _sequence(blocks, outside, loops, listing, trips), passes=1)
+    cost.latency = _simulate(listing, _sequence(blocks, outside, loops, listing, trips, latency), passes=1,
+                             latency=latency)
     return cost
 
 
-def _loop_latency(loop: Loop, blocks, listing: Listing, trips) -> float:
+def _loop_latency(loop: Loop, blocks, listing: Listing, trips, latency: dict) -> float:
     """Cycles one warp spends in a loop per entry: trips x its steady per-iteration time."""
     if not trips(loop):
         return 0.0
     nested = set().union(*(c.blocks for c in loop.children)) if loop.children else set()
     own = [b for b in loop.blocks if b not in nested]
-    return trips(loop) * _simulate(listing, _sequence(blocks, own, loop.children, listing, trips), passes=2)
+    return trips(loop) * _simulate(listing, _sequence(blocks, own, loop.children, listing, trips, latency), passes=2,
+                                   latency=latency)
 
 
-def _sequence(blocks, own: list[int], children: list[Loop], listing: Listing, trips) -> list:
+def _sequence(blocks, own: list[int], children: list[Loop], listing: Listing, trips, latency: dict) -> list:
     """Instruction indices of `own` blocks in address order, with each child loop as a number
     (its cycles per entry) where its first block lies."""
     items = [(blocks[b][0], range(*blocks[b])) for b in own]
-    items += [(min(blocks[b][0] for b in child.blocks), _loop_latency(child, blocks, listing, trips))
+    items += [(min(blocks[b][0] for b in child.blocks), _loop_latency(child, blocks, listing, trips, latency))
               for child in children]
     sequence: list = []
     for _, item in sorted(items, key=lambda kv: kv[0]):
@@ -243,7 +251,7 @@ def _sequence(blocks, own: list[int], children: list[Loop], listing: Listing, tr
     return sequence
 
 
-def _simulate(listing: Listing, sequence: list, passes: int) -> float:
+def _simulate(listing: Listing, sequence: list, passes: int, latency: dict = LATENCY) -> float:
     """In-order issue of a sequence, `passes` times: each instruction waits for its source
     registers and its unit; a nested loop (a float: its cycles) waits for every register and
     takes its time. Returns the cycles of the last pass."""
@@ -274,8 +282,8 @@ def _simulate(listing: Listing, sequence: list, passes: int) -> float:
                 issue = max(issue, mma_done)
             if cycles and pipe != "issue":
                 unit_free[pipe] = issue + cycles
-            now = issue + (LATENCY["barrier"] if kind == "barrier" else 1)
-            done = issue + LATENCY[kind] + (cycles if kind == "tensor" else 0)
+            now = issue + (latency["barrier"] if kind == "barrier" else 1)
+            done = issue + latency[kind] + (cycles if kind == "tensor" else 0)
             if ins.opcode.startswith("LDGSTS"):
                 copies_open = max(copies_open, done)
             elif ins.opcode.startswith("LDGDEPBAR"):

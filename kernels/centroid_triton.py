@@ -346,7 +346,7 @@ def _topk_rounds(a: dict) -> dict:
 
 
 # For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
-# launch's arguments do not give, as one program sees them on average.
+# launch's arguments do not give, as the slowest program sees them.
 LOOP_BOUNDS = {
     "_centroid_attention_kernel": lambda a: {"first": 0, "stop": min(a["CHUNK"], a["M"])},
     "_centroid_topk_kernel": _topk_rounds,

@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .blocks import pow2_block
-from .triton_helpers import average_chunk, chunking
+from .triton_helpers import slowest_chunk, chunking
 
 # Queries per tile of a chunk, and clusters per step of the counts and the scatter.
 BLOCK_N = 64
@@ -145,9 +145,9 @@ def cluster_layout_triton(assign: Tensor, clusters: int, tile: int) -> ClusterLa
     return layout
 
 
-# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): the rows of an average
-# program, which the launch's arguments do not give.
+# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): the rows of the
+# slowest program, which the launch's arguments do not give.
 LOOP_BOUNDS = {
-    "_layout_counts_kernel": lambda a: average_chunk(a["N"], a["CHUNK"]),
-    "_layout_scatter_kernel": lambda a: average_chunk(a["N"], a["CHUNK"]),
+    "_layout_counts_kernel": lambda a: slowest_chunk(a["N"], a["CHUNK"]),
+    "_layout_scatter_kernel": lambda a: slowest_chunk(a["N"], a["CHUNK"]),
 }

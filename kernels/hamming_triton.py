@@ -36,7 +36,7 @@ from .blocks import pow2_block
 from .hamming_update_triton import _hamming_update_kernel
 from .triton_helpers import (
     any_set,
-    average_chunk,
+    slowest_chunk,
     chunking,
     cluster_block,
     code_signs,
@@ -323,10 +323,10 @@ def hamming_kmeans_triton(
 
 
 # For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
-# launch's arguments do not give, as one program sees them on average (the update's are
+# launch's arguments do not give, as the slowest program sees them (the update's are
 # hamming_update_triton's).
 LOOP_BOUNDS = {
-    "_hamming_initial_kernel": lambda a: {**average_chunk(a["N"], a["CHUNK"]), "c_first": 0,
+    "_hamming_initial_kernel": lambda a: {**slowest_chunk(a["N"], a["CHUNK"]), "c_first": 0,
                                           "c_last": a["C"] / triton.cdiv(a["N"], a["CHUNK"]) + 3},
-    "_hamming_assign_kernel": lambda a: average_chunk(a["N"], a["CHUNK"]),
+    "_hamming_assign_kernel": lambda a: slowest_chunk(a["N"], a["CHUNK"]),
 }

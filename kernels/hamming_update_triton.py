@@ -115,12 +115,12 @@ def _hamming_update_kernel(
 
 
 # For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
-# launch's arguments do not give, as one program sees them on average. Empty clusters: about
+# launch's arguments do not give, as the slowest program sees them. Empty clusters: about
 # 2 x (C / 100)^2 a head in the first of 10 iterations, almost none after (the reference on real
-# text); a donor is found in one chunk.
+# text), the slowest block taking all of a launch's share; a donor is found in one chunk.
 LOOP_BOUNDS = {
     "_hamming_update_kernel": lambda a: {
         **cluster_range(a["C"], a["PER_PROGRAM"]), "chunk": 0, "stop": a["CHUNK"],
-        "block_empties": 0.2 * (a["C"] / 100) ** 2 / a["BLOCKS"],
+        "block_empties": 0.2 * (a["C"] / 100) ** 2,
     },
 }

@@ -35,7 +35,7 @@ from .blocks import pow2_block
 from .means_triton import chunk_sums, load_rows
 from .triton_helpers import (
     any_set,
-    average_chunk,
+    slowest_chunk,
     chunking,
     count_real,
     dot_parts,
@@ -268,11 +268,11 @@ def refine_clusters_triton(
 
 
 # For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
-# launch's arguments do not give, as one program sees them on average. The refinement's steps
+# launch's arguments do not give, as the slowest program sees them. The refinement's steps
 # on real queries left no cluster empty (the reference on real text): the candidates and donor
 # launches find nothing to do.
 LOOP_BOUNDS = {
     "_candidates_kernel": lambda a: {"start": 0, "stop": 0},
     "_donor_kernel": lambda a: {"wanted": 0, "empties": 0},
-    "_nearest_kernel": lambda a: average_chunk(a["N"], a["CHUNK"]),
+    "_nearest_kernel": lambda a: slowest_chunk(a["N"], a["CHUNK"]),
 }

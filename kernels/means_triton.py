@@ -22,7 +22,7 @@ from torch import Tensor
 from .blocks import pow2_block
 from .triton_helpers import (
     any_set,
-    average_chunk,
+    slowest_chunk,
     chunking,
     cluster_block,
     cluster_range,
@@ -203,8 +203,8 @@ def cluster_means_triton(x: Tensor, assign: Tensor, clusters: int) -> tuple[Tens
 
 
 # For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
-# launch's arguments do not give, as one program sees them on average.
+# launch's arguments do not give, as the slowest program sees them.
 LOOP_BOUNDS = {
-    "_sums_kernel": lambda a: average_chunk(a["N"], a["CHUNK"]),
+    "_sums_kernel": lambda a: slowest_chunk(a["N"], a["CHUNK"]),
     "_means_kernel": lambda a: cluster_range(a["C"], a["PER_PROGRAM"]),
 }

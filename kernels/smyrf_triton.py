@@ -44,7 +44,7 @@ from .hashing import on_device
 from .smyrf import smyrf_cluster_count, smyrf_projections
 from .spec import AttentionSpec
 from .stages import SmyrfStages, sort_by_hash
-from .triton_helpers import average_chunk, chunking, count_real, dot_split_right, mma, online_softmax_step, rounded, upcast
+from .triton_helpers import slowest_chunk, chunking, count_real, dot_split_right, mma, online_softmax_step, rounded, upcast
 
 # Rows per tile of the norm and hash launches.
 HASH_TILE = 64
@@ -201,8 +201,11 @@ def _smyrf_attention_kernel(
 
     # Per-batch counts and clusters, as in the reference: L = min(ceil(max(n, m) / cs), n, m) >= 1.
     mask_row = Mask + b * stride_maskb
-    n_real = _real_count(mask_row, N, MASK_QUERIES).to(tl.int64)
     m_real = _real_count(mask_row, M, HAS_MASK).to(tl.int64)
+    if MASK_QUERIES:  # the same mask row over the same length (N == M): counted once
+        n_real = m_real
+    else:
+        n_real = _real_count(mask_row, N, False).to(tl.int64)
     n_clusters = tl.minimum(tl.cdiv(tl.maximum(n_real, m_real), cluster_size), tl.minimum(n_real, m_real))
     n_clusters = tl.maximum(n_clusters, 1)
     n_safe = tl.maximum(n_real, 1)
@@ -410,8 +413,8 @@ def _first_tile_keys(a: dict) -> dict:
 
 
 # For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
-# launch's arguments do not give, as one program sees them.
+# launch's arguments do not give, as the slowest program sees them.
 LOOP_BOUNDS = {
     "_smyrf_attention_kernel": _first_tile_keys,
-    "_smyrf_norms_kernel": lambda a: average_chunk(max(a["N"], a["M"]), a["CHUNK"]),
+    "_smyrf_norms_kernel": lambda a: slowest_chunk(max(a["N"], a["M"]), a["CHUNK"]),
 }

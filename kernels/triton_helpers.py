@@ -41,16 +41,17 @@ def chunking(n: int, heads: int, block: int) -> tuple[int, int]:
     return triton.cdiv(tiles, per_program), per_program * block
 
 
-def average_chunk(n: int, chunk: int) -> dict:
-    """For the offline cost model's LOOP_BOUNDS: the rows [start, stop) of a program in the
-    middle of a head's chunks (a count of the rows before it is half a head's on average)."""
-    start = (triton.cdiv(n, chunk) - 1) * chunk / 2
+def slowest_chunk(n: int, chunk: int) -> dict:
+    """For the offline cost model's LOOP_BOUNDS: the rows [start, stop) of the slowest program of
+    a head's chunks, the last full one (a count of the rows before it is the longest there)."""
+    start = max(0, n // chunk - 1) * chunk
     return {"start": start, "stop": min(start + chunk, n)}
 
 
 def cluster_range(clusters: int, per_program: int) -> dict:
-    """For LOOP_BOUNDS: the clusters [first_cluster, last_cluster) of a program in the middle."""
-    first = (triton.cdiv(clusters, per_program) - 1) * per_program / 2
+    """For LOOP_BOUNDS: the clusters [first_cluster, last_cluster) of the slowest program, the
+    last full one (the most clusters before it and a full block of its own)."""
+    first = max(0, clusters // per_program - 1) * per_program
     return {"first_cluster": first, "last_cluster": min(first + per_program, clusters)}
 
 

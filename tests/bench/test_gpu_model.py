@@ -1,11 +1,17 @@
 """`python -m bench.gpu_model` on the budget's shapes (B = 1, 12 heads x 64, bfloat16, sm_90, no
-GPU): the offline cost model runs on every launch the pipelines record, every loop of every
-kernel gets a trip count, its validation kernel stays within its published figures' band, and
-the time budgets of the GPU path hold (DESIGN.md, "The GPU path"):
+GPU): the strict offline cost model runs on every launch the pipelines record, every loop of
+every kernel gets a trip count, its validation kernel stays within its published figures' band,
+and the time budgets of the GPU path hold (DESIGN.md, "The GPU path"):
 
 - every launch at 16k has at least 132 programs or an estimated time of at most 10 us;
-- estimated speed-up over FlashAttention-2 at the same shape: i-clustered 100/32 >= 3x at 16k and
-  >= 10x at 64k, clustered 200 >= 3x at 16k, SMYRF 4x64 >= 4x at 16k.
+- estimated speed-up over FlashAttention-2 (Triton's published 403 TFLOP/s at 16k) in a CUDA
+  graph, as floors under the figures the kernels in this tree reach: i-clustered 100/32 >= 2.3x
+  at 16k and >= 11x at 64k, clustered 200 (its default 10 Hamming iterations) >= 1.9x at 16k,
+  SMYRF 4x64 >= 5x at 16k.
+
+The performance issue's targets (i-clustered 100/32 >= 5x at 16k, >= 25x at 64k, >= 1x at 4k;
+SMYRF >= 6x at 16k) are not met yet: they are strict xfails here, so meeting one fails the test
+until its mark is removed.
 """
 
 import json
@@ -27,7 +33,7 @@ def model(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_model") / "model.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # it compiles: no interpreter
     result = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_model", "--lengths", "16384", "65536", "--head-dims", "64",
+        [sys.executable, "-m", "bench.gpu_model", "--lengths", "4096", "16384", "65536", "--head-dims", "64",
          "--methods", *BUDGET_METHODS, "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
@@ -43,15 +49,21 @@ def call(model: dict, method: str, seq_len: int) -> dict:
 def test_report_is_an_estimate_with_the_stable_fields(model):
     assert model["label"] == "estimate, sm_90 offline, no GPU"
     assert {(c["method"], c["seq_len"]) for c in model["calls"]} == {
-        (m, n) for m in BUDGET_METHODS for n in (16384, 65536)}
+        (m, n) for m in BUDGET_METHODS for n in (4096, 16384, 65536)}
     for c in model["calls"]:
         assert c["head_dim"] == 64 and c["dtype"] == "bfloat16"
         assert c["launches"] and c["est_ms"] > 0 and c["exact_fa2_ms"] > c["exact_fa3_ms"] > 0
         assert c["est_speedup_fa2"] == pytest.approx(c["exact_fa2_ms"] / c["est_ms"], rel=1e-3)  # 4 digits
         for launch in c["launches"]:
             assert launch["kernel"] and launch["programs"] >= 1 and launch["est_us"] > 0, launch
+            assert 0 <= launch["hbm_fraction"] <= 1, launch
+            assert launch["hbm_bytes"] <= max(launch["l2_bytes"], launch["working_set_bytes"]) * 1.001, launch
         total_us = sum(r["est_us"] for r in c["launches"]) + sum(op["us"] for op in c["torch_ops"])
-        assert c["est_ms"] == pytest.approx(total_us / 1e3, rel=1e-3)
+        assert c["device_ms"] == pytest.approx(total_us / 1e3, rel=1e-3)
+        # In a graph: the device plus one replay; op by op, never faster than the graph or the host.
+        assert c["est_ms"] == c["graph_ms"] > c["device_ms"]
+        assert c["eager_ms"] >= max(c["device_ms"], c["host_eager_ms"])
+        assert c["allocations"] >= 1 and c["triton_launches"] == len(c["launches"])
 
 
 def test_every_loop_of_every_kernel_has_a_trip_count(model):
@@ -67,16 +79,30 @@ def test_every_loop_of_every_kernel_has_a_trip_count(model):
 
 
 def test_exact_attention_is_flash_attention_published_throughput(model):
-    # 4 N^2 d x 12 heads at 324 (FA2) and 497 (FA3) TFLOP/s, FlashAttention-3's figure at 16k, d = 64.
+    # 4 N^2 d x 12 heads at 403 (FA2: Triton's, the faster at 16k) and 497 (FA3) TFLOP/s, d = 64.
     c = call(model, "i-clustered 100/32", 16384)
-    assert c["exact_fa2_ms"] == pytest.approx(4 * 12 * 16384**2 * 64 / 324e9, rel=1e-3)
+    assert c["exact_fa2_ms"] == pytest.approx(4 * 12 * 16384**2 * 64 / 403e9, rel=1e-3)
     assert c["exact_fa3_ms"] == pytest.approx(4 * 12 * 16384**2 * 64 / 497e9, rel=1e-3)
 
 
-def test_model_within_half_of_published_flash_attention_throughput(model):
+def test_clustered_200_runs_its_default_iterations(model):
+    c = call(model, "clustered 200", 16384)
+    assert c["spec"]["iterations"] == 10 and c["spec"]["refine"] == 3
+    assert sum(r["kernel"] == "_hamming_update_kernel" for r in c["launches"]) == 10
+
+
+def test_smyrf_sorts_priced_as_the_kernels_pytorch_launches(model):
+    # 48 segments of 16k float32 keys: index fill, key copy, 6 radix passes of 6 bits.
+    sorts = [op for op in call(model, "smyrf 4x64", 16384)["torch_ops"] if op["op"] == "sort"]
+    assert len(sorts) == 2 and all(op["kernels"] == 8 for op in sorts)
+    assert all(op["us"] > 8 * 2.0 for op in sorts)
+
+
+def test_model_within_a_quarter_of_published_flash_attention_throughput(model):
     assert len(model["validation"]) >= 4
     for row in model["validation"]:
-        assert -0.5 <= row["error"] <= 0.5, row
+        assert -0.25 <= row["error"] <= 0.25, row
+    assert model["validation_error"]["max_abs"] <= 0.25
 
 
 @pytest.mark.parametrize("method", BUDGET_METHODS)
@@ -86,17 +112,21 @@ def test_every_launch_at_16k_fills_the_gpu_or_is_negligible(model, method):
     assert not small, small
 
 
-def test_i_clustered_3x_exact_at_16k(model):
-    assert call(model, "i-clustered 100/32", 16384)["est_speedup_fa2"] >= 3
+def test_host_time_in_a_graph_under_a_tenth_at_16k(model):
+    for method in BUDGET_METHODS:
+        assert call(model, method, 16384)["graph_host_share"] < 0.1, method
 
 
-def test_i_clustered_10x_exact_at_64k(model):
-    assert call(model, "i-clustered 100/32", 65536)["est_speedup_fa2"] >= 10
+@pytest.mark.parametrize("method, seq_len, floor", [
+    ("i-clustered 100/32", 16384, 2.3), ("i-clustered 100/32", 65536, 11), ("clustered 200", 16384, 1.9),
+    ("smyrf 4x64", 16384, 5)])
+def test_speed_up_floors(model, method, seq_len, floor):
+    assert call(model, method, seq_len)["est_speedup_fa2"] >= floor
 
 
-def test_clustered_200_3x_exact_at_16k(model):
-    assert call(model, "clustered 200", 16384)["est_speedup_fa2"] >= 3
-
-
-def test_smyrf_4x_exact_at_16k(model):
-    assert call(model, "smyrf 4x64", 16384)["est_speedup_fa2"] >= 4
+@pytest.mark.xfail(strict=True, reason="the performance issue's targets are not met by the kernels in this tree")
+@pytest.mark.parametrize("method, seq_len, target", [
+    ("i-clustered 100/32", 4096, 1), ("i-clustered 100/32", 16384, 5), ("i-clustered 100/32", 65536, 25),
+    ("smyrf 4x64", 16384, 6)])
+def test_issue_targets(model, method, seq_len, target):
+    assert call(model, method, seq_len)["est_speedup_fa2"] >= target
