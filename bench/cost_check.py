@@ -1,6 +1,6 @@
 """The work estimate (models.cost) against calibration tables' measured times.
 
-    python -m bench.cost_check [--table PATH ...] [--rows]
+    python -m bench.cost_check [--table PATH ...] [--rows] [--fit]
 
 For every configuration of every bucket of a table: the estimated work over exact attention's,
 divided by the measured time over exact attention's. 1.0 is a perfect estimate; both sides
@@ -9,25 +9,37 @@ for the table's model (its "model" field, loaded by name), dtype and device kind
 and "device"), of each configuration as the server runs it (one that is exact by its knobs at
 the bucket's length as exact attention, as the table measured it). Without --table, every
 table shipped in models/calibrations/. Prints, per table, the lowest and highest ratio and
-where they are (--rows: every configuration). The weights of models.cost were fitted against
-the shipped CPU tables and are checked this way.
+where they are (--rows: every configuration).
+
+--fit fits models.cost.WEIGHTS to the tables (`fit`) and prints the fitted weights, as a
+literal to paste into models/cost.py, and the ratios they give. The shipped weights were
+fitted this way to the shipped CPU tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from pathlib import Path
+
+import torch
 
 from kernels import AttentionSpec
 from kernels.spec import exact_by_knobs
 from models import load_encoder
 from models.calibration import SHIPPED_DIR, Calibration, load_calibration
-from models.cost import CostModel
+from models.cost import WEIGHTS, CostModel
 
 from .common import print_table
 
 EXACT = AttentionSpec(method="full")
+# The steps whose code depends on the dtype get a weight per dtype in the fit (models.cost's
+# docstring says why); every other step one weight for all dtypes.
+PER_DTYPE = ("dense", "exact", "centroid")
+# How hard each fitted log-weight is pulled toward its current value: steps the tables cannot
+# tell apart keep their weights instead of trading them off against each other.
+RIDGE = 0.3
 
 
 def as_run(spec: AttentionSpec, tokens: int) -> AttentionSpec:
@@ -44,14 +56,20 @@ def table_cost(table: Calibration, shapes: CostModel | None = None) -> CostModel
     return dataclasses.replace(shapes, dtype=table.dtype, device=table.device)
 
 
-def ratios(cost: CostModel, table: Calibration) -> list[dict]:
+def ratios(cost: CostModel, table: Calibration, weights: dict[str, float] | None = None) -> list[dict]:
     """Per measured configuration of `table`: estimated and measured cost relative to exact
-    attention in the same bucket, and their ratio (estimate / measurement)."""
+    attention in the same bucket, and their ratio (estimate / measurement). `weights`: step
+    weights to estimate with instead of the cost model's own."""
+    weights = weights or cost.weights
+
+    def work(tokens: int, spec: AttentionSpec) -> float:
+        return sum(weights[step] * count for step, count in cost.operations(tokens, as_run(spec, tokens)).items())
+
     rows = []
     for bucket in table.buckets:
-        exact = cost.work(bucket.tokens, EXACT)
+        exact = work(bucket.tokens, EXACT)
         for measured in bucket.configs:
-            estimate = cost.work(bucket.tokens, as_run(measured.spec, bucket.tokens)) / exact
+            estimate = work(bucket.tokens, measured.spec) / exact
             rows.append({
                 "tokens": bucket.tokens,
                 "attention": measured.spec.to_json(),
@@ -62,19 +80,78 @@ def ratios(cost: CostModel, table: Calibration) -> list[dict]:
     return rows
 
 
+def fit(
+    tables: list[tuple[CostModel, Calibration]], per_dtype: tuple[str, ...] = PER_DTYPE, ridge: float = RIDGE
+) -> dict[str, dict[str, float]]:
+    """models.cost.WEIGHTS fitted to measured times: (cost model in the table's dtype, table) pairs.
+
+    Least squares of log(estimated / measured time) over every configuration of every bucket
+    and every bucket's exact pass, each table with its own free scale (its device's speed and
+    load), each log-weight pulled toward its current value by `ridge`. The steps of
+    `per_dtype` get one weight per dtype, the others one for every dtype; float32's dense
+    weight stays 1, the unit. Dtypes without a table keep their weights."""
+    dtypes = sorted({cost.dtype for cost, _ in tables})
+    steps = list(WEIGHTS["float32"])
+    keys = [(dtype, step) for step in steps for dtype in (dtypes if step in per_dtype else ["*"])]
+    keys = [key for key in keys if key != ("float32", "dense")]
+    prior = torch.tensor([math.log(WEIGHTS.get(d if d != "*" else "float32", WEIGHTS["float32"])[s]) for d, s in keys])
+    rows, measured, table_of = [], [], []
+    for t, (cost, table) in enumerate(tables):
+        for bucket in table.buckets:
+            for spec, ms in [(EXACT, bucket.exact_ms)] + [(m.spec, m.ms) for m in bucket.configs]:
+                operations = cost.operations(bucket.tokens, as_run(spec, bucket.tokens))
+                rows.append([
+                    operations.get(s, 0.0) if d in ("*", cost.dtype) else 0.0 for d, s in keys
+                ] + [operations.get("dense", 0.0) if cost.dtype == "float32" else 0.0])  # fmt: skip
+                measured.append(ms)
+                table_of.append(t)
+    operations = torch.tensor(rows, dtype=torch.float64)
+    log_ms, table_of = torch.tensor(measured, dtype=torch.float64).log(), torch.tensor(table_of)
+    log_weights = prior.clone().double().requires_grad_(True)
+    start = (operations[:, :-1] @ prior.double().exp() + operations[:, -1]).log()
+    log_scales = torch.stack([(log_ms - start)[table_of == t].median() for t in range(len(tables))]).requires_grad_(True)
+    optimizer = torch.optim.LBFGS([log_weights, log_scales], max_iter=2000, line_search_fn="strong_wolfe")
+
+    def loss() -> torch.Tensor:
+        optimizer.zero_grad()
+        estimate = (operations[:, :-1] @ log_weights.exp() + operations[:, -1]).log() + log_scales[table_of]
+        value = ((estimate - log_ms) ** 2).sum() + ridge**2 * ((log_weights - prior) ** 2).sum()
+        value.backward()
+        return value
+
+    optimizer.step(loss)
+    fitted = {dtype: dict(weights) for dtype, weights in WEIGHTS.items()}
+    for dtype in dtypes:
+        fitted.setdefault(dtype, dict(WEIGHTS["float32"]))
+        for (d, step), value in zip(keys, log_weights.detach().exp().tolist()):
+            if d in ("*", dtype):
+                fitted[dtype][step] = float(f"{value:.2g}")
+    return fitted
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table", nargs="+", help="calibration tables (default: every shipped one)")
     parser.add_argument("--rows", action="store_true", help="print every configuration's ratio")
+    parser.add_argument("--fit", action="store_true", help="fit the step weights to the tables and use them")
     args = parser.parse_args()
     paths = [Path(p) for p in args.table] if args.table else sorted(SHIPPED_DIR.glob("*.json"))
     shapes: dict[str, CostModel] = {}
-    summary = []
+    tables = []
     for path in paths:
         table = load_calibration(path)
         if table.model not in shapes:
             shapes[table.model] = load_encoder(table.model).cost
-        rows = ratios(table_cost(table, shapes[table.model]), table)
+        tables.append((table_cost(table, shapes[table.model]), table))
+    weights = fit(tables) if args.fit else WEIGHTS
+    if args.fit:
+        print("WEIGHTS: dict[str, dict[str, float]] = {")
+        for dtype, row in weights.items():
+            print(f"    {dtype!r}: {row!r},".replace("'", '"'))
+        print("}")
+    summary = []
+    for path, (cost, table) in zip(paths, tables):
+        rows = ratios(cost, table, weights.get(cost.dtype, weights["float32"]) if cost.device == "cpu" else None)
         if args.rows:
             print(f"\n{path.name}")
             print_table(rows, ["tokens", "attention", "estimated_vs_exact", "measured_vs_exact", "ratio"])

@@ -17,20 +17,21 @@ C clusters, top-k k, SMYRF cluster size S:
     local window  exact x 4 n w d
 
 and outside attention, dense x 2 x the layers' parameters per token. The weights (WEIGHTS)
-were fitted to the measured times of the shipped CPU calibration tables, all at once: a
-least-squares fit of every configuration's time on a log scale, with one weight per step
-for every dtype except the three steps whose code depends on it: the dense layers (bfloat16
-GEMMs run ~3.7x faster than float32's on a CPU with AVX512-BF16), exact attention (SDPA keeps
-float32's pace in bfloat16) and clustered attention's centroid pass (SDPA in float32, the
-native vdpbf16ps pass in bfloat16); the native loops read bfloat16 and compute in float32 at
-about float32's pace. That is why the dtype matters: in bfloat16 the dense layers are a
-smaller part of every input, so exact attention costs relatively more and the approximate
-methods save relatively more, and their fixed costs (clustering, gathers) weigh more at
-short lengths. `python -m bench.cost_check` compares the estimate with every table, as
+were fitted to the measured times of the shipped CPU calibration tables, all at once
+(`python -m bench.cost_check --fit`: least squares of every configuration's time on a log
+scale, each table at its own device speed), with one weight per step for every dtype except
+the three steps whose code depends on it: the dense layers (bfloat16 GEMMs run ~3.5x faster
+than float32's on a CPU with AVX512-BF16), exact attention (SDPA keeps float32's pace in
+bfloat16) and clustered attention's centroid pass (SDPA in float32, the native vdpbf16ps
+pass in bfloat16); the native loops read bfloat16 and compute in float32 at about
+float32's pace. That is why the dtype matters: in bfloat16 the dense layers are a smaller
+part of every input, so exact attention costs relatively more and the approximate methods
+save relatively more, and their fixed costs (clustering, gathers) weigh more at short
+lengths. `python -m bench.cost_check` compares the estimate with every table, as
 estimated over measured cost relative to exact attention in the same bucket (1.0 is exact):
 
-    all-MiniLM-L6-v2   float32    1k-32k tokens    72 configurations   0.43-1.15
-    all-MiniLM-L6-v2   bfloat16   512-32k tokens   84 configurations   0.68-1.38
+    all-MiniLM-L6-v2   float32    1k-32k tokens    72 configurations   0.43-1.14
+    all-MiniLM-L6-v2   bfloat16   512-32k tokens   84 configurations   0.67-1.39
 
 (measured on a 2-core AMD EPYC with AVX512-BF16; tests hold every shipped table to 1/3-3x).
 
@@ -60,14 +61,14 @@ from .config import EncoderConfig
 # module docstring); one unit is one operation of float32 dense layers.
 WEIGHTS: dict[str, dict[str, float]] = {
     "float32": {
-        "dense": 1.0, "exact": 0.81, "centroid": 1.5,
-        "hash": 0.82, "kmeans": 2.9, "refine": 0.46, "centroid_topk": 0.88, "topk": 1.5, "gather": 1400.0,
-        "smyrf": 0.48, "sort": 24.0,
+        "dense": 1.0, "exact": 0.83, "centroid": 1.7,
+        "hash": 0.82, "kmeans": 2.8, "refine": 0.48, "centroid_topk": 1.1, "topk": 1.5, "gather": 1500.0,
+        "smyrf": 0.5, "sort": 24.0,
     },
     "bfloat16": {
-        "dense": 0.27, "exact": 0.75, "centroid": 0.17,
-        "hash": 0.82, "kmeans": 2.9, "refine": 0.46, "centroid_topk": 0.88, "topk": 1.5, "gather": 1400.0,
-        "smyrf": 0.48, "sort": 24.0,
+        "dense": 0.28, "exact": 0.79, "centroid": 0.16,
+        "hash": 0.82, "kmeans": 2.8, "refine": 0.48, "centroid_topk": 1.1, "topk": 1.5, "gather": 1500.0,
+        "smyrf": 0.5, "sort": 24.0,
     },
 }  # fmt: skip
 
@@ -114,37 +115,47 @@ class CostModel:
     def weights(self) -> dict[str, float]:
         return weights_for(self.device, self.dtype)
 
-    def attention(self, tokens: int, spec: AttentionSpec) -> float:
-        """Work units of one attending layer and head over `tokens` tokens, attending by `spec`
-        as given (a caller that runs an approximate spec that is exact by its knobs as exact
-        attention, as the server does, passes exact attention's spec)."""
-        w, n, d = self.weights, float(tokens), float(self.head_dim)
+    def attention(self, tokens: int, spec: AttentionSpec) -> dict[str, float]:
+        """Operations of each step (WEIGHTS' keys) of one attending layer and head over `tokens`
+        tokens, attending by `spec` as given (a caller that runs an approximate spec that is
+        exact by its knobs as exact attention, as the server does, passes exact attention's)."""
+        n, d = float(tokens), float(self.head_dim)
         if spec.method == "full":
-            return w["exact"] * 4 * n * n * d
+            return {"exact": 4 * n * n * d}
         if spec.method == "smyrf":
             size = min(spec.cluster_size, tokens)
-            return spec.hash_rounds * (w["smyrf"] * 4 * n * size * d + w["sort"] * n * math.log2(max(n, 2)))
+            return {"smyrf": spec.hash_rounds * 4 * n * size * d, "sort": spec.hash_rounds * n * math.log2(max(n, 2))}
         if spec.method == "banded":  # the band's keys, one pooled key per block, the sinks
             keys = min((2 * spec.band + 1) * spec.block, tokens) + -(-tokens // spec.block) + spec.sinks + 1
-            return w["exact"] * 4 * n * min(keys, tokens) * d
+            return {"exact": 4 * n * min(keys, tokens) * d}
         if spec.method not in ("clustered", "i-clustered"):
             raise ValueError(f"spec: a concrete method, got {spec.method!r}")
         clusters = min(spec.clusters, tokens)
-        work = (
-            w["hash"] * 2 * n * spec.bits * d
-            + w["kmeans"] * spec.iterations * n * clusters
-            + w["refine"] * spec.refine * n * clusters * 2 * d
-        )
+        steps = {
+            "hash": 2 * n * spec.bits * d,
+            "kmeans": spec.iterations * n * clusters,
+            "refine": spec.refine * n * clusters * 2 * d,
+        }
         if spec.method == "clustered":
-            return work + w["centroid"] * 4 * clusters * n * d
+            return {**steps, "centroid": 4 * clusters * n * d}
         topk = min(spec.topk, tokens)
-        return work + w["centroid_topk"] * 4 * clusters * n * d + w["topk"] * 4 * n * topk * d + w["gather"] * clusters * topk * d
+        return {**steps, "centroid_topk": 4 * clusters * n * d, "topk": 4 * n * topk * d, "gather": clusters * topk * d}
+
+    def operations(self, tokens: int, spec: AttentionSpec) -> dict[str, float]:
+        """Operations of each step (WEIGHTS' keys) of one input of `tokens` tokens attending by
+        a concrete `spec`, over every layer and head."""
+        operations = {"dense": self.per_token * tokens}
+        for step, count in self.attention(tokens, spec).items():
+            operations[step] = operations.get(step, 0.0) + self.heads * self.global_layers * count
+        if self.local_layers:
+            local = self.heads * self.local_layers * 4.0 * tokens * min(self.window, tokens) * self.head_dim
+            operations["exact"] = operations.get("exact", 0.0) + local
+        return operations
 
     def work(self, tokens: int, spec: AttentionSpec) -> float:
         """Work units of one input of `tokens` tokens attending by a concrete `spec`."""
-        local = self.weights["exact"] * 4.0 * tokens * min(self.window, tokens) * self.head_dim
-        attention = self.global_layers * self.attention(tokens, spec) + self.local_layers * local
-        return self.weights["dense"] * self.per_token * tokens + self.heads * attention
+        weights = self.weights
+        return sum(weights[step] * count for step, count in self.operations(tokens, spec).items())
 
 
 @dataclass(frozen=True)
