@@ -2,13 +2,13 @@
 `backend_for` (the one place that choice is made) and runs the method's stages on it.
 
     backend     runs                                         where
-    reference   kernels/clustered.py, smyrf.py (PyTorch)      any device, any float dtype; computes in
+    reference   kernels/clustered.py, smyrf.py, banded.py     any device, any float dtype; computes in
                                                               float32 (float64 for float64 inputs)
-    native      kernels/clustered_native.py, smyrf_native.py  CPU; reads float32 and bfloat16 q, k, v as
-                (C loops)                                     they are (float16 converted to float32),
+    native      kernels/clustered_native.py, smyrf_native.py, CPU; reads float32 and bfloat16 q, k, v as
+                banded_native.py (C loops)                    they are (float16 converted to float32),
                                                               accumulates in float32
-    triton      kernels/clustered_triton.py, smyrf_triton.py  CUDA (CPU only under TRITON_INTERPRET=1);
-                                                              reads float32, float16, bfloat16,
+    triton      kernels/clustered_triton.py, smyrf_triton.py, CUDA (CPU only under TRITON_INTERPRET=1);
+                banded_triton.py                              reads float32, float16, bfloat16,
                                                               accumulates in float32
     auto        triton on CUDA, native on a CPU where it is built (bfloat16 included), the reference
                 otherwise; float64 always runs the reference (the kernels and loops accumulate in float32)
@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from . import native
+from .banded import BandedStages, run_banded
 from .full import full_attention
 from .spec import AttentionSpec, resolve_auto
 from .stages import ClusteredStages, Observe, SmyrfStages, call, run_clustered, run_smyrf
@@ -79,6 +80,7 @@ _STAGE_TABLES = {
     "native": (".clustered_native", ".smyrf_native", "NATIVE"),
     "triton": (".clustered_triton", ".smyrf_triton", "TRITON"),
 }
+_BANDED_TABLES = {"reference": ".banded", "native": ".banded_native", "triton": ".banded_triton"}
 
 
 def clustered_stages(backend: str) -> ClusteredStages:
@@ -91,6 +93,12 @@ def smyrf_stages(backend: str) -> SmyrfStages:
     """The SMYRF pipeline of a concrete backend."""
     _, module, table = _STAGE_TABLES[backend]
     return getattr(importlib.import_module(module, __package__), table)
+
+
+def banded_stages(backend: str) -> BandedStages:
+    """The banded pipeline of a concrete backend."""
+    table = "REFERENCE" if backend == "reference" else backend.upper()
+    return getattr(importlib.import_module(_BANDED_TABLES[backend], __package__), table)
 
 
 def attention(
@@ -128,6 +136,8 @@ def attention(
     if spec.method == "full":
         return full_attention(q, k, v, key_padding_mask, scale, check)
     observe = call if check is None else checking(check)
+    if spec.method == "banded":
+        return run_banded(banded_stages(chosen), q, k, v, spec, key_padding_mask, scale, observe)
     if spec.method == "smyrf":
         return run_smyrf(smyrf_stages(chosen), q, k, v, spec, key_padding_mask, scale, observe)
     return run_clustered(clustered_stages(chosen), q, k, v, spec, key_padding_mask, scale, observe)

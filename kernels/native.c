@@ -1143,3 +1143,101 @@ void argsort_rows(const float *values, int64_t t_count, int64_t *order, int64_t 
     for (int64_t r = r0; r < r1; r++) argsort_one(values + r * t_count, t_count, order + r * t_count, keys, other_keys, other, count);
     free(keys), free(other_keys), free(other), free(count);
 }
+
+/* ---- Banded attention ---------------------------------------------------------------- */
+
+/* banded.attend for slices [bh0, bh1): q, k (BH, N, D), v (BH, N, Dv) and out (BH, N, Dv) in
+ * dtype; pkeys (BH, NB, D) and pvals (BH, NB, Dv) float32, each block's mean real non-sink key
+ * and value; plog (B, NB) the log of how many there are, pooled_real (B, NB) whether there are
+ * any (-inf is not passed: -ffast-math assumes finite floats); sinks (B, S) positions
+ * and sink_real (B, S); key_real (B, N). A query of block t gets one softmax over the real keys
+ * of blocks t - band .. t + band, the real sinks whose block is outside that band, and the
+ * pooled keys of the blocks outside it (logit raised by plog); padded queries get 0. The
+ * keys of a block of queries are gathered once, transposed (D, SP), with their values. */
+void banded_attention(const void *q, const void *k, const void *v, int64_t dtype, const float *pkeys,
+                      const float *pvals, const float *plog, const uint8_t *pooled_real, const int64_t *sinks, const uint8_t *sink_real,
+                      const uint8_t *key_real, int64_t heads, int64_t n, int64_t d, int64_t dv, int64_t block,
+                      int64_t band, int64_t s_count, float scale, void *out, int64_t bh0, int64_t bh1) {
+    const int64_t nb = (n + block - 1) / block;
+    if (band > nb - 1) band = nb - 1;
+    const int64_t p_max = (2 * band + 1) * block + s_count + nb;
+    const int64_t sp = (p_max + LANES - 1) / LANES * LANES, dvp = (dv + LANES - 1) / LANES * LANES;
+    float *kt = aligned_alloc(64, d * sp * sizeof *kt);
+    float *vals = aligned_alloc(64, sp * dvp * sizeof *vals);
+    float *bias = malloc(sp * sizeof *bias);
+    float *logits = aligned_alloc(64, SMYRF_GROUP * sp * sizeof *logits);
+    float *rows = malloc((SMYRF_GROUP * d + d) * sizeof *rows);
+    float *acc = aligned_alloc(64, SMYRF_GROUP * dvp * sizeof *acc);
+    memset(kt, 0, d * sp * sizeof *kt);
+    memset(vals, 0, sp * dvp * sizeof *vals);
+    for (int64_t bh = bh0; bh < bh1; bh++) {
+        const int64_t b = bh / heads;
+        const uint8_t *real = key_real + b * n;
+        for (int64_t t = 0; t < nb; t++) {
+            int64_t p = 0; /* gather the keys of query block t */
+            const int64_t lo = (t - band) * block < 0 ? 0 : (t - band) * block;
+            const int64_t hi = (t + band + 1) * block > n ? n : (t + band + 1) * block;
+#define BANDED_TAKE(ROW_K, ROW_V, BIAS)                                                   \
+    do {                                                                                  \
+        const float *kr_ = (ROW_K);                                                       \
+        for (int64_t s_ = 0; s_ < d; s_++) kt[s_ * sp + p] = kr_[s_];                     \
+        memcpy(vals + p * dvp, (ROW_V), dv * sizeof *vals);                               \
+        bias[p++] = (BIAS);                                                               \
+    } while (0)
+            for (int64_t j = lo; j < hi; j++) {
+                if (!real[j]) continue;
+                widen_into(rows + SMYRF_GROUP * d, k, dtype, (bh * n + j) * d, d);
+                widen_into(acc, v, dtype, (bh * n + j) * dv, dv);
+                BANDED_TAKE(rows + SMYRF_GROUP * d, acc, 0.0f);
+            }
+            for (int64_t s = 0; s < s_count; s++) {
+                const int64_t j = sinks[b * s_count + s], sb = j / block;
+                if (!sink_real[b * s_count + s] || (sb >= t - band && sb <= t + band)) continue;
+                widen_into(rows + SMYRF_GROUP * d, k, dtype, (bh * n + j) * d, d);
+                widen_into(acc, v, dtype, (bh * n + j) * dv, dv);
+                BANDED_TAKE(rows + SMYRF_GROUP * d, acc, 0.0f);
+            }
+            for (int64_t c = 0; c < nb; c++) {
+                const float lc = plog[b * nb + c];
+                if ((c >= t - band && c <= t + band) || !pooled_real[b * nb + c]) continue;
+                BANDED_TAKE(pkeys + (bh * nb + c) * d, pvals + (bh * nb + c) * dv, lc);
+            }
+#undef BANDED_TAKE
+            const int64_t q0 = t * block, q1 = q0 + block > n ? n : q0 + block;
+            for (int64_t i0 = q0; i0 < q1; i0 += SMYRF_GROUP) {
+                const float *x[SMYRF_GROUP];
+                for (int g = 0; g < SMYRF_GROUP; g++) {
+                    const int64_t i = i0 + g < q1 ? i0 + g : q1 - 1; /* a short tail repeats */
+                    x[g] = row_floats(q, dtype, (bh * n + i) * d, d, rows + g * d);
+                }
+                group_logits(x, kt, d, sp, scale, logits);
+                for (int g = 0; g < SMYRF_GROUP && i0 + g < q1; g++) {
+                    float *row = logits + g * sp, *o = acc + g * dvp;
+                    memset(o, 0, dvp * sizeof *o);
+                    if (!real[i0 + g] || p == 0) continue;
+                    float top = -FLT_MAX;
+                    for (int64_t j = 0; j < p; j++) {
+                        row[j] += bias[j];
+                        top = row[j] > top ? row[j] : top;
+                    }
+                    float total = 0.0f;
+                    for (int64_t j = 0; j < p; j++) {
+                        row[j] = expf(row[j] - top);
+                        total += row[j];
+                    }
+                    const float inv = 1.0f / total;
+                    for (int64_t eb = 0; eb < dvp; eb += LANES) {
+                        floats sum = (floats){0};
+                        for (int64_t j = 0; j < p; j++) sum += row[j] * *(const floats *)(vals + j * dvp + eb);
+                        *(floats *)(o + eb) = sum * inv;
+                    }
+                }
+                for (int g = 0; g < SMYRF_GROUP && i0 + g < q1; g++) {
+                    if (dtype == F32) memcpy((float *)out + (bh * n + i0 + g) * dv, acc + g * dvp, dv * sizeof(float));
+                    else store_row(out, dtype, (bh * n + i0 + g) * dv, acc + g * dvp, dv);
+                }
+            }
+        }
+    }
+    free(kt), free(vals), free(bias), free(logits), free(rows), free(acc);
+}

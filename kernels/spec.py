@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-METHODS = ("full", "clustered", "i-clustered", "smyrf", "auto")
-APPROXIMATE_METHODS = ("clustered", "i-clustered", "smyrf")
+METHODS = ("full", "clustered", "i-clustered", "smyrf", "banded", "auto")
+APPROXIMATE_METHODS = ("clustered", "i-clustered", "smyrf", "banded")
 
 # (low, high) inclusive ranges of the integer knobs; the service publishes these on /info.
 KNOB_RANGES: dict[str, tuple[int, int]] = {
@@ -25,6 +25,9 @@ KNOB_RANGES: dict[str, tuple[int, int]] = {
     "refine": (0, 100),
     "hash_rounds": (1, 64),
     "cluster_size": (1, 65536),
+    "band": (0, 4096),
+    "block": (1, 4096),
+    "sinks": (0, 64),
     "seed": (0, 2**53 - 1),  # the integers a JSON number carries exactly
     "auto_threshold": (0, 1 << 20),
 }
@@ -35,6 +38,7 @@ METHOD_KNOBS: dict[str, tuple[str, ...]] = {
     "clustered": ("clusters", "bits", "iterations", "refine", "seed"),
     "i-clustered": ("clusters", "topk", "bits", "iterations", "refine", "seed"),
     "smyrf": ("hash_rounds", "cluster_size", "seed"),
+    "banded": ("band", "block", "sinks"),
 }
 
 
@@ -42,7 +46,7 @@ METHOD_KNOBS: dict[str, tuple[str, ...]] = {
 class AttentionSpec:
     """An attention method and its knobs.
 
-    method: "full" | "clustered" | "i-clustered" | "smyrf" | "auto".
+    method: "full" | "clustered" | "i-clustered" | "smyrf" | "banded" | "auto".
     clusters: query clusters per (batch, head) for the clustered methods.
     topk: keys per cluster recomputed exactly by i-clustered (paper eq. 10).
     bits: LSH bits of the query codes used by Hamming K-means.
@@ -51,6 +55,10 @@ class AttentionSpec:
         paper's method. 3 measured best for cost on the default model (README, fidelity).
     hash_rounds: SMYRF hashing rounds merged by softmax mass (paper eq. 15).
     cluster_size: SMYRF queries per balanced cluster.
+    band: banded: neighbouring blocks on each side of a query's block attended exactly.
+    block: banded: tokens per block; every block outside the band is one pooled key.
+    sinks: banded: the first `sinks` tokens and the last token are attended exactly by every
+        query ([CLS], the prompt's tokens, [SEP]); 0 = none.
     seed: seeds the random planes, projections and initial centroids: same seed, same output.
     auto_threshold: "auto" runs "full" for sequences shorter than this many tokens ...
     auto_method: ... and this approximate method from that length on (`resolve_auto`).
@@ -64,6 +72,9 @@ class AttentionSpec:
     refine: int = 3
     hash_rounds: int = 4
     cluster_size: int = 64
+    band: int = 4
+    block: int = 64
+    sinks: int = 8
     seed: int = 0
     auto_threshold: int = 1024
     auto_method: str = "i-clustered"
@@ -110,7 +121,10 @@ class AutoTable(Protocol):
 def exact_by_knobs(spec: AttentionSpec, tokens: int) -> bool:
     """Whether a concrete approximate spec computes exact self-attention over `tokens` tokens:
     clusters >= tokens (every query its own cluster), top-k >= tokens (i-clustered recomputes
-    every key), or one SMYRF cluster (cluster_size >= tokens)."""
+    every key), one SMYRF cluster (cluster_size >= tokens), or a band of blocks that covers
+    the sequence (banded: band >= blocks - 1)."""
+    if spec.method == "banded":
+        return spec.band >= -(-tokens // spec.block) - 1
     if spec.method in ("clustered", "i-clustered") and spec.clusters >= tokens:
         return True
     if spec.method == "i-clustered" and spec.topk >= tokens:

@@ -1,0 +1,184 @@
+"""Banded attention: exact attention on a band of neighbouring blocks and on the sink tokens,
+pooled blocks for everything further away, merged in one softmax so that no key counts twice.
+
+The sequence is cut into blocks of `block` tokens. A query in block t attends
+    - exactly to every real key of blocks t - band .. t + band (the band),
+    - exactly to the sinks: the first `sinks` tokens and the last real token (sinks > 0), where
+      they are outside the band,
+    - to one pooled key per other block: the mean key and mean value of that block's real
+      non-sink keys, its logit raised by log(count), so that a block of c keys that all had the
+      mean's logit would get exactly its c keys' weight,
+all in one softmax. Rotary encoders (nomic-embed-text-v1.5) spread about half of each head's
+attention beyond +-256 tokens, smoothly in position (docs/methods.md, "Where the
+approximations break"): a pooled block stands for many small weights whose positions differ
+little as seen from far away. With band >= blocks - 1 every key is in the band: exact.
+
+Cost per head: O(N (block (2 band + 1) + N / block + sinks) D).
+
+This file holds the reference backend (PyTorch, the definition the native loops and the
+Triton kernel are tested against) and the pooling every backend shares (O(N D)).
+
+    pool    (k, v, key_mask, spec) -> Pooled: per block mean key, mean value, log count
+            (float32; float64 for float64)
+    attend  (q, k, v, pooled, key_mask, spec, scale, dtype) -> (B, H, N, Dv), padded queries 0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .masks import token_masks
+from .spec import AttentionSpec
+from .stages import call, float32_or_64
+
+# Query blocks per step of the reference's loop: bounds its (blocks, block, keys) logits.
+_BLOCKS_PER_STEP = 32
+
+
+class Pooled(NamedTuple):
+    """keys (B, H, NB, D) and values (B, H, NB, Dv): means over each block's real non-sink keys
+    (0 where it has none); log_count (B, NB): log of how many there are (-inf for none);
+    sinks (B, S) int64 positions of the sink keys, sink_real (B, S) bool."""
+
+    keys: Tensor
+    values: Tensor
+    log_count: Tensor
+    sinks: Tensor
+    sink_real: Tensor
+
+
+def sink_positions(key_mask: Tensor, sinks: int) -> tuple[Tensor, Tensor]:
+    """(B, S) positions of each row's sinks and whether each is real and distinct: the first
+    `sinks` positions, then the last real position (S = sinks + 1; none when sinks is 0)."""
+    b, n = key_mask.shape
+    if sinks == 0:
+        return key_mask.new_zeros(b, 0, dtype=torch.int64), key_mask.new_zeros(b, 0)
+    first = torch.arange(min(sinks, n), device=key_mask.device).expand(b, -1)
+    pos = torch.arange(n, device=key_mask.device)
+    last = torch.where(key_mask, pos, -1).max(dim=1).values  # -1 for a row of no real key
+    positions = torch.cat([first, last.clamp(min=0)[:, None]], dim=1)
+    real = torch.cat([key_mask[:, : first.shape[1]], (last >= first.shape[1])[:, None]], dim=1)
+    return positions, real
+
+
+def is_sink(key_mask: Tensor, sinks: int) -> Tensor:
+    """(B, N) bool: the real sink keys."""
+    positions, real = sink_positions(key_mask, sinks)
+    out = torch.zeros_like(key_mask)
+    return out.scatter_(1, positions, real) if positions.numel() else out
+
+
+def pool(k: Tensor, v: Tensor, key_mask: Tensor, spec: AttentionSpec) -> Pooled:
+    """The pool stage (every backend): mean key, mean value and log count of each block's real
+    non-sink keys, in float32 (float64 for float64). k (B, H, N, D), v (B, H, N, Dv),
+    key_mask (B, N)."""
+    b, h, n, d = k.shape
+    k, v = k.to(float32_or_64(k.dtype)), v.to(float32_or_64(v.dtype))
+    size = spec.block
+    blocks = -(-n // size)
+    tail = blocks * size - n
+    counted = key_mask & ~is_sink(key_mask, spec.sinks)  # (B, N)
+    weight = F.pad(counted, (0, tail)).to(k.dtype).view(b, 1, blocks, size, 1)
+    count = weight.sum(dim=3)  # (B, 1, NB, 1)
+    per = count.clamp(min=1)
+    keys = (F.pad(k, (0, 0, 0, tail)).view(b, h, blocks, size, d) * weight).sum(3) / per
+    values = (F.pad(v, (0, 0, 0, tail)).view(b, h, blocks, size, -1) * weight).sum(3) / per
+    log_count = count[:, 0, :, 0].log()  # -inf for a block with no counted key
+    positions, real = sink_positions(key_mask, spec.sinks)
+    return Pooled(keys, values, log_count, positions, real)
+
+
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, scale: float,
+    dtype: torch.dtype,
+) -> Tensor:
+    """The attend stage: per query block, one softmax over its band's keys, the sinks outside
+    the band and the pooled blocks outside the band. (B, H, N, D) -> (B, H, N, Dv) in dtype,
+    padded queries 0."""
+    b, h, n, d = q.shape
+    dv = v.shape[-1]
+    size, band = spec.block, spec.band
+    blocks = -(-n // size)
+    band = min(band, blocks - 1)
+    tail = blocks * size - n
+    reach = band * size
+    span = (2 * band + 1) * size
+    k_pad = F.pad(k, (0, 0, reach, reach + tail))
+    v_pad = F.pad(v, (0, 0, reach, reach + tail))
+    real_pad = F.pad(key_mask, (reach, reach + tail), value=False)
+    q_pad = F.pad(q, (0, 0, 0, tail)).view(b, h, blocks, size, d)
+    sink_k = k.gather(2, pooled.sinks[:, None, :, None].expand(b, h, -1, d))  # (B, H, S, D)
+    sink_v = v.gather(2, pooled.sinks[:, None, :, None].expand(b, h, -1, dv))
+    sink_block = pooled.sinks // size  # (B, S)
+    block_ids = torch.arange(blocks, device=q.device)
+    out = q.new_empty(b, h, blocks, size, dv)
+    step = _BLOCKS_PER_STEP
+    for first in range(0, blocks, step):
+        last = min(blocks, first + step)
+        t = block_ids[first:last]  # (c,)
+        keys = slice(first * size, last * size + 2 * reach)
+        k_win = k_pad[:, :, keys].unfold(2, span, size).transpose(-1, -2)  # (B, H, c, span, D)
+        v_win = v_pad[:, :, keys].unfold(2, span, size).transpose(-1, -2)
+        near_real = real_pad[:, keys].unfold(1, span, size)  # (B, c, span)
+        far = (t[:, None] - block_ids[None, :]).abs() > band  # (c, NB)
+        sink_far = (t[None, :, None] - sink_block[:, None, :]).abs() > band  # (B, c, S)
+        qb = q_pad[:, :, first:last]  # (B, H, c, size, D)
+        logits = torch.cat(
+            [
+                (qb @ k_win.transpose(-1, -2)).masked_fill(~near_real[:, None, :, None, :], float("-inf")),
+                (qb @ sink_k[:, :, None].transpose(-1, -2)).masked_fill(
+                    ~(sink_far & pooled.sink_real[:, None, :])[:, None, :, None, :], float("-inf")
+                ),
+                (qb @ pooled.keys[:, :, None].transpose(-1, -2)) + torch.where(
+                    far[None, :, :], pooled.log_count[:, None, :], float("-inf")
+                )[:, None, :, None, :] / scale,
+            ],
+            dim=-1,
+        ) * scale
+        probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
+        values = torch.cat(
+            [v_win, sink_v[:, :, None].expand(-1, -1, last - first, -1, -1),
+             pooled.values[:, :, None].expand(-1, -1, last - first, -1, -1)],
+            dim=-2,
+        )
+        out[:, :, first:last] = probs @ values
+    out = out.view(b, h, blocks * size, dv)[:, :, :n]
+    return (out * key_mask[:, None, :, None]).to(dtype)
+
+
+def run_banded(
+    stages: "BandedStages", q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, key_padding_mask: Tensor | None,
+    scale: float, observe: Callable[..., Tensor] = call,
+) -> Tensor:
+    """Banded attention through `stages`: (B, H, N, D), (B, H, N, D), (B, H, N, Dv) ->
+    (B, H, N, Dv) in q's dtype. Self-attention only (positions are shared by queries and keys)."""
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"method 'banded' is self-attention: q and k need the same length, got {q.shape[2]} and {k.shape[2]}"
+        )
+    compute = stages.compute(q.dtype)
+    qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
+    if stages.contiguous:
+        qc, kc, vc = qc.contiguous(), kc.contiguous(), vc.contiguous()
+    key_mask, _ = token_masks(q, k, key_padding_mask)
+    pooled = observe("pool", stages.pool, kc, vc, key_mask, spec)
+    return observe("attend", stages.attend, qc, kc, vc, pooled, key_mask, spec, scale, q.dtype)
+
+
+@dataclass(frozen=True)
+class BandedStages:
+    """One backend's banded pipeline: pool is shared, attend is the backend's."""
+
+    name: str
+    compute: Callable[[torch.dtype], torch.dtype]
+    pool: Callable[..., Pooled]
+    attend: Callable[..., Tensor]
+    contiguous: bool = False
+
+
+REFERENCE = BandedStages(name="reference", compute=float32_or_64, pool=pool, attend=attend)

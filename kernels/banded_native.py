@@ -1,0 +1,32 @@
+"""The native backend of banded attention (banded.py): the attend stage as the C loop
+`banded_attention` of native.c (bound in native.py), one (batch, head) slice per call, on
+float32 or bfloat16 CPU tensors (bfloat16 rows widened as they are read). The pool stage is
+the reference's (O(N D) means, in float32).
+
+Per block of queries the loop gathers the band's real keys, the sinks outside the band and the
+pooled keys outside it once, transposed, with their values, then runs one softmax per query
+over them (logits by the vector loop SMYRF's clusters use)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import native
+from .banded import BandedStages, Pooled, pool
+from .spec import AttentionSpec
+
+
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, scale: float,
+    dtype: torch.dtype,
+) -> Tensor:
+    """banded.attend in native.c: (B, H, N, D) float32 or bfloat16 -> (B, H, N, Dv) in dtype."""
+    out = native.banded_attention(
+        q, k, v, pooled.keys, pooled.values, pooled.log_count, pooled.sinks, pooled.sink_real, key_mask,
+        spec.block, spec.band, scale,
+    )
+    return out.to(dtype)
+
+
+NATIVE = BandedStages(name="native", compute=native.compute_dtype, pool=pool, attend=attend, contiguous=True)

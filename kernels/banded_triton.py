@@ -1,0 +1,131 @@
+"""The Triton backend of banded attention (banded.py): the attend stage as one kernel; the pool
+stage is the reference's (O(N D) means, in float32).
+
+One program per (batch x head, tile of BLOCK_M queries) writes its own rows of the output and
+nothing else (no atomics). Its queries run one online softmax over
+    - the keys of the band: the span from the first row's band to the last row's, in tiles of
+      BLOCK_N keys, each row masked to its own block's band and to real keys,
+    - the sinks (one tile), each row masked to the real sinks outside its band,
+    - the pooled keys and values (float32) in tiles of BLOCK_N blocks, each row masked to the
+      blocks outside its band that hold a counted key, logits raised by their log count.
+q . k and p . v run on tensor cores in the inputs' dtype with float32 accumulation; the float32
+pooled keys and values meet half-precision operands as split parts (float32 accuracy).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .banded import BandedStages, Pooled, pool
+from .blocks import pow2_block
+from .spec import AttentionSpec
+from .triton_helpers import dot_split_right, mma, online_softmax_step, rounded, upcast
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+@triton.jit
+def _banded_kernel(
+    q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, plog_ptr, preal_ptr, sink_ptr, sreal_ptr, real_ptr, out_ptr,
+    N, H, NB, S, SIZE, BAND, scale_log2,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = bh // H
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    dims = tl.arange(0, BLOCK_D)
+    vdims = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + (bh * N + rows)[:, None] * D + dims[None, :], mask=row_ok[:, None] & (dims < D)[None, :], other=0.0)
+    t_row = tl.minimum(rows, N - 1) // SIZE  # each row's block
+    lo_row = tl.maximum(t_row - BAND, 0) * SIZE
+    hi_row = tl.minimum((t_row + BAND + 1) * SIZE, N)
+    first = tl.program_id(1) * BLOCK_M
+    last = tl.minimum(first + BLOCK_M, N) - 1
+    lo = tl.maximum(first // SIZE - BAND, 0) * SIZE
+    hi = tl.minimum((last // SIZE + BAND + 1) * SIZE, N)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+
+    # The band.
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        keys = tl.load(k_ptr + (bh * N + cols)[None, :] * D + dims[:, None], mask=col_ok[None, :] & (dims < D)[:, None], other=0.0)
+        values = tl.load(v_ptr + (bh * N + cols)[:, None] * DV + vdims[None, :], mask=col_ok[:, None] & (vdims < DV)[None, :], other=0.0)
+        real = tl.load(real_ptr + b * N + cols, mask=col_ok, other=0) != 0
+        ok = (cols[None, :] >= lo_row[:, None]) & (cols[None, :] < hi_row[:, None]) & (real & col_ok)[None, :]
+        logits = tl.where(ok, mma(q, keys, UPCAST) * scale_log2, float("-inf"))
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, True, UPCAST)
+
+    # The sinks outside each row's band.
+    slots = tl.arange(0, BLOCK_S)
+    slot_ok = slots < S
+    pos = tl.load(sink_ptr + b * S + slots, mask=slot_ok, other=0)
+    s_real = (tl.load(sreal_ptr + b * S + slots, mask=slot_ok, other=0) != 0) & slot_ok
+    keys = tl.load(k_ptr + (bh * N + pos)[None, :] * D + dims[:, None], mask=s_real[None, :] & (dims < D)[:, None], other=0.0)
+    values = tl.load(v_ptr + (bh * N + pos)[:, None] * DV + vdims[None, :], mask=s_real[:, None] & (vdims < DV)[None, :], other=0.0)
+    far = tl.abs((pos // SIZE)[None, :] - t_row[:, None]) > BAND
+    logits = tl.where(far & s_real[None, :], mma(q, keys, UPCAST) * scale_log2, float("-inf"))
+    acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, True, UPCAST)
+
+    # The pooled blocks outside each row's band (float32 keys and values).
+    for start in range(0, NB, BLOCK_N):
+        blocks = start + tl.arange(0, BLOCK_N)
+        blk_ok = blocks < NB
+        keys = tl.load(pk_ptr + (bh * NB + blocks)[None, :] * D + dims[:, None], mask=blk_ok[None, :] & (dims < D)[:, None], other=0.0)
+        values = tl.load(pv_ptr + (bh * NB + blocks)[:, None] * DV + vdims[None, :], mask=blk_ok[:, None] & (vdims < DV)[None, :], other=0.0)
+        counted = (tl.load(preal_ptr + b * NB + blocks, mask=blk_ok, other=0) != 0) & blk_ok
+        log_count = tl.load(plog_ptr + b * NB + blocks, mask=blk_ok, other=0.0)
+        far = tl.abs(blocks[None, :] - t_row[:, None]) > BAND
+        dots = dot_split_right(q, keys, UPCAST)
+        logits = tl.where(far & counted[None, :], dots * scale_log2 + (log_count * 1.4426950408889634)[None, :], float("-inf"))
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, True, UPCAST)
+
+    own = tl.load(real_ptr + b * N + rows, mask=row_ok, other=0) != 0
+    o = tl.where((own & (row_sum > 0))[:, None], acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None], 0.0)
+    tl.store(
+        out_ptr + (bh * N + rows)[:, None] * DV + vdims[None, :], rounded(o, out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (vdims < DV)[None, :],
+    )
+
+
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, scale: float,
+    dtype: torch.dtype,
+) -> Tensor:
+    """banded.attend as one Triton kernel: (B, H, N, D) float32, float16 or bfloat16 ->
+    (B, H, N, Dv) in dtype, padded queries 0."""
+    b, h, n, d = q.shape
+    dv = v.shape[-1]
+    blocks = pooled.keys.shape[2]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    pk = pooled.keys.to(torch.float32).contiguous()
+    pv = pooled.values.to(torch.float32).contiguous()
+    counted = torch.isfinite(pooled.log_count)
+    plog = torch.where(counted, pooled.log_count, 0.0).to(torch.float32).contiguous()
+    flags = [t.to(torch.uint8).contiguous() for t in (counted, pooled.sink_real, key_mask)]
+    sinks = pooled.sinks.to(torch.int64).contiguous()
+    out = torch.empty(b, h, n, dv, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out.to(dtype)
+    block_m = 16 if q.device.type == "cpu" else 64
+    grid = (b * h, triton.cdiv(n, block_m))
+    _banded_kernel[grid](
+        q, k, v, pk, pv, plog, flags[0], sinks, flags[1], flags[2], out,
+        n, h, blocks, sinks.shape[1], spec.block, min(spec.band, blocks), scale * LOG2E,
+        D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv), BLOCK_M=block_m, BLOCK_N=pow2_block(0, high=64) if q.device.type == "cpu" else 64,
+        BLOCK_S=pow2_block(sinks.shape[1]), UPCAST=upcast(q),
+    )
+    return out.to(dtype)
+
+
+TRITON = BandedStages(name="triton", compute=lambda dtype: dtype, pool=pool, attend=attend, contiguous=True)

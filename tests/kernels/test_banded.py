@@ -1,0 +1,167 @@
+"""Banded attention (kernels/banded.py): the reference against its definition written out key by
+key, every backend against the reference, and exact attention where the band covers the
+sequence. The Triton kernel runs under Triton's interpreter (small shapes)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import math
+
+import pytest
+import torch
+from kernel_inputs import padding_mask, qkv
+
+from kernels import AttentionSpec, attention, native
+from kernels.spec import exact_by_knobs, resolve_auto
+
+FULL = AttentionSpec(method="full")
+
+
+def banded(band, block, sinks=0):
+    return AttentionSpec(method="banded", band=band, block=block, sinks=sinks)
+
+
+def definition(q, k, v, spec, mask, scale):
+    """The method written out per query and key (float64): exact logits on the band's blocks
+    and on the sinks, one pooled key (mean key, mean value of the block's real non-sink keys,
+    logit + log count) per block outside the band, one softmax."""
+    b, h, n, _ = q.shape
+    size, band = spec.block, spec.band
+    blocks = -(-n // size)
+    out = torch.zeros(b, h, n, v.shape[-1], dtype=torch.float64)
+    q, k, v = q.double(), k.double(), v.double()
+    for row in range(b):
+        real = mask[row] if mask is not None else torch.ones(n, dtype=torch.bool)
+        sink = torch.zeros(n, dtype=torch.bool)
+        if spec.sinks:
+            sink[: spec.sinks] = True
+            sink[int(real.nonzero().max())] = True
+        sink &= real
+        for head in range(h):
+            for i in range(n):
+                if not real[i]:
+                    continue
+                logits, values = [], []
+                for j in range(n):
+                    if real[j] and (abs(i // size - j // size) <= band or sink[j]):
+                        logits.append(q[row, head, i] @ k[row, head, j] * scale)
+                        values.append(v[row, head, j])
+                for c in range(blocks):
+                    members = [j for j in range(c * size, min(n, (c + 1) * size)) if real[j] and not sink[j]]
+                    if abs(i // size - c) > band and members:
+                        key = k[row, head, members].mean(0)
+                        logits.append(q[row, head, i] @ key * scale + math.log(len(members)))
+                        values.append(v[row, head, members].mean(0))
+                probs = torch.softmax(torch.stack(logits), 0)
+                out[row, head, i] = (probs[:, None] * torch.stack(values)).sum(0)
+    return out
+
+
+# (n, block, band, sinks, lengths): blocks that do not divide N, a last block of one token,
+# sinks inside and outside the band, padded rows, a band of 0.
+CASES = [
+    (37, 8, 1, 3, None),
+    (37, 8, 1, 3, [37, 22]),
+    (33, 16, 0, 0, [33, 30]),
+    (50, 7, 2, 5, [41, 50]),
+    (25, 4, 0, 2, [25, 3]),
+]
+
+
+@pytest.mark.parametrize("n, block, band, sinks, lengths", CASES)
+def test_reference_is_the_definition(n, block, band, sinks, lengths):
+    q, k, v = qkv(n=n, d=8, dtype=torch.float64, seed=n)
+    mask = padding_mask(2, n, lengths) if lengths else None
+    spec = banded(band, block, sinks)
+    out = attention(q, k, v, spec, mask, backend="reference")
+    assert torch.allclose(out, definition(q, k, v, spec, mask, 8**-0.5), atol=1e-10)
+    assert not torch.allclose(out, attention(q, k, v, FULL, mask), atol=1e-3)  # it is an approximation
+
+
+def native_missing():
+    return native.library() is None
+
+
+@pytest.mark.skipif(native_missing(), reason="the native loops were not built (no C compiler)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, block, band, sinks, lengths", CASES + [(130, 16, 2, 8, [130, 97])])
+def test_native_matches_reference(n, block, band, sinks, lengths, dtype):
+    q, k, v = qkv(n=n, d=32, dv=24, dtype=dtype, seed=n + 1)
+    mask = padding_mask(2, n, lengths) if lengths else None
+    spec = banded(band, block, sinks)
+    expected = attention(q, k, v, spec, mask, backend="reference")
+    out = attention(q, k, v, spec, mask, backend="native")
+    assert out.dtype == dtype
+    tol = 2e-6 if dtype == torch.float32 else 1e-2  # bfloat16 outputs: one rounding apart at most
+    assert torch.allclose(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, block, band, sinks, lengths", [(37, 8, 1, 3, [37, 22]), (40, 16, 0, 2, None)])
+def test_triton_matches_reference(n, block, band, sinks, lengths, dtype):
+    q, k, v = qkv(b=2, h=1, n=n, d=16, dtype=dtype, seed=n + 2)
+    mask = padding_mask(2, n, lengths) if lengths else None
+    spec = banded(band, block, sinks)
+    expected = attention(q, k, v, spec, mask, backend="reference")
+    out = attention(q, k, v, spec, mask, backend="triton")
+    assert out.dtype == dtype
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+BACKENDS = ["reference", "triton"] + ([] if native_missing() else ["native"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n, block, band, sinks", [(37, 8, 4, 3), (30, 64, 0, 5), (33, 16, 2, 0)])
+def test_exact_when_the_band_covers_the_sequence(backend, n, block, band, sinks):
+    q, k, v = qkv(b=2, h=1, n=n, d=16, seed=n + 3)
+    mask = padding_mask(2, n, [n, n - 7])
+    spec = banded(band, block, sinks)
+    assert exact_by_knobs(spec, n)
+    out = attention(q, k, v, spec, mask, backend=backend)
+    assert torch.allclose(out, attention(q, k, v, FULL, mask), atol=2e-6)
+
+
+def test_exact_by_knobs_and_resolution():
+    assert exact_by_knobs(banded(3, 64), 256) and not exact_by_knobs(banded(2, 64), 256)
+    assert exact_by_knobs(banded(0, 64), 64) and not exact_by_knobs(banded(0, 64), 65)
+    resolved = resolve_auto(banded(3, 64), 200)
+    assert resolved.spec.method == "full" and resolved.echo["exact_by_knobs"]["method"] == "banded"
+    assert resolve_auto(banded(1, 64), 4096).spec == banded(1, 64)
+    assert banded(1, 64, 8).used_knobs() == {"method": "banded", "band": 1, "block": 64, "sinks": 8}
+
+
+@pytest.mark.parametrize("field, value", [("band", -1), ("band", 4097), ("block", 0), ("sinks", 65), ("block", 2.0)])
+def test_knobs_are_validated(field, value):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        AttentionSpec(method="banded", **{field: value})
+
+
+def test_self_attention_only():
+    q, _, _ = qkv(n=16)
+    k, v = qkv(n=24)[1:]
+    with pytest.raises(ValueError, match="self-attention"):
+        attention(q, k, v, banded(1, 8), backend="reference")
+
+
+def test_no_sequence_by_sequence_tensor(monkeypatch):
+    """The reference never builds an N x N tensor: its logits are (blocks, block, band + sinks +
+    blocks) per step."""
+    import kernels.banded as module
+
+    n = 512
+    q, k, v = qkv(b=1, h=1, n=n, d=8)
+    seen = []
+    original = torch.Tensor.__matmul__
+
+    def watch(a, b):
+        out = original(a, b)
+        seen.append(out.shape[-2:].numel())
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", watch)
+    module.attend(q, k, v, module.pool(k, v, torch.ones(1, n, dtype=torch.bool), banded(1, 16)),
+                  torch.ones(1, n, dtype=torch.bool), banded(1, 16), 0.3, q.dtype)
+    assert seen and max(seen) < n * n // 4
