@@ -1211,10 +1211,14 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
                     x[g] = row_floats(q, dtype, (bh * n + i) * d, d, rows + g * d);
                 }
                 group_logits(x, kt, d, sp, scale, logits);
-                for (int g = 0; g < SMYRF_GROUP && i0 + g < q1; g++) {
-                    float *row = logits + g * sp, *o = acc + g * dvp;
-                    memset(o, 0, dvp * sizeof *o);
-                    if (!real[i0 + g] || p == 0) continue;
+                float inv[SMYRF_GROUP];
+                for (int g = 0; g < SMYRF_GROUP; g++) {
+                    float *row = logits + g * sp;
+                    inv[g] = 0.0f;
+                    if (i0 + g >= q1 || !real[i0 + g] || p == 0) { /* no output: its weights 0 */
+                        memset(row, 0, p * sizeof *row);
+                        continue;
+                    }
                     float top = -FLT_MAX;
                     for (int64_t j = 0; j < p; j++) {
                         row[j] += bias[j];
@@ -1225,12 +1229,16 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
                         row[j] = expf(row[j] - top);
                         total += row[j];
                     }
-                    const float inv = 1.0f / total;
-                    for (int64_t eb = 0; eb < dvp; eb += LANES) {
-                        floats sum = (floats){0};
-                        for (int64_t j = 0; j < p; j++) sum += row[j] * *(const floats *)(vals + j * dvp + eb);
-                        *(floats *)(o + eb) = sum * inv;
+                    inv[g] = 1.0f / total;
+                }
+                for (int64_t eb = 0; eb < dvp; eb += LANES) { /* each value vector meets the group's 8 rows */
+                    floats sum[SMYRF_GROUP];
+                    for (int g = 0; g < SMYRF_GROUP; g++) sum[g] = (floats){0};
+                    for (int64_t j = 0; j < p; j++) {
+                        const floats val = *(const floats *)(vals + j * dvp + eb);
+                        for (int g = 0; g < SMYRF_GROUP; g++) sum[g] += logits[g * sp + j] * val;
                     }
+                    for (int g = 0; g < SMYRF_GROUP; g++) *(floats *)(acc + g * dvp + eb) = sum[g] * inv[g];
                 }
                 for (int g = 0; g < SMYRF_GROUP && i0 + g < q1; g++) {
                     if (dtype == F32) memcpy((float *)out + (bh * n + i0 + g) * dv, acc + g * dvp, dv * sizeof(float));

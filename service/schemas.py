@@ -38,7 +38,9 @@ def _knob_field(name: str, description: str) -> Any:
 
 
 # Knobs a calibrated choice sets: a request that names target_fidelity leaves them out (422).
-CALIBRATED_KNOBS = ("clusters", "topk", "bits", "iterations", "refine", "hash_rounds", "cluster_size")
+CALIBRATED_KNOBS = (
+    "clusters", "topk", "bits", "iterations", "refine", "hash_rounds", "cluster_size", "band", "block", "sinks",
+)
 # The same rule in the OpenAPI document: no target_fidelity, or method auto (or unset) and
 # none of the calibrated knobs.
 _TARGET_RULE = {
@@ -55,7 +57,7 @@ class AttentionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra=_TARGET_RULE)
 
     method: Literal[METHODS] | None = Field(  # type: ignore[valid-type]
-        None, description="full | clustered | i-clustered | smyrf | auto"
+        None, description="full | clustered | i-clustered | smyrf | banded | auto"
     )
     clusters: _knob("clusters") | None = _knob_field("clusters", "query clusters (clustered, i-clustered)")
     topk: _knob("topk") | None = _knob_field("topk", "keys per cluster recomputed exactly (i-clustered)")
@@ -64,6 +66,9 @@ class AttentionRequest(BaseModel):
     refine: _knob("refine") | None = _knob_field("refine", "Lloyd iterations on the real query vectors")
     hash_rounds: _knob("hash_rounds") | None = _knob_field("hash_rounds", "SMYRF hashing rounds")
     cluster_size: _knob("cluster_size") | None = _knob_field("cluster_size", "SMYRF queries per cluster")
+    band: _knob("band") | None = _knob_field("band", "neighbouring blocks each side attended exactly (banded)")
+    block: _knob("block") | None = _knob_field("block", "tokens per block; farther blocks are pooled (banded)")
+    sinks: _knob("sinks") | None = _knob_field("sinks", "leading tokens (and the last) every query attends exactly (banded)")
     seed: _knob("seed") | None = _knob_field("seed", "seed of the random planes and initial centroids")
     target_fidelity: StrictFloat | None = Field(
         None,

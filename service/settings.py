@@ -62,6 +62,9 @@ class Settings(BaseSettings):
     refine: int = Field(_DEFAULT_SPEC.refine, description="default Lloyd iterations on real query vectors")
     hash_rounds: int = Field(_DEFAULT_SPEC.hash_rounds, description="default SMYRF hashing rounds")
     cluster_size: int = Field(_DEFAULT_SPEC.cluster_size, description="default SMYRF cluster size")
+    band: int = Field(_DEFAULT_SPEC.band, description="default neighbouring blocks attended exactly (banded)")
+    block: int = Field(_DEFAULT_SPEC.block, description="default tokens per block (banded)")
+    sinks: int = Field(_DEFAULT_SPEC.sinks, description="default leading tokens every query attends exactly (banded)")
     seed: int = Field(_DEFAULT_SPEC.seed, description="default seed of planes and centroids")
     auto_threshold: int = Field(
         _DEFAULT_SPEC.auto_threshold, description='"auto" runs full attention below this many tokens'
