@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from kernels import AttentionSpec
+from kernels.spec import METHODS
 
 from . import sass, warp_cost
 from .common import RESULTS_DIR, print_table
@@ -107,6 +108,8 @@ SPECS = {
     "i-clustered 200/32": AttentionSpec(method="i-clustered", clusters=200, topk=32),
     "i-clustered 400/64": AttentionSpec(method="i-clustered", clusters=400, topk=64),
 }
+if "banded" in METHODS:  # a local band plus a pooled far field, at its defaults
+    SPECS["banded"] = AttentionSpec(method="banded")
 
 
 @dataclass
@@ -325,8 +328,9 @@ def estimate_call(label: str, spec: AttentionSpec, n: int, head_dim: int, dtype:
     device_ms: the launches and the library kernels back to back. In a CUDA graph the call is
     the device's time plus one replay (graph_ms); op by op (eager_ms) the host issues every
     launch, op and allocation, and the device waits whenever the host is behind: the longer
-    of the two, plus a sync's wait each. The speed-ups are graph_ms's, as the service replays
-    its captured graphs; eager ones are reported beside them."""
+    of the two, plus a sync's wait each. The speed-ups are graph_ms's (the service replays
+    captured graphs for batches up to cuda_graph_max_length, 8192 tokens, and runs longer ones
+    op by op: eager_speedup_fa2 is theirs)."""
     ops: list = []
     launches, counts = record_spec(spec, n, head_dim, dtype, ops=ops)
     rows = [estimate_launch(launch, capability) for launch in launches]

@@ -109,6 +109,11 @@ def record_spec(spec, n: int, head_dim: int, dtype: torch.dtype, heads: int = HE
     def pipeline(*args):
         if spec.method == "smyrf":
             return run_smyrf(smyrf_stages("triton"), *args)
+        if spec.method == "banded":  # a local band plus a pooled far field (kernels/banded.py)
+            from kernels.banded import run_banded
+            from kernels.dispatch import banded_stages
+
+            return run_banded(banded_stages("triton"), *args)
         return run_clustered(clustered_stages("triton"), *args)
     launches: list[Launch] = []
 

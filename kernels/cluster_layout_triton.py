@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .blocks import pow2_block
-from .triton_helpers import slowest_chunk, chunking
+from .triton_helpers import chunking, slowest_chunk
 
 # Queries per tile of a chunk, and clusters per step of the counts and the scatter.
 BLOCK_N = 64

@@ -44,6 +44,9 @@ from .stages import CentroidAttention, ClusteredStages, applied_by_stages
 from .triton_helpers import mma, online_softmax_step, rounded, upcast
 
 LOG2E = 1.4426950408889634
+# Warps of a sparse tile: 2 (~220 registers) fit four tiles an SM, 4 (~180) two; the tiles are
+# latency-bound (gathered rows), so more of them in flight beats wider ones.
+TILE_NUM_WARPS = 2
 
 
 @triton.jit
@@ -195,7 +198,7 @@ def improved_sparse_triton(
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         h, n, m, clusters, top, d, dv, scale * LOG2E,
         BLOCK_M=TILE, BLOCK_K=min(64, pow2_block(top)), HEAD_DIM=pow2_block(d), VALUE_DIM=pow2_block(dv),
-        CLUSTER_BLOCK=pow2_block(clusters, 16, 1024), UPCAST=upcast(q),
+        CLUSTER_BLOCK=pow2_block(clusters, 16, 1024), UPCAST=upcast(q), num_warps=TILE_NUM_WARPS,
     )
     return out
 

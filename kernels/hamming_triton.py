@@ -36,24 +36,24 @@ from .blocks import pow2_block
 from .hamming_update_triton import _hamming_update_kernel
 from .triton_helpers import (
     any_set,
-    slowest_chunk,
     chunking,
     cluster_block,
     code_signs,
     count_real,
     mma,
     one_hot,
+    slowest_chunk,
     upcast,
 )
 
 # Queries per tile (a chunk is whole tiles), centroids per tile of the search and the votes
 # (up to BLOCK_C clusters, one pass with the centroids' signs and the votes in registers),
-# and the bit tile of the codes (<= 63 bits). The assignment runs 8 warps (two warpgroups
-# of int8 wgmma, 64 queries each).
+# and the bit tile of the codes (<= 63 bits). The assignment runs 4 warps (one warpgroup of
+# int8 wgmma): at ~255 registers, two programs share an SM where 8 warps fit one.
 BLOCK_N = 128
 BLOCK_C = 128
 BLOCK_BITS = 64
-NUM_WARPS = 8
+NUM_WARPS = 4
 # Queries and clusters per step of the initial placement (a (clusters, queries) int64 match
 # matrix) and of the signs it writes.
 INITIAL_BLOCK_N = 64

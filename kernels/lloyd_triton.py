@@ -35,11 +35,11 @@ from .blocks import pow2_block
 from .means_triton import chunk_sums, load_rows
 from .triton_helpers import (
     any_set,
-    slowest_chunk,
     chunking,
     count_real,
     dot_parts,
     dot_split_right,
+    slowest_chunk,
     split_parts,
     upcast,
 )
@@ -47,6 +47,9 @@ from .triton_helpers import (
 # Means per tile of the nearest-mean search: up to this many, they are read and split into
 # half-precision parts once per program (more: tiles of 128).
 NEAREST_BLOCK_C = 256
+# Warps of the nearest-mean search: with tiles of up to 128 means, 4 warps (~245 registers)
+# fit two programs an SM where 8 fit one; wider tiles need 8 (4 would run out of registers).
+NEAREST_NARROW_C = 128
 # Key of no query: below every real or padded query's key.
 NO_KEY = -(1 << 62)
 
@@ -262,7 +265,7 @@ def refine_clusters_triton(
             h, n, clusters, d, chunk, chunks,
             BLOCK_N=means.BLOCK_N, BLOCK_C=nearest_block, COUNT_BLOCK=means.COUNT_BLOCK, ONE_BLOCK=clusters <= nearest_block,
             LAST=it == iterations - 1,
-            EXACT_CASE=exact_case, UPCAST=upcast(q), num_warps=means.NUM_WARPS, **flags,
+            EXACT_CASE=exact_case, UPCAST=upcast(q), num_warps=4 if nearest_block <= NEAREST_NARROW_C else 8, **flags,
         )
     return out
 

@@ -22,13 +22,13 @@ from torch import Tensor
 from .blocks import pow2_block
 from .triton_helpers import (
     any_set,
-    slowest_chunk,
     chunking,
     cluster_block,
     cluster_range,
     count_real,
     mma,
     one_hot,
+    slowest_chunk,
     sum_chunks,
     sum_chunks_2d,
     upcast,

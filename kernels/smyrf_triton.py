@@ -44,10 +44,13 @@ from .hashing import on_device
 from .smyrf import smyrf_cluster_count, smyrf_projections
 from .spec import AttentionSpec
 from .stages import SmyrfStages, sort_by_hash
-from .triton_helpers import slowest_chunk, chunking, count_real, dot_split_right, mma, online_softmax_step, rounded, upcast
+from .triton_helpers import chunking, count_real, dot_split_right, mma, online_softmax_step, rounded, slowest_chunk, upcast
 
 # Rows per tile of the norm and hash launches.
 HASH_TILE = 64
+# Warps of the norms pass: a latency-bound stream of rows at ~32 registers, so 8 warps keep
+# twice the loads of 4 in flight.
+NORMS_NUM_WARPS = 8
 
 
 @triton.jit
@@ -307,7 +310,7 @@ def smyrf_hashes_triton(
                   BLOCK_D=pow2_block(d, 16, 1024), BLOCK_T=HASH_TILE)
     _smyrf_norms_kernel[(chunks, b * h)](
         q, k, mask, part_max, *q.stride(), *k.stride(), mask.stride(0) if has_mask else 0,
-        h, n, m, chunk, chunks, **common,
+        h, n, m, chunk, chunks, num_warps=NORMS_NUM_WARPS, **common,
     )
     q_tiles = triton.cdiv(n, HASH_TILE)
     _smyrf_hash_kernel[(q_tiles + triton.cdiv(m, HASH_TILE), b * h)](
