@@ -222,7 +222,7 @@ def test_info(client):
     assert info["backend"] == cpu_backend() and info["device"] == "cpu"
     assert info["cuda_graphs"] is None  # a CPU replays no CUDA graphs
     methods = info["attention"]["methods"]
-    assert set(methods) == {"full", "clustered", "i-clustered", "smyrf", "auto"}
+    assert set(methods) == {"full", "clustered", "i-clustered", "smyrf", "banded", "auto"}
     default = AttentionSpec()
     for method, knobs in METHOD_KNOBS.items():
         assert set(methods[method]) == set(knobs)
