@@ -21,7 +21,7 @@ scheduler's or `Encoder.run_chunks`' result) and returns each input's (chunks, d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -30,12 +30,9 @@ from kernels import AttentionSpec, resolve_auto
 
 from .chunking import ChunkingSpec, chunk_spans, unit_starts, window_sizes, windows
 from .inputs import EmptyInput, InputTooLong
-from .plan import Plan, PlannedInput, check_attention, choose_prompt_and_adapter
+from .plan import Encoder, Plan, PlannedInput, check_attention, choose_prompt_and_adapter
 from .pooling import POOLED, Output
 from .tokenization import TRUNCATION_DIRECTIONS, Tokens
-
-if TYPE_CHECKING:
-    from .encoder import Encoder
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ class Encoder:
         self, model: nn.Module, tokenizer: TextTokenizer, pooling: PoolingConfig, *, name: str, architecture: str,
         native_positions: int, max_input_tokens: int, position_extension: str | None, pad_token_id: int,
         vocab_size: int, folder: Path | None = None, adapters: tuple[str, ...] = (), prompts: Prompts | None = None,
-        backend: str = "auto", calibration: Calibration | None = None, source: dict[str, Any] | None = None,
+        backend: str = "auto", calibration: Calibration | None = None, reload: Callable[..., Encoder] | None = None,
         graphs: LayerGraphs | None = None,
     ):
         if backend not in BACKENDS:
@@ -93,7 +93,7 @@ class Encoder:
         self.backend = backend
         self.calibration = calibration
         self.graphs = graphs
-        self._source = source  # load_encoder's arguments but dtype, to load it again
+        self._reload = reload  # load_encoder bound to this checkpoint's arguments but dtype
         self._float32: Encoder | None = None
         first = next(model.parameters())
         self.device = first.device
@@ -303,11 +303,9 @@ class Encoder:
         if self.dtype == torch.float32:
             return self
         if self._float32 is None:
-            if self._source is None:
+            if self._reload is None:
                 raise ValueError("float32: this encoder was not built by load_encoder; load a float32 one")
-            from .loader import load_encoder
-
-            self._float32 = load_encoder(**self._source, dtype=torch.float32)
+            self._float32 = self._reload(dtype=torch.float32)
             if self.graphs is not None and self._float32.graphs is not None:
                 self._float32.graphs.on_event = self.graphs.on_event  # counted with this encoder's
         return self._float32

@@ -13,6 +13,7 @@ the checkpoint was trained on. Nothing is fetched from a model hub.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,8 +143,8 @@ def load_encoder(
         prompts=prompts,
         backend=backend,
         calibration=table,
-        source=dict(
-            path=path, max_input_tokens=limit, device=torch.device(device), backend=backend,
+        reload=functools.partial(
+            load_encoder, path, max_input_tokens=limit, device=torch.device(device), backend=backend,
             cuda_graphs=cuda_graphs, cuda_graph_max_length=cuda_graph_max_length,
         ),
         graphs=_graphs(torch.device(device), dtype, backend, cuda_graphs, cuda_graph_max_length),

@@ -20,14 +20,32 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from kernels import AttentionSpec, Resolved, resolve_auto
 
-from .prompts import NO_PROMPT, UnknownPrompt
+from .calibration import Calibration
+from .pooling import PoolingConfig
+from .prompts import NO_PROMPT, Prompts, UnknownPrompt
+from .tokenization import TextTokenizer
 
-if TYPE_CHECKING:
-    from .encoder import Encoder
+
+class Encoder(Protocol):
+    """What planning reads of an encoder (models.encoder.Encoder is one); a protocol, so that
+    planning does not import the runtime that calls it."""
+
+    tokenizer: TextTokenizer
+    prompts: Prompts
+    pooling: PoolingConfig
+    adapters: tuple[str, ...]
+    calibration: Calibration | None
+    max_input_tokens: int
+    native_positions: int
+
+    def prepare(
+        self, inputs: Sequence[Any], truncate: bool = False, truncation_direction: str = "right",
+        prompt_name: str | None = None,
+    ) -> list[list[int]]: ...
 
 
 class UnknownAdapter(ValueError):
