@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -31,7 +32,7 @@ import httpx
 import numpy as np
 
 from models.fetch import default_model_path
-from models.rotary import inverse_frequencies
+from models.rotary import rotary_base
 
 from .common import LICENSE_DIR, print_table, run_conditions, write_results
 from .short_texts import sentences
@@ -128,9 +129,8 @@ def main() -> None:
     loads = workloads(count)
     long_tokens = count(loads["one 8k-token document"][0])
     config = encoder.model.config
-    inv_freq = inverse_frequencies(long_tokens, config.head_dim, config.rope_theta, "cpu", config.rope_type,
-                                   config.rope_factor, config.rope_original_positions)
-    scaled_base = float(1 / inv_freq[1]) ** (config.head_dim / 2)
+    scaled_base = rotary_base(long_tokens, config.head_dim, config.rope_theta, config.rope_type, config.rope_factor,
+                              config.rope_original_positions)
     del encoder
 
     logs = ROOT / "bench" / "out"
@@ -139,10 +139,7 @@ def main() -> None:
     llama = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--embedding", "true", "--n_ctx", "8192",
              "--n_batch", "8192", "--n_ubatch", "8192", "--n_threads", str(args.threads),
              "--n_threads_batch", str(args.threads), "--host", "127.0.0.1"]
-    env_threads = {"OMP_NUM_THREADS": str(args.threads)}
-    import os
-
-    os.environ.update(env_threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the servers inherit it
     rows = []
     with (
         _server(ours, "/health/ready", logs / "ours.log") as ours_url,

@@ -60,6 +60,7 @@ class GgufArchitecture:
     tensors: tuple[tuple[str, str], ...]
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt: str | None = None
+    published_context_factor: int = 1  # positions published beyond the trained context_length
 
 
 _SIZES = {
@@ -106,7 +107,7 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
             "context_length": "max_trained_positions",
             "rope.freq_base": "rotary_emb_base",
         },
-        fixed={"activation_function": "swiglu", "rotary_scaling_factor": 2.0, "published_context_factor": 4},
+        fixed={"activation_function": "swiglu", "rotary_scaling_factor": 2.0},
         tensors=(
             (r"^token_embd\.", "embeddings.word_embeddings."),
             (r"^token_types\.", "embeddings.token_type_embeddings."),
@@ -121,6 +122,7 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
         ),
         prompts=NOMIC_PROMPTS,
         default_prompt="document",
+        published_context_factor=4,
     ),
 }
 
@@ -199,9 +201,8 @@ def _config(
         raise UnsupportedArchitecture(f"{arch_name} with causal attention (an encoder attends both ways)")
     config["type_vocab_size"] = token_types  # the table's rows (nomic's file says 1 type and stores 2)
     config["pad_token_id"] = int(meta.get("tokenizer.ggml.padding_token_id") or 0)
-    factor = config.pop("published_context_factor", None)
-    if factor:  # positions published beyond the trained ones (dynamic NTK, see ARCHITECTURES)
-        config["n_positions"] = int(config["max_trained_positions"]) * int(factor)
+    if arch.published_context_factor > 1:  # positions published beyond the trained ones (dynamic NTK)
+        config["n_positions"] = int(config["max_trained_positions"]) * arch.published_context_factor
     return config
 
 

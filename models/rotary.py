@@ -24,6 +24,15 @@ from .packing import Packed
 ROPE_TYPES = ("default", "linear", "dynamic", "ntk")
 
 
+def rotary_base(n: int, head_dim: int, theta: float, rope_type: str = "default", factor: float = 1.0, original: int = 0) -> float:
+    """The rotary base a sequence of n tokens runs with: `theta`, grown by dynamic NTK past
+    `original` positions. For one sequence that is a plain base, which is how another engine
+    (llama.cpp's rope_freq_base) is given the same scaling."""
+    if rope_type == "dynamic" and n > original:
+        return theta * ((factor * n / original) - (factor - 1)) ** (head_dim / (head_dim - 2))
+    return theta
+
+
 def inverse_frequencies(
     n: int, head_dim: int, theta: float, device: torch.device, rope_type: str = "default", factor: float = 1.0,
     original: int = 0,
@@ -32,8 +41,7 @@ def inverse_frequencies(
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope_type: must be one of {', '.join(ROPE_TYPES)}, got {rope_type!r}")
     exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim
-    if rope_type == "dynamic" and n > original:
-        theta = theta * ((factor * n / original) - (factor - 1)) ** (head_dim / (head_dim - 2))
+    theta = rotary_base(n, head_dim, theta, rope_type, factor, original)
     if rope_type == "ntk":
         return 1.0 / ((theta * factor) ** exponents) / factor ** (2 / head_dim)
     inv_freq = 1.0 / (theta**exponents)

@@ -13,7 +13,7 @@ import pytest
 from default_model import require_default_model, require_llama_cpp
 
 from kernels import AttentionSpec
-from models.rotary import inverse_frequencies
+from models.rotary import rotary_base
 
 FULL = AttentionSpec(method="full")
 LICENCES = Path("/usr/share/common-licenses")
@@ -68,8 +68,7 @@ def test_exact_attention_equals_llama_cpp_past_them_with_the_same_scaling(nomic_
     assert 2048 < n <= 8192
     # Dynamic NTK at this length is a plain rotary base; llama.cpp takes it as rope_freq_base.
     config = nomic_encoder.model.config
-    inv_freq = inverse_frequencies(n, 64, config.rope_theta, "cpu", "dynamic", config.rope_factor, 2048)
-    base = float(1 / inv_freq[1]) ** (64 / 2)
+    base = rotary_base(n, config.head_dim, config.rope_theta, config.rope_type, config.rope_factor, 2048)
     llama = _llama(4096, base)
     _, cosine = _cosine(nomic_encoder, llama, text)
     assert cosine >= 0.9999, (n, base, cosine)
