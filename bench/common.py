@@ -80,13 +80,19 @@ def capture_qkv(encoder, ids: list[int], layer: int = 0) -> tuple[torch.Tensor, 
 
 
 def real_qkv(encoder, ids: list[int], head_dim: int, heads: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v (1, heads, N, head_dim) in dtype from the model on real text. head_dim must be a
-    multiple of the model's (32): head h concatenates head h of layers 0, 1, ... so that every
-    coordinate is a real projection of the same tokens."""
+    """q, k, v (1, heads, N, head_dim) in dtype from the model on real text. A head_dim that is a
+    multiple of the model's concatenates head h of layers 0, 1, ... so that every coordinate is a
+    real projection of the same tokens; one that divides the model's keeps each head's first
+    head_dim coordinates of layer 0."""
     model_dim = encoder.model.config.head_dim
+    if head_dim < model_dim and model_dim % head_dim == 0:
+        q, k, v = capture_qkv(encoder, ids, 0)
+        return tuple(t[:, :heads, :, :head_dim].to(dtype).contiguous() for t in (q, k, v))
     layers = head_dim // model_dim
     if head_dim % model_dim or not 1 <= layers <= encoder.model.config.num_layers:
-        raise ValueError(f"head_dim: must be a multiple of the model's {model_dim} up to its layers, got {head_dim}")
+        raise ValueError(
+            f"head_dim: must divide the model's {model_dim} or be a multiple of it up to its layers, got {head_dim}"
+        )
     parts = [capture_qkv(encoder, ids, layer) for layer in range(layers)]
     return tuple(torch.cat([p[i] for p in parts], dim=-1)[:, :heads].to(dtype).contiguous() for i in range(3))
 

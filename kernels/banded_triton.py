@@ -71,11 +71,11 @@ def _banded_kernel(
     slot_ok = slots < S
     pos = tl.load(sink_ptr + b * S + slots, mask=slot_ok, other=0)
     s_real = (tl.load(sreal_ptr + b * S + slots, mask=slot_ok, other=0) != 0) & slot_ok
-    keys = tl.load(k_ptr + (bh * N + pos)[None, :] * D + dims[:, None], mask=s_real[None, :] & (dims < D)[:, None], other=0.0)
-    values = tl.load(v_ptr + (bh * N + pos)[:, None] * DV + vdims[None, :], mask=s_real[:, None] & (vdims < DV)[None, :], other=0.0)
-    far = tl.abs((pos // SIZE)[None, :] - t_row[:, None]) > BAND
-    logits = tl.where(far & s_real[None, :], mma(q, keys, UPCAST) * scale_log2, float("-inf"))
-    acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, True, UPCAST)
+    s_keys = tl.load(k_ptr + (bh * N + pos)[None, :] * D + dims[:, None], mask=s_real[None, :] & (dims < D)[:, None], other=0.0)
+    s_values = tl.load(v_ptr + (bh * N + pos)[:, None] * DV + vdims[None, :], mask=s_real[:, None] & (vdims < DV)[None, :], other=0.0)
+    s_far = tl.abs((pos // SIZE)[None, :] - t_row[:, None]) > BAND
+    s_logits = tl.where(s_far & s_real[None, :], mma(q, s_keys, UPCAST) * scale_log2, float("-inf"))
+    acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s_logits, s_values, True, UPCAST)
 
     # The pooled blocks outside each row's band (float32 keys and values).
     for start in range(0, NB, BLOCK_N):
@@ -129,3 +129,16 @@ def attend(
 
 
 TRITON = BandedStages(name="triton", compute=lambda dtype: dtype, pool=pool, attend=attend, contiguous=True)
+
+
+def _band_span(a: dict) -> dict:
+    """The slowest program's band loop: its BLOCK_M rows' blocks plus BAND blocks each side."""
+    size, block_m = a["SIZE"], a["BLOCK_M"]
+    aligned = size % block_m == 0 or block_m % size == 0
+    row_blocks = -(-block_m // size) + (0 if aligned else 1)
+    return {"lo": 0, "hi": min(a["N"], (row_blocks + 2 * a["BAND"]) * size)}
+
+
+# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
+# launch's arguments do not give, as the slowest program sees them.
+LOOP_BOUNDS = {"_banded_kernel": _band_span}

@@ -9,6 +9,7 @@ server at start-up instead of failing every request.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -162,6 +163,12 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [origin.strip() for origin in value.split(",") if origin.strip()]
         return value
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_path(cls, value: object) -> object:
+        # Settings(model=Path(...)) from Python means the same as the path's text in the environment.
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
 
     @field_validator("target_fidelity", mode="before")
     @classmethod
