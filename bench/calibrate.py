@@ -17,7 +17,7 @@ models/calibrations/, which ships with clusterserve; `--out` writes it elsewhere
 replaces the grid by one AttentionSpec per line of a file, as JSON keyword arguments. Prints
 each bucket's frontier and the configuration chosen for fidelity targets 0.98, 0.99 and
 0.995, and draws latency against fidelity per method and
-length with the Pareto frontier (bench/results/calibration-<device>.png).
+length with the Pareto frontier (bench/results/calibration-<model>-<device>.png).
 """
 
 from __future__ import annotations
@@ -204,7 +204,8 @@ def plot(table: Calibration) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"full": "black", "clustered": "tab:blue", "i-clustered": "tab:orange", "smyrf": "tab:green"}
+    colors = {"full": "black", "clustered": "tab:blue", "i-clustered": "tab:orange", "smyrf": "tab:green",
+              "banded": "tab:red"}
     columns = min(3, len(table.buckets))
     rows = -(-len(table.buckets) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4.5 * columns, 3.6 * rows), squeeze=False)
@@ -227,7 +228,7 @@ def plot(table: Calibration) -> Path:
     fig.suptitle(f"{table.model} on {table.device_name}: latency against fidelity (dashed: Pareto frontier)", fontsize=9)
     fig.tight_layout()
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"calibration-{table.device}{DTYPE_SUFFIXES.get(table.dtype, '')}.png"
+    path = RESULTS_DIR / f"calibration-{table.model}-{table.device}{DTYPE_SUFFIXES.get(table.dtype, '')}.png"
     fig.savefig(path, dpi=110)
     return path
 
