@@ -130,7 +130,7 @@ def plan_chunks(
             tokens = Tokens(tokens.ids[keep], tokens.offsets[keep])
         starts = unit_starts(text, tokens.offsets, chunking.boundaries) if tokens.ids else []
         spans = chunk_spans(starts, len(tokens.ids), chunking.size, chunking.overlap)
-        documents.append(_document(encoder, index, tokens, spans, framing))
+        documents.append(_document(encoder, text, tokens, spans, framing))
     return _plan(encoder, documents, prompt_ids, spec, chunking, target_fidelity, chosen_prompt, chosen_adapter)
 
 
@@ -185,9 +185,9 @@ def _prompt(
     return prompt_ids, chosen_prompt, chosen_adapter
 
 
-def _document(encoder: Encoder, index: int, tokens: Tokens, spans: list[tuple[int, int]], framing: int) -> _Document:
-    if not tokens.ids:
-        raise EmptyInput(index, "has no tokens to chunk")
+def _document(encoder: Encoder, text: str, tokens: Tokens, spans: list[tuple[int, int]], framing: int) -> _Document:
+    if not tokens.ids:  # no token of its own (private-use characters only, say): one chunk, the whole framed text
+        return _Document([], [], (Chunk((0, len(text)), (0, framing)),), framing)
     first = len(encoder.tokenizer.prefix)  # token_span counts from the text's own [CLS]
     chunks = tuple(
         Chunk((tokens.offsets[start][0], tokens.offsets[stop - 1][1]), (start + first, stop + first))
@@ -212,7 +212,12 @@ def _plan(
         room, overlap = window_sizes(chunking, encoder.native_positions, encoder.max_input_tokens, framing)
     for document in documents:
         first_row, first_sequence = rows, len(sequences)
-        if chunking.late:
+        if not document.body:  # its one chunk is the text's own embedding
+            sequences.append(head + suffix)
+            outputs.append(POOLED)
+            combine = torch.eye(1)
+            rows += 1
+        elif chunking.late:
             weights = []
             for start, stop, keep in windows(len(document.body), room, overlap):
                 parts = [(c, max(a, keep), min(b, stop)) for c, (a, b) in enumerate(document.spans) if a < stop and b > keep]

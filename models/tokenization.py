@@ -8,12 +8,15 @@ text's tokens and keeps the special tokens ([CLS] ... [SEP], <s> ... </s>) aroun
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import NamedTuple
 
 from tokenizers import Tokenizer
 
 TRUNCATION_DIRECTIONS = ("right", "left")
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class Tokens(NamedTuple):
@@ -71,7 +74,7 @@ class TextTokenizer:
                 f"max_tokens: must leave room for the {self.num_special_tokens} special tokens, "
                 f"got {max_tokens}"
             )
-        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        encodings = self._tokenizer.encode_batch(_well_formed(texts), add_special_tokens=False)
         result = []
         for encoding in encodings:
             if max_tokens is not None and len(encoding) + self.num_special_tokens > max_tokens:
@@ -83,9 +86,16 @@ class TextTokenizer:
     def encode_body(self, texts: list[str]) -> list[Tokens]:
         """Tokenize texts without special tokens (a text's tokens alone, with their offsets):
         the pieces that chunking frames with `prefix` and `suffix` itself."""
-        return [Tokens(e.ids, e.offsets) for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+        return [Tokens(e.ids, e.offsets) for e in self._tokenizer.encode_batch(_well_formed(texts), add_special_tokens=False)]
 
     def count(self, texts: list[str]) -> list[int]:
         """Tokens per text, special tokens included, nothing truncated."""
-        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        encodings = self._tokenizer.encode_batch(_well_formed(texts), add_special_tokens=False)
         return [len(encoding) + self.num_special_tokens for encoding in encodings]
+
+
+def _well_formed(texts: list[str]) -> list[str]:
+    """The texts with each surrogate code point (a JSON string may carry a lone one, as
+    "\\udbc6"; it is no character and the tokenizer refuses it) replaced by U+FFFD, one
+    character for one, so that offsets into the text still hold."""
+    return [_SURROGATE.sub("\ufffd", text) if _SURROGATE.search(text) else text for text in texts]

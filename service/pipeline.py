@@ -236,7 +236,7 @@ async def run_planner(planner: Callable[[], T], params: list[str], options: Embe
         param = options.param if exc.index is None else params[exc.index]
         if isinstance(exc, InputTooLong):
             raise errors.input_too_long(param, exc.tokens, exc.limit) from None
-        if isinstance(exc, EmptyInput):
+        if isinstance(exc, EmptyInput) and not exc.detail.startswith("has no tokens"):
             raise errors.empty_input(param) from None
         raise errors.invalid_field(param, exc.detail) from None
     except (UnknownPrompt, UnknownAdapter) as exc:

@@ -149,8 +149,20 @@ def test_limits_and_errors(default_encoder, full_spec, text):
         plan_chunks(default_encoder, [text], full_spec, ChunkingSpec(window=2))
     with pytest.raises(ValueError, match="^window_overlap: "):
         plan_chunks(default_encoder, [text], full_spec, ChunkingSpec(window=130, window_overlap=128))
-    with pytest.raises(EmptyInput):
-        plan_chunks(default_encoder, ["   "], full_spec, ChunkingSpec())
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_text_without_tokens_of_its_own_is_one_chunk_its_own_embedding(default_encoder, full_spec, text, late):
+    # blanks and a private-use character: the tokenizer keeps none of them
+    for empty in ["   ", "\U000F180D"]:
+        chunking = ChunkingSpec(size=16, late=late)
+        chunked = default_encoder.embed_chunks([empty, text], full_spec, chunking)
+        assert [c.text_span for c in chunked[0].chunks] == [(0, len(empty))]
+        assert [c.token_span for c in chunked[0].chunks] == [(0, len(default_encoder.tokenize([empty])[0].ids))]
+        torch.testing.assert_close(chunked[0].vectors, default_encoder.embed([empty], full_spec), atol=1e-6, rtol=0)
+        # the other input's chunks are those it gets alone
+        alone = default_encoder.embed_chunks([text], full_spec, chunking)[0]
+        torch.testing.assert_close(chunked[1].vectors, alone.vectors, atol=1e-5, rtol=0)
 
 
 def test_a_document_longer_than_one_pass_is_chunked_and_truncate_cuts_it_first(full_spec, text):

@@ -155,9 +155,16 @@ def test_a_bad_chunking_field_is_a_422_naming_it(client, route, body, param):
     assert error["param"] == param and error["message"].startswith(param + ": "), error
 
 
-def test_a_text_with_nothing_to_chunk_is_a_400(client):
+def test_a_text_with_no_token_is_one_chunk_but_no_piece_of_jinas_form(client):
     response = client.post("/v1/embeddings", json={"input": ["fine", "   "], "chunking": {}})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "input[1]"
+    assert response.status_code == 200, response.text
+    data = response.json()["data"]
+    assert [(d["index"], d["chunk"]) for d in data][-1] == (1, 0) and sum(d["index"] == 1 for d in data) == 1
+    # In Jina's form the pieces are one text's chunks: a piece with no token cannot be one.
+    response = client.post("/v1/embeddings", json={"input": ["fine", "   "], "late_chunking": True})
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["param"] == "input[1]" and "has no tokens" in error["message"], error
 
 
 def test_info_states_the_chunking_defaults_and_bounds(client):

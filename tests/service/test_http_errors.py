@@ -58,6 +58,28 @@ def request_schema(client, path: str):
     return jsonschema.Draft202012Validator({"$ref": ref, "components": document["components"]})
 
 
+@pytest.mark.parametrize(
+    "path, raw",
+    [
+        ("/v1/embeddings", '{"input": "\\udbc6"}'),
+        ("/v1/embeddings", '{"input": ["ok", "a\\udc0db"]}'),
+        ("/embed", '{"inputs": "\\udbc6"}'),
+        ("/embed", '{"inputs": ["\\udbc6\\udc0d"], "chunking": {"size": 64}}'),
+        ("/embed", '{"inputs": ["   "], "chunking": {"size": 64, "late": false}}'),
+        ("/tokenize", '{"inputs": "\\udbc6"}'),
+    ],
+)
+def test_text_the_tokenizer_drops_or_refuses_is_still_text(client, path, raw):
+    # A lone surrogate escape is read as U+FFFD; a private-use character or blanks have no
+    # token of their own, and a chunked one is one chunk: each gets an answer, not an error.
+    response = client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+    lone = client.post(path, content=raw.replace("\\udbc6", "\\ufffd").replace("\\udc0d", "\\ufffd"),
+                       headers={"content-type": "application/json"})
+    if "\\udbc6\\udc0d" not in raw:  # a pair is one character (U+F180D), not two U+FFFD
+        assert response.json() == lone.json()
+
+
 def test_tokenize_answers_an_empty_text_with_its_special_tokens_and_the_schema_allows_it(client):
     for body in ({"inputs": ""}, {"inputs": ["a", ""]}):
         assert request_schema(client, "/tokenize").is_valid(body)
