@@ -115,7 +115,9 @@ def relative_error(approx: Tensor, exact: Tensor) -> Tensor:
     return (a - e).norm(dim=(-1, -2)) / e.norm(dim=(-1, -2))
 
 
-def pooled_cosine(encoder, ids: list[int], exact: Tensor, replace: Callable[[int, Tensor, Tensor, Tensor, Callable], Tensor | None]) -> float:
+def pooled_cosine(
+    encoder, ids: list[int], exact: Tensor, replace: Callable[[int, Tensor, Tensor, Tensor, Callable], Tensor | None]
+) -> float:
     """Cosine to `exact` of a pass where layer l's attention is replace(l, q, k, v, exact_fn)
     when that returns a tensor, else exact."""
 
@@ -174,7 +176,7 @@ def main() -> None:
         for name, knobs in methods.items():
             spec = AttentionSpec(**knobs)
             for layer in range(len(qkv)):
-                cos = pooled_cosine(encoder, ids, exact, lambda l, q, k, v, run: run(spec) if l == layer else None)
+                cos = pooled_cosine(encoder, ids, exact, lambda at, q, k, v, run: run(spec) if at == layer else None)
                 layer_rows.append(dict(method=name, layer=layer, cosine=round(cos, 5)))
                 print(layer_rows[-1], flush=True)
 
@@ -184,8 +186,8 @@ def main() -> None:
         heads = qkv[0][0].shape[1]
         for layer in range(len(qkv)):
             for head in range(heads):
-                def replace(l, q, k, v, run, layer=layer, head=head):
-                    if l != layer:
+                def replace(at, q, k, v, run, layer=layer, head=head):
+                    if at != layer:
                         return None
                     out = run(AttentionSpec(method="full")).clone()
                     out[:, head] = run(spec)[:, head]

@@ -59,8 +59,10 @@ def _banded_kernel(
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        keys = tl.load(k_ptr + (bh * N + cols)[None, :] * D + dims[:, None], mask=col_ok[None, :] & (dims < D)[:, None], other=0.0)
-        values = tl.load(v_ptr + (bh * N + cols)[:, None] * DV + vdims[None, :], mask=col_ok[:, None] & (vdims < DV)[None, :], other=0.0)
+        keys = tl.load(k_ptr + (bh * N + cols)[None, :] * D + dims[:, None],
+            mask=col_ok[None, :] & (dims < D)[:, None], other=0.0)
+        values = tl.load(v_ptr + (bh * N + cols)[:, None] * DV + vdims[None, :],
+            mask=col_ok[:, None] & (vdims < DV)[None, :], other=0.0)
         real = tl.load(real_ptr + b * N + cols, mask=col_ok, other=0) != 0
         ok = (cols[None, :] >= lo_row[:, None]) & (cols[None, :] < hi_row[:, None]) & (real & col_ok)[None, :]
         logits = tl.where(ok, mma(q, keys, UPCAST) * scale_log2, float("-inf"))
@@ -72,7 +74,8 @@ def _banded_kernel(
     pos = tl.load(sink_ptr + b * S + slots, mask=slot_ok, other=0)
     s_real = (tl.load(sreal_ptr + b * S + slots, mask=slot_ok, other=0) != 0) & slot_ok
     s_keys = tl.load(k_ptr + (bh * N + pos)[None, :] * D + dims[:, None], mask=s_real[None, :] & (dims < D)[:, None], other=0.0)
-    s_values = tl.load(v_ptr + (bh * N + pos)[:, None] * DV + vdims[None, :], mask=s_real[:, None] & (vdims < DV)[None, :], other=0.0)
+    s_values = tl.load(v_ptr + (bh * N + pos)[:, None] * DV + vdims[None, :],
+        mask=s_real[:, None] & (vdims < DV)[None, :], other=0.0)
     s_far = tl.abs((pos // SIZE)[None, :] - t_row[:, None]) > BAND
     s_logits = tl.where(s_far & s_real[None, :], mma(q, s_keys, UPCAST) * scale_log2, float("-inf"))
     acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s_logits, s_values, True, UPCAST)
@@ -81,8 +84,10 @@ def _banded_kernel(
     for start in range(0, NB, BLOCK_N):
         blocks = start + tl.arange(0, BLOCK_N)
         blk_ok = blocks < NB
-        keys = tl.load(pk_ptr + (bh * NB + blocks)[None, :] * D + dims[:, None], mask=blk_ok[None, :] & (dims < D)[:, None], other=0.0)
-        values = tl.load(pv_ptr + (bh * NB + blocks)[:, None] * DV + vdims[None, :], mask=blk_ok[:, None] & (vdims < DV)[None, :], other=0.0)
+        keys = tl.load(pk_ptr + (bh * NB + blocks)[None, :] * D + dims[:, None],
+            mask=blk_ok[None, :] & (dims < D)[:, None], other=0.0)
+        values = tl.load(pv_ptr + (bh * NB + blocks)[:, None] * DV + vdims[None, :],
+            mask=blk_ok[:, None] & (vdims < DV)[None, :], other=0.0)
         counted = (tl.load(preal_ptr + b * NB + blocks, mask=blk_ok, other=0) != 0) & blk_ok
         log_count = tl.load(plog_ptr + b * NB + blocks, mask=blk_ok, other=0.0)
         far = tl.abs(blocks[None, :] - t_row[:, None]) > BAND
@@ -122,7 +127,8 @@ def attend(
     _banded_kernel[grid](
         q, k, v, pk, pv, plog, flags[0], sinks, flags[1], flags[2], out,
         n, h, blocks, sinks.shape[1], spec.block, min(spec.band, blocks), scale * LOG2E,
-        D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv), BLOCK_M=block_m, BLOCK_N=pow2_block(0, high=64) if q.device.type == "cpu" else 64,
+        D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv), BLOCK_M=block_m,
+        BLOCK_N=pow2_block(0, high=64) if q.device.type == "cpu" else 64,
         BLOCK_S=pow2_block(sinks.shape[1]), UPCAST=upcast(q),
     )
     return out.to(dtype)
