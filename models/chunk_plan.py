@@ -29,7 +29,7 @@ from torch import Tensor
 from kernels import AttentionSpec, resolve_auto
 
 from .chunking import ChunkingSpec, chunk_spans, unit_starts, window_sizes, windows
-from .inputs import EmptyInput, InputTooLong
+from .inputs import InputTooLong, NoTokens
 from .plan import Encoder, Plan, PlannedInput, check_attention, choose_prompt_and_adapter
 from .pooling import POOLED, Output
 from .tokenization import TRUNCATION_DIRECTIONS, Tokens
@@ -153,7 +153,7 @@ def plan_late_inputs(
     spans, chunks = [], []
     for index, tokens in enumerate(pieces):
         if not tokens.ids:
-            raise EmptyInput(index, "has no tokens: every chunk needs at least one")
+            raise NoTokens(index, "has no tokens: every chunk needs at least one")
         span = (len(body), len(body) + len(tokens.ids))
         spans.append(span)
         first = len(encoder.tokenizer.prefix)  # token_span counts from the joined text's own [CLS]

@@ -32,6 +32,11 @@ class EmptyInput(InputError):
     """No inputs at all, or an empty token-id list."""
 
 
+class NoTokens(EmptyInput):
+    """A text that is not empty but has no token of its own (blanks, private-use characters)
+    where a call needs one: a piece of Jina's late-chunking form, which must be a chunk."""
+
+
 class InvalidTokenIds(InputError):
     """A token-id list with an id outside the vocabulary (or not an integer), or a call
     that mixes texts and token-id lists."""

@@ -98,4 +98,4 @@ def _well_formed(texts: list[str]) -> list[str]:
     """The texts with each surrogate code point (a JSON string may carry a lone one, as
     "\\udbc6"; it is no character and the tokenizer refuses it) replaced by U+FFFD, one
     character for one, so that offsets into the text still hold."""
-    return [_SURROGATE.sub("\ufffd", text) if _SURROGATE.search(text) else text for text in texts]
+    return [_SURROGATE.sub("\ufffd", text) for text in texts]

@@ -31,7 +31,7 @@ from models import Encoder, UnknownPrompt
 from models.calibration import EXACT
 from models.cost import over_budget
 from models.encoder import finish
-from models.inputs import EmptyInput, InputError, InputTooLong
+from models.inputs import EmptyInput, InputError, InputTooLong, NoTokens
 from models.plan import Plan, UnknownAdapter, plan
 
 from . import errors
@@ -236,7 +236,7 @@ async def run_planner(planner: Callable[[], T], params: list[str], options: Embe
         param = options.param if exc.index is None else params[exc.index]
         if isinstance(exc, InputTooLong):
             raise errors.input_too_long(param, exc.tokens, exc.limit) from None
-        if isinstance(exc, EmptyInput) and not exc.detail.startswith("has no tokens"):
+        if isinstance(exc, EmptyInput) and not isinstance(exc, NoTokens):  # text with no token: 422 below
             raise errors.empty_input(param) from None
         raise errors.invalid_field(param, exc.detail) from None
     except (UnknownPrompt, UnknownAdapter) as exc:
