@@ -5,21 +5,28 @@ The sequence is cut into blocks of `block` tokens. A query in block t attends
     - exactly to every real key of blocks t - band .. t + band (the band),
     - exactly to the sinks: the first `sinks` tokens and the last real token (sinks > 0), where
       they are outside the band,
+    - exactly to the real non-sink keys of `far_blocks` blocks outside the band, chosen per
+      query block: those whose pooled key scores highest for some query of the block
+      (max over its real queries of q . mean key * scale + log count),
     - to one pooled key per other block: the mean key and mean value of that block's real
       non-sink keys, its logit raised by log(count), so that a block of c keys that all had the
       mean's logit would get exactly its c keys' weight,
-all in one softmax. Rotary encoders (nomic-embed-text-v1.5) spread about half of each head's
+all in one softmax. A chosen block's keys replace its pooled key, so no key counts twice. Rotary encoders (nomic-embed-text-v1.5) spread about half of each head's
 attention beyond +-256 tokens, smoothly in position (docs/methods.md, "Where the
 approximations break"): a pooled block stands for many small weights whose positions differ
-little as seen from far away. With band >= blocks - 1 every key is in the band: exact.
+little as seen from far away; the few far blocks a query block leans on (a repeated
+passage, a heading) are found by their pooled score and attended exactly. With
+band + far_blocks >= blocks - 1 every key is attended exactly: exact attention.
 
-Cost per head: O(N (block (2 band + 1) + N / block + sinks) D).
+Cost per head: O(N (block (2 band + 1 + far_blocks) + N / block + sinks) D).
 
 This file holds the reference backend (PyTorch, the definition the native loops and the
-Triton kernel are tested against) and the pooling every backend shares (O(N D)).
+Triton kernel are tested against) and the two stages every backend shares: pooling (O(N D))
+and the choice of far blocks (O(N N/block D), as the pooled logits).
 
     pool    (k, v, key_mask, spec) -> Pooled: per block mean key, mean value, log count
             (float32; float64 for float64)
+    select  (q, pooled, key_mask, spec, scale) -> Pooled with `chosen` filled in
     attend  (q, k, v, pooled, key_mask, spec, scale, dtype) -> (B, H, N, Dv), padded queries 0
 """
 
@@ -43,13 +50,17 @@ _BLOCKS_PER_STEP = 32
 class Pooled(NamedTuple):
     """keys (B, H, NB, D) and values (B, H, NB, Dv): means over each block's real non-sink keys
     (0 where it has none); log_count (B, NB): log of how many there are (-inf for none);
-    sinks (B, S) int64 positions of the sink keys, sink_real (B, S) bool."""
+    sinks (B, S) int64 positions of the sink keys, sink_real (B, S) bool; counted (B, N) bool:
+    the keys a pooled block stands for (real, not sinks); chosen (B, H, NB, R) int64: the far
+    blocks each query block attends exactly, ascending, -1 for none (R = 0 before `select`)."""
 
     keys: Tensor
     values: Tensor
     log_count: Tensor
     sinks: Tensor
     sink_real: Tensor
+    counted: Tensor
+    chosen: Tensor
 
 
 def sink_positions(key_mask: Tensor, sinks: int) -> tuple[Tensor, Tensor]:
@@ -90,7 +101,50 @@ def pool(k: Tensor, v: Tensor, key_mask: Tensor, spec: AttentionSpec) -> Pooled:
     values = (F.pad(v, (0, 0, 0, tail)).view(b, h, blocks, size, -1) * weight).sum(3) / per
     log_count = count[:, 0, :, 0].log()  # -inf for a block with no counted key
     positions, real = sink_positions(key_mask, spec.sinks)
-    return Pooled(keys, values, log_count, positions, real)
+    chosen = key_mask.new_zeros(b, h, blocks, 0, dtype=torch.int64)
+    return Pooled(keys, values, log_count, positions, real, counted, chosen)
+
+
+def far_count(spec: AttentionSpec, blocks: int) -> int:
+    """How many far blocks each query block attends exactly: far_blocks, at most the blocks
+    outside the narrowest band (a first or last block's)."""
+    band = min(spec.band, blocks - 1)
+    return max(0, min(spec.far_blocks, blocks - band - 1))
+
+
+def select(q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, scale: float) -> Pooled:
+    """The select stage (every backend): per query block, the `far_blocks` blocks outside the
+    band with the highest score max over the block's real queries of q . mean key * scale +
+    log count, among blocks holding a counted key. q (B, H, N, D) -> pooled with `chosen`
+    (B, H, NB, R) ascending, -1 where fewer blocks qualify."""
+    b, h, n, d = q.shape
+    blocks = pooled.keys.shape[2]
+    r = far_count(spec, blocks)
+    if r == 0:
+        return pooled
+    size = spec.block
+    tail = blocks * size - n
+    keys = pooled.keys
+    q_pad = F.pad(q.to(keys.dtype), (0, 0, 0, tail)).view(b, h, blocks, size, d)
+    real = F.pad(key_mask, (0, tail)).view(b, 1, blocks, size, 1)
+    bias = pooled.log_count[:, None, None, :]  # (B, 1, 1, NB), -inf for a block of no counted key
+    score = keys.new_empty(b, h, blocks, blocks)
+    for first in range(0, blocks, _BLOCKS_PER_STEP):
+        last = min(blocks, first + _BLOCKS_PER_STEP)
+        logits = q_pad[:, :, first:last] @ keys[:, :, None].transpose(-1, -2)  # (B, H, c, size, NB)
+        best = logits.masked_fill(~real[:, :, first:last], float("-inf")).amax(dim=3)
+        score[:, :, first:last] = best * scale + bias
+    ids = torch.arange(blocks, device=q.device)
+    near = (ids[:, None] - ids[None, :]).abs() <= min(spec.band, blocks - 1)
+    top = score.masked_fill(near, float("-inf")).topk(r, dim=-1)
+    chosen = torch.where(torch.isfinite(top.values), top.indices, -1).sort(dim=-1).values
+    return pooled._replace(chosen=chosen)
+
+
+def chosen_hits(chosen: Tensor, blocks: int) -> Tensor:
+    """(..., R) chosen block ids (-1 none) -> (..., NB) bool: which blocks are chosen."""
+    hit = torch.zeros(*chosen.shape[:-1], blocks + 1, dtype=torch.bool, device=chosen.device)
+    return hit.scatter_(-1, torch.where(chosen < 0, blocks, chosen), True)[..., :blocks]
 
 
 def attend(
@@ -98,8 +152,8 @@ def attend(
     dtype: torch.dtype,
 ) -> Tensor:
     """The attend stage: per query block, one softmax over its band's keys, the sinks outside
-    the band and the pooled blocks outside the band. (B, H, N, D) -> (B, H, N, Dv) in dtype,
-    padded queries 0."""
+    the band, the counted keys of its chosen far blocks and the pooled keys of the other
+    blocks outside the band. (B, H, N, D) -> (B, H, N, Dv) in dtype, padded queries 0."""
     b, h, n, d = q.shape
     dv = v.shape[-1]
     size, band = spec.block, spec.band
@@ -116,8 +170,13 @@ def attend(
     sink_v = v.gather(2, pooled.sinks[:, None, :, None].expand(b, h, -1, dv))
     sink_block = pooled.sinks // size  # (B, S)
     block_ids = torch.arange(blocks, device=q.device)
+    r = pooled.chosen.shape[-1]
+    k_blocks = F.pad(k, (0, 0, 0, tail)).view(b, h, blocks, size, d)
+    v_blocks = F.pad(v, (0, 0, 0, tail)).view(b, h, blocks, size, dv)
+    counted_blocks = F.pad(pooled.counted, (0, tail)).view(b, 1, blocks, size)
+    rows, heads = torch.arange(b, device=q.device)[:, None, None, None], torch.arange(h, device=q.device)[None, :, None, None]
     out = q.new_empty(b, h, blocks, size, dv)
-    step = _BLOCKS_PER_STEP
+    step = max(1, min(_BLOCKS_PER_STEP, 16384 // max(1, r * size)))  # bounds the gathered far keys
     for first in range(0, blocks, step):
         last = min(blocks, first + step)
         t = block_ids[first:last]  # (c,)
@@ -128,22 +187,30 @@ def attend(
         far = (t[:, None] - block_ids[None, :]).abs() > band  # (c, NB)
         sink_far = (t[None, :, None] - sink_block[:, None, :]).abs() > band  # (B, c, S)
         qb = q_pad[:, :, first:last]  # (B, H, c, size, D)
+        chosen = pooled.chosen[:, :, first:last]  # (B, H, c, R)
+        picked = chosen.clamp(min=0)
+        c = last - first
+        k_far = k_blocks[rows, heads, picked].view(b, h, c, r * size, d)
+        v_far = v_blocks[rows, heads, picked].view(b, h, c, r * size, dv)
+        far_real = (counted_blocks[rows, 0, picked] & (chosen >= 0)[..., None]).view(b, h, c, r * size)
+        pooled_ok = far[None, None] & ~chosen_hits(chosen, blocks)  # (B, H, c, NB)
         logits = torch.cat(
             [
                 (qb @ k_win.transpose(-1, -2)).masked_fill(~near_real[:, None, :, None, :], float("-inf")),
                 (qb @ sink_k[:, :, None].transpose(-1, -2)).masked_fill(
                     ~(sink_far & pooled.sink_real[:, None, :])[:, None, :, None, :], float("-inf")
                 ),
+                (qb @ k_far.transpose(-1, -2)).masked_fill(~far_real[:, :, :, None, :], float("-inf")),
                 (qb @ pooled.keys[:, :, None].transpose(-1, -2)) + torch.where(
-                    far[None, :, :], pooled.log_count[:, None, :], float("-inf")
-                )[:, None, :, None, :] / scale,
+                    pooled_ok, pooled.log_count[:, None, None, :], float("-inf")
+                )[:, :, :, None, :] / scale,
             ],
             dim=-1,
         ) * scale
         probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
         values = torch.cat(
-            [v_win, sink_v[:, :, None].expand(-1, -1, last - first, -1, -1),
-             pooled.values[:, :, None].expand(-1, -1, last - first, -1, -1)],
+            [v_win, sink_v[:, :, None].expand(-1, -1, c, -1, -1), v_far,
+             pooled.values[:, :, None].expand(-1, -1, c, -1, -1)],
             dim=-2,
         )
         out[:, :, first:last] = probs @ values
@@ -167,6 +234,7 @@ def run_banded(
         qc, kc, vc = qc.contiguous(), kc.contiguous(), vc.contiguous()
     key_mask, _ = token_masks(q, k, key_padding_mask)
     pooled = observe("pool", stages.pool, kc, vc, key_mask, spec)
+    pooled = observe("select", select, qc, pooled, key_mask, spec, scale)
     return observe("attend", stages.attend, qc, kc, vc, pooled, key_mask, spec, scale, q.dtype)
 
 

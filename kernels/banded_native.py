@@ -3,8 +3,8 @@
 float32 or bfloat16 CPU tensors (bfloat16 rows widened as they are read). The pool stage is
 the reference's (O(N D) means, in float32).
 
-Per block of queries the loop gathers the band's real keys, the sinks outside the band and the
-pooled keys outside it once, transposed, with their values, then runs one softmax per query
+Per block of queries the loop gathers the band's real keys, the sinks outside the band, the
+counted keys of its chosen far blocks and the other pooled keys outside the band once, transposed, with their values, then runs one softmax per query
 over them (logits by the vector loop SMYRF's clusters use)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def attend(
     """banded.attend in native.c: (B, H, N, D) float32 or bfloat16 -> (B, H, N, Dv) in dtype."""
     out = native.banded_attention(
         q, k, v, pooled.keys, pooled.values, pooled.log_count, pooled.sinks, pooled.sink_real, key_mask,
-        spec.block, spec.band, scale,
+        pooled.counted, pooled.chosen, spec.block, spec.band, scale,
     )
     return out.to(dtype)
 

@@ -6,8 +6,12 @@ nothing else (no atomics). Its queries run one online softmax over
     - the keys of the band: the span from the first row's band to the last row's, in tiles of
       BLOCK_N keys, each row masked to its own block's band and to real keys,
     - the sinks (one tile), each row masked to the real sinks outside its band,
+    - the far blocks chosen for each query block the tile meets (one when BLOCK_M divides the
+      block size), R per query block, in tiles of BLOCK_N keys, each row masked to its own
+      block's choice and to counted keys,
     - the pooled keys and values (float32) in tiles of BLOCK_N blocks, each row masked to the
-      blocks outside its band that hold a counted key, logits raised by their log count.
+      blocks outside its band that hold a counted key and are not chosen for it, logits raised
+      by their log count.
 q . k and p . v run on tensor cores in the inputs' dtype with float32 accumulation; the float32
 pooled keys and values meet half-precision operands as split parts (float32 accuracy).
 """
@@ -31,8 +35,8 @@ LOG2E = 1.0 / math.log(2.0)
 
 @triton.jit
 def _banded_kernel(
-    q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, plog_ptr, preal_ptr, sink_ptr, sreal_ptr, real_ptr, out_ptr,
-    N, H, NB, S, SIZE, BAND, scale_log2,
+    q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, plog_ptr, preal_ptr, sink_ptr, sreal_ptr, real_ptr, counted_ptr, chosen_ptr,
+    out_ptr, N, H, NB, S, R, SIZE, BAND, scale_log2,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -80,7 +84,25 @@ def _banded_kernel(
     s_logits = tl.where(s_far & s_real[None, :], mma(q, s_keys, UPCAST) * scale_log2, float("-inf"))
     acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s_logits, s_values, True, UPCAST)
 
-    # The pooled blocks outside each row's band (float32 keys and values).
+    # The counted keys of the far blocks chosen for each row's block.
+    steps = tl.arange(0, BLOCK_N)
+    for t in range(first // SIZE, last // SIZE + 1):
+        mine = t_row == t
+        for r in range(0, R):
+            blk = tl.load(chosen_ptr + (bh * NB + t) * R + r)
+            width = tl.where(blk >= 0, SIZE, 0)  # -1: no block chosen in this slot
+            for start in range(0, SIZE, BLOCK_N):
+                cols = tl.maximum(blk, 0) * SIZE + start + steps
+                col_ok = (start + steps < width) & (cols < N)
+                keys = tl.load(k_ptr + (bh * N + cols)[None, :] * D + dims[:, None],
+                    mask=col_ok[None, :] & (dims < D)[:, None], other=0.0)
+                values = tl.load(v_ptr + (bh * N + cols)[:, None] * DV + vdims[None, :],
+                    mask=col_ok[:, None] & (vdims < DV)[None, :], other=0.0)
+                counted = (tl.load(counted_ptr + b * N + cols, mask=col_ok, other=0) != 0) & col_ok
+                logits = tl.where(mine[:, None] & counted[None, :], mma(q, keys, UPCAST) * scale_log2, float("-inf"))
+                acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, True, UPCAST)
+
+    # The pooled blocks outside each row's band and not chosen for it (float32 keys and values).
     for start in range(0, NB, BLOCK_N):
         blocks = start + tl.arange(0, BLOCK_N)
         blk_ok = blocks < NB
@@ -91,6 +113,9 @@ def _banded_kernel(
         counted = (tl.load(preal_ptr + b * NB + blocks, mask=blk_ok, other=0) != 0) & blk_ok
         log_count = tl.load(plog_ptr + b * NB + blocks, mask=blk_ok, other=0.0)
         far = tl.abs(blocks[None, :] - t_row[:, None]) > BAND
+        for r in range(0, R):
+            picked = tl.load(chosen_ptr + (bh * NB + t_row) * R + r, mask=row_ok, other=-1)
+            far = far & (blocks[None, :] != picked[:, None])
         dots = dot_split_right(q, keys, UPCAST)
         logits = tl.where(far & counted[None, :], dots * scale_log2 + (log_count * 1.4426950408889634)[None, :], float("-inf"))
         acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, True, UPCAST)
@@ -117,16 +142,17 @@ def attend(
     pv = pooled.values.to(torch.float32).contiguous()
     counted = torch.isfinite(pooled.log_count)
     plog = torch.where(counted, pooled.log_count, 0.0).to(torch.float32).contiguous()
-    flags = [t.to(torch.uint8).contiguous() for t in (counted, pooled.sink_real, key_mask)]
+    flags = [t.to(torch.uint8).contiguous() for t in (counted, pooled.sink_real, key_mask, pooled.counted)]
     sinks = pooled.sinks.to(torch.int64).contiguous()
+    chosen = pooled.chosen.to(torch.int64).contiguous()
     out = torch.empty(b, h, n, dv, dtype=q.dtype, device=q.device)
     if n == 0:
         return out.to(dtype)
     block_m = 16 if q.device.type == "cpu" else 64
     grid = (b * h, triton.cdiv(n, block_m))
     _banded_kernel[grid](
-        q, k, v, pk, pv, plog, flags[0], sinks, flags[1], flags[2], out,
-        n, h, blocks, sinks.shape[1], spec.block, min(spec.band, blocks), scale * LOG2E,
+        q, k, v, pk, pv, plog, flags[0], sinks, flags[1], flags[2], flags[3], chosen, out,
+        n, h, blocks, sinks.shape[1], chosen.shape[-1], spec.block, min(spec.band, blocks), scale * LOG2E,
         D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv), BLOCK_M=block_m,
         BLOCK_N=pow2_block(0, high=64) if q.device.type == "cpu" else 64,
         BLOCK_S=pow2_block(sinks.shape[1]), UPCAST=upcast(q),
@@ -138,11 +164,12 @@ TRITON = BandedStages(name="triton", compute=lambda dtype: dtype, pool=pool, att
 
 
 def _band_span(a: dict) -> dict:
-    """The slowest program's band loop: its BLOCK_M rows' blocks plus BAND blocks each side."""
+    """The slowest program's loops: the band's, its BLOCK_M rows' blocks plus BAND blocks each
+    side; the chosen blocks', once per query block its rows meet."""
     size, block_m = a["SIZE"], a["BLOCK_M"]
     aligned = size % block_m == 0 or block_m % size == 0
     row_blocks = -(-block_m // size) + (0 if aligned else 1)
-    return {"lo": 0, "hi": min(a["N"], (row_blocks + 2 * a["BAND"]) * size)}
+    return {"lo": 0, "hi": min(a["N"], (row_blocks + 2 * a["BAND"]) * size), "first": 0, "last": (row_blocks - 1) * size}
 
 
 # For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the

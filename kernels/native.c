@@ -1155,17 +1155,41 @@ void argsort_rows(const float *values, int64_t t_count, int64_t *order, int64_t 
 #endif
 typedef float bfloats __attribute__((vector_size(4 * BANDED_LANES)));
 
+/* The banded loop's keys and values are packed in panels of BANDED_LANES, as a GEMM packs its
+ * operands, so that its inner loops read memory in order: key p's dimension s at
+ * BANDED_KT(p, s) of kt (SP / lanes, D, lanes), value p's element e at BANDED_VAL(p, e) of
+ * vals (Dv / lanes, SP, lanes). A group's sweep over a block's keys and values (hundreds of
+ * KB) then streams instead of striding D rows of SP floats at once. */
+#define BANDED_KT(p, s) (((p) / BANDED_LANES * d + (s)) * BANDED_LANES + (p) % BANDED_LANES)
+#define BANDED_VAL(p, e) (((e) / BANDED_LANES * sp + (p)) * BANDED_LANES + (e) % BANDED_LANES)
+
+/* The register tile of both products: BANDED_ROWS queries by two vectors (of keys, or of
+ * value elements), 8 accumulators; each broadcast query element or weight feeds two FMAs, so
+ * that loads, not FMAs, no longer bound the loop. SP and DVP are multiples of two vectors. */
+#define BANDED_ROWS 4
+
 /* logits (SMYRF_GROUP, SP) = scale * query g . key t for the group's queries laid out by
- * dimension, xq (D, SMYRF_GROUP), and the keys transposed, kt (D, SP). */
+ * dimension, xq (D, SMYRF_GROUP), and the keys in panels, kt (SP / lanes, D, lanes). */
 static void banded_logits(const float *xq, const float *kt, int64_t d, int64_t sp, float scale, float *logits) {
-    for (int64_t tb = 0; tb < sp; tb += BANDED_LANES) {
-        bfloats acc[SMYRF_GROUP];
-        for (int g = 0; g < SMYRF_GROUP; g++) acc[g] = (bfloats){0};
-        for (int64_t s = 0; s < d; s++) {
-            const bfloats col = *(const bfloats *)(kt + s * sp + tb);
-            for (int g = 0; g < SMYRF_GROUP; g++) acc[g] += xq[s * SMYRF_GROUP + g] * col;
+    for (int64_t tb = 0; tb < sp; tb += 2 * BANDED_LANES) {
+        const float *panel = kt + tb * d, *next = panel + BANDED_LANES * d;
+        for (int g0 = 0; g0 < SMYRF_GROUP; g0 += BANDED_ROWS) {
+            bfloats a0[BANDED_ROWS], a1[BANDED_ROWS];
+            for (int r = 0; r < BANDED_ROWS; r++) a0[r] = a1[r] = (bfloats){0};
+            for (int64_t s = 0; s < d; s++) {
+                const bfloats c0 = *(const bfloats *)(panel + s * BANDED_LANES);
+                const bfloats c1 = *(const bfloats *)(next + s * BANDED_LANES);
+                for (int r = 0; r < BANDED_ROWS; r++) {
+                    const float x = xq[s * SMYRF_GROUP + g0 + r];
+                    a0[r] += x * c0;
+                    a1[r] += x * c1;
+                }
+            }
+            for (int r = 0; r < BANDED_ROWS; r++) {
+                *(bfloats *)(logits + (g0 + r) * sp + tb) = a0[r] * scale;
+                *(bfloats *)(logits + (g0 + r) * sp + tb + BANDED_LANES) = a1[r] * scale;
+            }
         }
-        for (int g = 0; g < SMYRF_GROUP; g++) *(bfloats *)(logits + g * sp + tb) = acc[g] * scale;
     }
 }
 
@@ -1173,18 +1197,22 @@ static void banded_logits(const float *xq, const float *kt, int64_t d, int64_t s
  * dtype; pkeys (BH, NB, D) and pvals (BH, NB, Dv) float32, each block's mean real non-sink key
  * and value; plog (B, NB) the log of how many there are, pooled_real (B, NB) whether there are
  * any (-inf is not passed: -ffast-math assumes finite floats); sinks (B, S) positions
- * and sink_real (B, S); key_real (B, N). A query of block t gets one softmax over the real keys
- * of blocks t - band .. t + band, the real sinks whose block is outside that band, and the
- * pooled keys of the blocks outside it (logit raised by plog); padded queries get 0. The
- * keys of a block of queries are gathered once, transposed (D, SP), with their values. */
+ * and sink_real (B, S); key_real (B, N); counted (B, N) the real non-sink keys; chosen
+ * (BH, NB, R) the far blocks each query block attends exactly (-1: none). A query of block t
+ * gets one softmax over the real keys of blocks t - band .. t + band, the real sinks whose
+ * block is outside that band, the counted keys of its chosen blocks, and the pooled keys of
+ * the other blocks outside the band (logit raised by plog); padded queries get 0. The keys
+ * of a block of queries are gathered once, in panels (BANDED_KT, BANDED_VAL). */
 void banded_attention(const void *q, const void *k, const void *v, int64_t dtype, const float *pkeys,
                       const float *pvals, const float *plog, const uint8_t *pooled_real, const int64_t *sinks, const uint8_t *sink_real,
-                      const uint8_t *key_real, int64_t heads, int64_t n, int64_t d, int64_t dv, int64_t block,
+                      const uint8_t *key_real, const uint8_t *counted, const int64_t *chosen, int64_t r_count,
+                      int64_t heads, int64_t n, int64_t d, int64_t dv, int64_t block,
                       int64_t band, int64_t s_count, float scale, void *out, int64_t bh0, int64_t bh1) {
     const int64_t nb = (n + block - 1) / block;
     if (band > nb - 1) band = nb - 1;
-    const int64_t p_max = (2 * band + 1) * block + s_count + nb;
-    const int64_t sp = (p_max + LANES - 1) / LANES * LANES, dvp = (dv + LANES - 1) / LANES * LANES;
+    const int64_t p_max = (2 * band + 1 + r_count) * block + s_count + nb;
+    const int64_t wide = 2 * BANDED_LANES; /* the register tile's two vectors */
+    const int64_t sp = (p_max + wide - 1) / wide * wide, dvp = (dv + wide - 1) / wide * wide;
     float *kt = aligned_alloc(64, d * sp * sizeof *kt);
     float *vals = aligned_alloc(64, sp * dvp * sizeof *vals);
     float *bias = malloc(sp * sizeof *bias);
@@ -1204,8 +1232,11 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
 #define BANDED_TAKE(ROW_K, ROW_V, BIAS)                                                   \
     do {                                                                                  \
         const float *kr_ = (ROW_K);                                                       \
-        for (int64_t s_ = 0; s_ < d; s_++) kt[s_ * sp + p] = kr_[s_];                     \
-        memcpy(vals + p * dvp, (ROW_V), dv * sizeof *vals);                               \
+        const float *vr_ = (ROW_V);                                                       \
+        float *kp_ = kt + BANDED_KT(p, 0);                                                \
+        for (int64_t s_ = 0; s_ < d; s_++) kp_[s_ * BANDED_LANES] = kr_[s_];              \
+        for (int64_t e_ = 0; e_ < dv; e_ += BANDED_LANES)                                 \
+            memcpy(vals + BANDED_VAL(p, e_), vr_ + e_, (dv - e_ < BANDED_LANES ? dv - e_ : BANDED_LANES) * sizeof *vals); \
         bias[p++] = (BIAS);                                                               \
     } while (0)
             for (int64_t j = lo; j < hi; j++) {
@@ -1221,9 +1252,23 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
                 widen_into(acc, v, dtype, (bh * n + j) * dv, dv);
                 BANDED_TAKE(rows + SMYRF_GROUP * d, acc, 0.0f);
             }
+            const int64_t *picked = chosen + (bh * nb + t) * r_count;
+            for (int64_t r = 0; r < r_count; r++) {
+                if (picked[r] < 0) continue;
+                const int64_t j1 = (picked[r] + 1) * block > n ? n : (picked[r] + 1) * block;
+                for (int64_t j = picked[r] * block; j < j1; j++) {
+                    if (!counted[b * n + j]) continue;
+                    widen_into(rows + SMYRF_GROUP * d, k, dtype, (bh * n + j) * d, d);
+                    widen_into(acc, v, dtype, (bh * n + j) * dv, dv);
+                    BANDED_TAKE(rows + SMYRF_GROUP * d, acc, 0.0f);
+                }
+            }
             for (int64_t c = 0; c < nb; c++) {
                 const float lc = plog[b * nb + c];
                 if ((c >= t - band && c <= t + band) || !pooled_real[b * nb + c]) continue;
+                int hit = 0;
+                for (int64_t r = 0; r < r_count; r++) hit |= picked[r] == c;
+                if (hit) continue;
                 BANDED_TAKE(pkeys + (bh * nb + c) * d, pvals + (bh * nb + c) * dv, lc);
             }
 #undef BANDED_TAKE
@@ -1255,14 +1300,24 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
                     }
                     inv[g] = 1.0f / total;
                 }
-                for (int64_t eb = 0; eb < dvp; eb += BANDED_LANES) { /* each value vector meets the group's rows */
-                    bfloats sum[SMYRF_GROUP];
-                    for (int g = 0; g < SMYRF_GROUP; g++) sum[g] = (bfloats){0};
-                    for (int64_t j = 0; j < p; j++) {
-                        const bfloats val = *(const bfloats *)(vals + j * dvp + eb);
-                        for (int g = 0; g < SMYRF_GROUP; g++) sum[g] += logits[g * sp + j] * val;
+                for (int64_t eb = 0; eb < dvp; eb += wide) { /* two value vectors meet BANDED_ROWS rows */
+                    for (int g0 = 0; g0 < SMYRF_GROUP; g0 += BANDED_ROWS) {
+                        bfloats s0[BANDED_ROWS], s1[BANDED_ROWS];
+                        for (int r = 0; r < BANDED_ROWS; r++) s0[r] = s1[r] = (bfloats){0};
+                        for (int64_t j = 0; j < p; j++) {
+                            const bfloats v0 = *(const bfloats *)(vals + BANDED_VAL(j, eb));
+                            const bfloats v1 = *(const bfloats *)(vals + BANDED_VAL(j, eb + BANDED_LANES));
+                            for (int r = 0; r < BANDED_ROWS; r++) {
+                                const float w = logits[(g0 + r) * sp + j];
+                                s0[r] += w * v0;
+                                s1[r] += w * v1;
+                            }
+                        }
+                        for (int r = 0; r < BANDED_ROWS; r++) {
+                            *(bfloats *)(acc + (g0 + r) * dvp + eb) = s0[r] * inv[g0 + r];
+                            *(bfloats *)(acc + (g0 + r) * dvp + eb + BANDED_LANES) = s1[r] * inv[g0 + r];
+                        }
                     }
-                    for (int g = 0; g < SMYRF_GROUP; g++) *(bfloats *)(acc + g * dvp + eb) = sum[g] * inv[g];
                 }
                 for (int g = 0; g < SMYRF_GROUP && i0 + g < q1; g++) {
                     if (dtype == F32) memcpy((float *)out + (bh * n + i0 + g) * dv, acc + g * dvp, dv * sizeof(float));

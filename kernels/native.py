@@ -60,7 +60,7 @@ _SIGNATURES = {
     "smyrf_attention": (_PTR,) * 3 + (_I64,) + (_PTR,) * 5 + (_I64,) * 7 + (ctypes.c_float,) + (_PTR,) * 3 + (_I64, _I64),
     "smyrf_hashes": (_PTR, _PTR, _I64) + (_PTR,) * 3 + (_I64,) * 6 + (_PTR, _PTR, _I64, _I64),
     "argsort_rows": (_PTR, _I64, _PTR, _I64, _I64),
-    "banded_attention": (_PTR,) * 3 + (_I64,) + (_PTR,) * 7 + (_I64,) * 7 + (ctypes.c_float, _PTR, _I64, _I64),
+    "banded_attention": (_PTR,) * 3 + (_I64,) + (_PTR,) * 9 + (_I64,) * 8 + (ctypes.c_float, _PTR, _I64, _I64),
     "bf16_dot": (),
 }
 _RESULTS = {"bf16_dot": ctypes.c_int}  # the others return nothing
@@ -386,25 +386,28 @@ def argsort(values: Tensor) -> Tensor:
 
 def banded_attention(
     q: Tensor, k: Tensor, v: Tensor, pooled_keys: Tensor, pooled_values: Tensor, log_count: Tensor,
-    sinks: Tensor, sink_real: Tensor, key_mask: Tensor, block: int, band: int, scale: float,
+    sinks: Tensor, sink_real: Tensor, key_mask: Tensor, counted: Tensor, chosen: Tensor, block: int, band: int,
+    scale: float,
 ) -> Tensor:
     """banded.attend: q, k (B, H, N, D), v (B, H, N, Dv) float32 or bfloat16; pooled keys and
     values (B, H, NB, D / Dv), log_count (B, NB) (-inf: an empty block), sinks and sink_real
-    (B, S), key_mask (B, N) -> (B, H, N, Dv) in q's dtype, padded queries 0."""
+    (B, S), key_mask and counted (B, N), chosen (B, H, NB, R) far blocks attended exactly (-1:
+    none) -> (B, H, N, Dv) in q's dtype, padded queries 0."""
     b, h, n, d = q.shape
     dv = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     pk, pv = (t.to(torch.float32).contiguous() for t in (pooled_keys, pooled_values))
     pooled_real = torch.isfinite(log_count)
     plog = torch.where(pooled_real, log_count, 0.0).to(torch.float32).contiguous()
-    flags = [t.to(torch.uint8).contiguous() for t in (pooled_real, sink_real, key_mask)]
+    flags = [t.to(torch.uint8).contiguous() for t in (pooled_real, sink_real, key_mask, counted)]
     positions = sinks.to(torch.int64).contiguous()
+    chosen = chosen.to(torch.int64).contiguous()
     out = torch.empty(b, h, n, dv, dtype=q.dtype)
     _split(
         library().banded_attention,
         b * h,
         _ptr(q), _ptr(k), _ptr(v), _dtype(q, k, v), _ptr(pk), _ptr(pv), _ptr(plog),
-        _ptr(flags[0]), _ptr(positions), _ptr(flags[1]), _ptr(flags[2]),
-        h, n, d, dv, block, band, positions.shape[1], scale, _ptr(out),
+        _ptr(flags[0]), _ptr(positions), _ptr(flags[1]), _ptr(flags[2]), _ptr(flags[3]), _ptr(chosen),
+        chosen.shape[-1], h, n, d, dv, block, band, positions.shape[1], scale, _ptr(out),
     )
     return out

@@ -28,6 +28,7 @@ KNOB_RANGES: dict[str, tuple[int, int]] = {
     "band": (0, 4096),
     "block": (1, 4096),
     "sinks": (0, 64),
+    "far_blocks": (0, 1024),
     "seed": (0, 2**53 - 1),  # the integers a JSON number carries exactly
     "auto_threshold": (0, 1 << 20),
 }
@@ -38,7 +39,7 @@ METHOD_KNOBS: dict[str, tuple[str, ...]] = {
     "clustered": ("clusters", "bits", "iterations", "refine", "seed"),
     "i-clustered": ("clusters", "topk", "bits", "iterations", "refine", "seed"),
     "smyrf": ("hash_rounds", "cluster_size", "seed"),
-    "banded": ("band", "block", "sinks"),
+    "banded": ("band", "block", "sinks", "far_blocks"),
 }
 
 
@@ -59,6 +60,8 @@ class AttentionSpec:
     block: banded: tokens per block; every block outside the band is one pooled key.
     sinks: banded: the first `sinks` tokens and the last token are attended exactly by every
         query ([CLS], the prompt's tokens, [SEP]); 0 = none.
+    far_blocks: banded: blocks outside the band that each query block attends exactly instead
+        of pooled, those whose pooled key scores highest for some query of the block; 0 = none.
     seed: seeds the random planes, projections and initial centroids: same seed, same output.
     auto_threshold: "auto" runs "full" for sequences shorter than this many tokens ...
     auto_method: ... and this approximate method from that length on (`resolve_auto`).
@@ -75,6 +78,7 @@ class AttentionSpec:
     band: int = 4
     block: int = 64
     sinks: int = 8
+    far_blocks: int = 0
     seed: int = 0
     auto_threshold: int = 1024
     auto_method: str = "i-clustered"
@@ -122,9 +126,9 @@ def exact_by_knobs(spec: AttentionSpec, tokens: int) -> bool:
     """Whether a concrete approximate spec computes exact self-attention over `tokens` tokens:
     clusters >= tokens (every query its own cluster), top-k >= tokens (i-clustered recomputes
     every key), one SMYRF cluster (cluster_size >= tokens), or a band of blocks that covers
-    the sequence (banded: band >= blocks - 1)."""
+    the sequence with the far blocks attended exactly (banded: band + far_blocks >= blocks - 1)."""
     if spec.method == "banded":
-        return spec.band >= -(-tokens // spec.block) - 1
+        return spec.band + spec.far_blocks >= -(-tokens // spec.block) - 1
     if spec.method in ("clustered", "i-clustered") and spec.clusters >= tokens:
         return True
     if spec.method == "i-clustered" and spec.topk >= tokens:

@@ -13,7 +13,8 @@ C clusters, top-k k, SMYRF cluster size S:
                   that also keeps each cluster's top k)  +  topk x 4 n k d  +  gather x C k d
                   (each cluster's top-k keys and values gathered, memory-bound)
     smyrf         rounds x (smyrf x 4 n S d  +  sort x n log2 n)
-    banded        exact x 4 n (block (2 band + 1) + n / block + sinks) d
+    banded        exact x 4 n (block (2 band + 1 + far_blocks) + n / block + sinks) d
+                  +  exact x 2 n (n / block) d  with far_blocks  (each query's pooled scores)
     local window  exact x 4 n w d
 
 and outside attention, dense x 2 x the layers' parameters per token. The weights (WEIGHTS)
@@ -125,9 +126,11 @@ class CostModel:
         if spec.method == "smyrf":
             size = min(spec.cluster_size, tokens)
             return {"smyrf": spec.hash_rounds * 4 * n * size * d, "sort": spec.hash_rounds * n * math.log2(max(n, 2))}
-        if spec.method == "banded":  # the band's keys, one pooled key per block, the sinks
-            keys = min((2 * spec.band + 1) * spec.block, tokens) + -(-tokens // spec.block) + spec.sinks + 1
-            return {"exact": 4 * n * min(keys, tokens) * d}
+        if spec.method == "banded":  # the band's keys and the far blocks', one pooled key per block, the sinks
+            blocks = -(-tokens // spec.block)
+            keys = min((2 * spec.band + 1 + spec.far_blocks) * spec.block, tokens) + blocks + spec.sinks + 1
+            select = 2 * n * blocks * d if spec.far_blocks else 0.0  # choosing the far blocks
+            return {"exact": 4 * n * min(keys, tokens) * d + select}
         if spec.method not in ("clustered", "i-clustered"):
             raise ValueError(f"spec: a concrete method, got {spec.method!r}")
         clusters = min(spec.clusters, tokens)

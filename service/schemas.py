@@ -40,6 +40,7 @@ def _knob_field(name: str, description: str) -> Any:
 # Knobs a calibrated choice sets: a request that names target_fidelity leaves them out (422).
 CALIBRATED_KNOBS = (
     "clusters", "topk", "bits", "iterations", "refine", "hash_rounds", "cluster_size", "band", "block", "sinks",
+    "far_blocks",
 )
 # The same rule in the OpenAPI document: no target_fidelity, or method auto (or unset) and
 # none of the calibrated knobs.
@@ -69,6 +70,9 @@ class AttentionRequest(BaseModel):
     band: _knob("band") | None = _knob_field("band", "neighbouring blocks each side attended exactly (banded)")
     block: _knob("block") | None = _knob_field("block", "tokens per block; farther blocks are pooled (banded)")
     sinks: _knob("sinks") | None = _knob_field("sinks", "leading tokens (and the last) every query attends exactly (banded)")
+    far_blocks: _knob("far_blocks") | None = _knob_field(
+        "far_blocks", "blocks outside the band each query block attends exactly, chosen by pooled score (banded)"
+    )
     seed: _knob("seed") | None = _knob_field("seed", "seed of the random planes and initial centroids")
     target_fidelity: StrictFloat | None = Field(
         None,

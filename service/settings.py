@@ -66,6 +66,9 @@ class Settings(BaseSettings):
     band: int = Field(_DEFAULT_SPEC.band, description="default neighbouring blocks attended exactly (banded)")
     block: int = Field(_DEFAULT_SPEC.block, description="default tokens per block (banded)")
     sinks: int = Field(_DEFAULT_SPEC.sinks, description="default leading tokens every query attends exactly (banded)")
+    far_blocks: int = Field(
+        _DEFAULT_SPEC.far_blocks, description="default far blocks each query block attends exactly (banded)"
+    )
     seed: int = Field(_DEFAULT_SPEC.seed, description="default seed of planes and centroids")
     auto_threshold: int = Field(
         _DEFAULT_SPEC.auto_threshold, description='"auto" runs full attention below this many tokens'

@@ -18,14 +18,30 @@ from kernels.spec import exact_by_knobs, resolve_auto
 FULL = AttentionSpec(method="full")
 
 
-def banded(band, block, sinks=0):
-    return AttentionSpec(method="banded", band=band, block=block, sinks=sinks)
+def banded(band, block, sinks=0, far_blocks=0):
+    return AttentionSpec(method="banded", band=band, block=block, sinks=sinks, far_blocks=far_blocks)
+
+
+def chosen_blocks(q, k, real, sink, t, spec, scale):
+    """The far blocks query block t attends exactly: the `far_blocks` blocks outside the band,
+    holding a real non-sink key, whose mean key scores highest for some real query of t
+    (q . mean * scale + log count)."""
+    n, size = q.shape[0], spec.block
+    scores = {}
+    for c in range(-(-n // size)):
+        members = [j for j in range(c * size, min(n, (c + 1) * size)) if real[j] and not sink[j]]
+        queries = [i for i in range(t * size, min(n, (t + 1) * size)) if real[i]]
+        if abs(t - c) > spec.band and members and queries:
+            key = k[members].mean(0)
+            scores[c] = max(float(q[i] @ key) for i in queries) * scale + math.log(len(members))
+    return set(sorted(scores, key=scores.get, reverse=True)[: spec.far_blocks])
 
 
 def definition(q, k, v, spec, mask, scale):
-    """The method written out per query and key (float64): exact logits on the band's blocks
-    and on the sinks, one pooled key (mean key, mean value of the block's real non-sink keys,
-    logit + log count) per block outside the band, one softmax."""
+    """The method written out per query and key (float64): exact logits on the band's blocks,
+    on the sinks and on the real non-sink keys of the chosen far blocks, one pooled key (mean
+    key, mean value of the block's real non-sink keys, logit + log count) per other block
+    outside the band, one softmax."""
     b, h, n, _ = q.shape
     size, band = spec.block, spec.band
     blocks = -(-n // size)
@@ -39,17 +55,18 @@ def definition(q, k, v, spec, mask, scale):
             sink[int(real.nonzero().max())] = True
         sink &= real
         for head in range(h):
+            chosen = [chosen_blocks(q[row, head], k[row, head], real, sink, t, spec, scale) for t in range(blocks)]
             for i in range(n):
                 if not real[i]:
                     continue
                 logits, values = [], []
                 for j in range(n):
-                    if real[j] and (abs(i // size - j // size) <= band or sink[j]):
+                    if real[j] and (abs(i // size - j // size) <= band or sink[j] or j // size in chosen[i // size]):
                         logits.append(q[row, head, i] @ k[row, head, j] * scale)
                         values.append(v[row, head, j])
                 for c in range(blocks):
                     members = [j for j in range(c * size, min(n, (c + 1) * size)) if real[j] and not sink[j]]
-                    if abs(i // size - c) > band and members:
+                    if abs(i // size - c) > band and members and c not in chosen[i // size]:
                         key = k[row, head, members].mean(0)
                         logits.append(q[row, head, i] @ key * scale + math.log(len(members)))
                         values.append(v[row, head, members].mean(0))
@@ -58,22 +75,27 @@ def definition(q, k, v, spec, mask, scale):
     return out
 
 
-# (n, block, band, sinks, lengths): blocks that do not divide N, a last block of one token,
-# sinks inside and outside the band, padded rows, a band of 0.
+# (n, block, band, sinks, far_blocks, lengths): blocks that do not divide N, a last block of one
+# token, sinks inside and outside the band, padded rows, a band of 0, far blocks chosen among
+# blocks of sinks, of padding and of one token, more far blocks than a row has.
 CASES = [
-    (37, 8, 1, 3, None),
-    (37, 8, 1, 3, [37, 22]),
-    (33, 16, 0, 0, [33, 30]),
-    (50, 7, 2, 5, [41, 50]),
-    (25, 4, 0, 2, [25, 3]),
+    (37, 8, 1, 3, 0, None),
+    (37, 8, 1, 3, 0, [37, 22]),
+    (33, 16, 0, 0, 0, [33, 30]),
+    (50, 7, 2, 5, 0, [41, 50]),
+    (25, 4, 0, 2, 0, [25, 3]),
+    (37, 8, 0, 3, 2, [37, 22]),
+    (50, 7, 1, 5, 3, [41, 50]),
+    (25, 4, 0, 2, 4, [25, 3]),
+    (41, 4, 1, 0, 1, None),
 ]
 
 
-@pytest.mark.parametrize("n, block, band, sinks, lengths", CASES)
-def test_reference_is_the_definition(n, block, band, sinks, lengths):
+@pytest.mark.parametrize("n, block, band, sinks, far, lengths", CASES)
+def test_reference_is_the_definition(n, block, band, sinks, far, lengths):
     q, k, v = qkv(n=n, d=8, dtype=torch.float64, seed=n)
     mask = padding_mask(2, n, lengths) if lengths else None
-    spec = banded(band, block, sinks)
+    spec = banded(band, block, sinks, far)
     out = attention(q, k, v, spec, mask, backend="reference")
     assert torch.allclose(out, definition(q, k, v, spec, mask, 8**-0.5), atol=1e-10)
     assert not torch.allclose(out, attention(q, k, v, FULL, mask), atol=1e-3)  # it is an approximation
@@ -85,11 +107,12 @@ def native_missing():
 
 @pytest.mark.skipif(native_missing(), reason="the native loops were not built (no C compiler)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, block, band, sinks, lengths", CASES + [(130, 16, 2, 8, [130, 97])])
-def test_native_matches_reference(n, block, band, sinks, lengths, dtype):
+@pytest.mark.parametrize("n, block, band, sinks, far, lengths", CASES + [(130, 16, 2, 8, 0, [130, 97]),
+                                                                         (130, 16, 1, 8, 3, [130, 97])])
+def test_native_matches_reference(n, block, band, sinks, far, lengths, dtype):
     q, k, v = qkv(n=n, d=32, dv=24, dtype=dtype, seed=n + 1)
     mask = padding_mask(2, n, lengths) if lengths else None
-    spec = banded(band, block, sinks)
+    spec = banded(band, block, sinks, far)
     expected = attention(q, k, v, spec, mask, backend="reference")
     out = attention(q, k, v, spec, mask, backend="native")
     assert out.dtype == dtype
@@ -98,11 +121,13 @@ def test_native_matches_reference(n, block, band, sinks, lengths, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, block, band, sinks, lengths", [(37, 8, 1, 3, [37, 22]), (40, 16, 0, 2, None)])
-def test_triton_matches_reference(n, block, band, sinks, lengths, dtype):
+@pytest.mark.parametrize("n, block, band, sinks, far, lengths", [
+    (37, 8, 1, 3, 0, [37, 22]), (40, 16, 0, 2, 0, None), (37, 8, 0, 3, 2, [37, 22]), (70, 32, 0, 1, 1, [70, 50]),
+])
+def test_triton_matches_reference(n, block, band, sinks, far, lengths, dtype):
     q, k, v = qkv(b=2, h=1, n=n, d=16, dtype=dtype, seed=n + 2)
     mask = padding_mask(2, n, lengths) if lengths else None
-    spec = banded(band, block, sinks)
+    spec = banded(band, block, sinks, far)
     expected = attention(q, k, v, spec, mask, backend="reference")
     out = attention(q, k, v, spec, mask, backend="triton")
     assert out.dtype == dtype
@@ -114,11 +139,13 @@ BACKENDS = ["reference", "triton"] + ([] if native_missing() else ["native"])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("n, block, band, sinks", [(37, 8, 4, 3), (30, 64, 0, 5), (33, 16, 2, 0)])
-def test_exact_when_the_band_covers_the_sequence(backend, n, block, band, sinks):
+@pytest.mark.parametrize("n, block, band, sinks, far", [
+    (37, 8, 4, 3, 0), (30, 64, 0, 5, 0), (33, 16, 2, 0, 0), (37, 8, 0, 3, 4), (37, 8, 2, 0, 2), (33, 4, 1, 2, 8),
+])
+def test_exact_when_the_band_and_far_blocks_cover_the_sequence(backend, n, block, band, sinks, far):
     q, k, v = qkv(b=2, h=1, n=n, d=16, seed=n + 3)
     mask = padding_mask(2, n, [n, n - 7])
-    spec = banded(band, block, sinks)
+    spec = banded(band, block, sinks, far)
     assert exact_by_knobs(spec, n)
     out = attention(q, k, v, spec, mask, backend=backend)
     assert torch.allclose(out, attention(q, k, v, FULL, mask), atol=2e-6)
@@ -127,13 +154,15 @@ def test_exact_when_the_band_covers_the_sequence(backend, n, block, band, sinks)
 def test_exact_by_knobs_and_resolution():
     assert exact_by_knobs(banded(3, 64), 256) and not exact_by_knobs(banded(2, 64), 256)
     assert exact_by_knobs(banded(0, 64), 64) and not exact_by_knobs(banded(0, 64), 65)
+    assert exact_by_knobs(banded(1, 64, far_blocks=2), 256) and not exact_by_knobs(banded(1, 64, far_blocks=1), 256)
     resolved = resolve_auto(banded(3, 64), 200)
     assert resolved.spec.method == "full" and resolved.echo["exact_by_knobs"]["method"] == "banded"
     assert resolve_auto(banded(1, 64), 4096).spec == banded(1, 64)
-    assert banded(1, 64, 8).used_knobs() == {"method": "banded", "band": 1, "block": 64, "sinks": 8}
+    assert banded(1, 64, 8).used_knobs() == {"method": "banded", "band": 1, "block": 64, "sinks": 8, "far_blocks": 0}
 
 
-@pytest.mark.parametrize("field, value", [("band", -1), ("band", 4097), ("block", 0), ("sinks", 65), ("block", 2.0)])
+@pytest.mark.parametrize("field, value", [("band", -1), ("band", 4097), ("block", 0), ("sinks", 65), ("block", 2.0),
+                                          ("far_blocks", -1), ("far_blocks", 1025)])
 def test_knobs_are_validated(field, value):
     with pytest.raises(ValueError, match=f"^{field}:"):
         AttentionSpec(method="banded", **{field: value})
