@@ -31,8 +31,8 @@ GRID = [
     dict(method="clustered", clusters=200, iterations=3, refine=2),
     dict(method="i-clustered", clusters=200, topk=256, iterations=5, refine=3),
     dict(method="smyrf", hash_rounds=8, cluster_size=128),
-    dict(method="banded", band=2, block=64, sinks=8),
-    dict(method="banded", band=8, block=64, sinks=8),
+    dict(method="banded", band=2, block=64, sinks=8, far_blocks=0),
+    dict(method="banded", band=8, block=64, sinks=8, far_blocks=0),
 ]
 
 

@@ -108,8 +108,9 @@ SPECS = {
     "i-clustered 200/32": AttentionSpec(method="i-clustered", clusters=200, topk=32),
     "i-clustered 400/64": AttentionSpec(method="i-clustered", clusters=400, topk=64),
 }
-if "banded" in METHODS:  # a local band plus a pooled far field, at its defaults
+if "banded" in METHODS:  # a local band, the chosen far blocks and a pooled far field, at its defaults
     SPECS["banded"] = AttentionSpec(method="banded")
+    SPECS["banded (pooled)"] = AttentionSpec(method="banded", far_blocks=0)
 
 
 @dataclass

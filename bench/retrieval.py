@@ -41,7 +41,7 @@ from .corpus import documents, passages, questions
 from .probes import TASKS, haystack, probe
 
 APPROACHES = ("document", "naive", "late-window", "late-whole")
-METHODS = ("full", "clustered", "i-clustered", "smyrf")
+METHODS = ("full", "clustered", "i-clustered", "smyrf", "banded")
 
 
 def embed_approach(encoder, approach: str, texts: list[str], spec: AttentionSpec, chunking: ChunkingSpec) -> list[Tensor]:

@@ -1,5 +1,6 @@
-"""Banded attention: exact attention on a band of neighbouring blocks and on the sink tokens,
-pooled blocks for everything further away, merged in one softmax so that no key counts twice.
+"""Banded attention: exact attention on a band of neighbouring blocks, on the sink tokens and on
+a few chosen far blocks, pooled blocks for everything further away, merged in one softmax so
+that no key counts twice.
 
 The sequence is cut into blocks of `block` tokens. A query in block t attends
     - exactly to every real key of blocks t - band .. t + band (the band),
@@ -11,8 +12,9 @@ The sequence is cut into blocks of `block` tokens. A query in block t attends
     - to one pooled key per other block: the mean key and mean value of that block's real
       non-sink keys, its logit raised by log(count), so that a block of c keys that all had the
       mean's logit would get exactly its c keys' weight,
-all in one softmax. A chosen block's keys replace its pooled key, so no key counts twice. Rotary encoders (nomic-embed-text-v1.5) spread about half of each head's
-attention beyond +-256 tokens, smoothly in position (docs/methods.md, "Where the
+all in one softmax. A chosen block's keys replace its pooled key, so no key counts twice.
+Rotary encoders (nomic-embed-text-v1.5) spread about half of each head's attention beyond
++-256 tokens, smoothly in position (docs/methods.md, "Where the
 approximations break"): a pooled block stands for many small weights whose positions differ
 little as seen from far away; the few far blocks a query block leans on (a repeated
 passage, a heading) are found by their pooled score and attended exactly. With

@@ -1,11 +1,13 @@
 """The native backend of banded attention (banded.py): the attend stage as the C loop
 `banded_attention` of native.c (bound in native.py), one (batch, head) slice per call, on
-float32 or bfloat16 CPU tensors (bfloat16 rows widened as they are read). The pool stage is
-the reference's (O(N D) means, in float32).
+float32 or bfloat16 CPU tensors (bfloat16 rows widened as they are read). The pool and select
+stages are the reference's (O(N D) means in float32; the far blocks' scores, one matrix
+product).
 
 Per block of queries the loop gathers the band's real keys, the sinks outside the band, the
-counted keys of its chosen far blocks and the other pooled keys outside the band once, transposed, with their values, then runs one softmax per query
-over them (logits by the vector loop SMYRF's clusters use)."""
+counted keys of its chosen far blocks and the other pooled keys outside the band once, packed
+in panels with their values, then runs one softmax per query over them, each product in
+register tiles of 4 queries by two vectors."""
 
 from __future__ import annotations
 

@@ -145,6 +145,8 @@ def _load_and_start(state: ServiceState, load: Callable[[Settings], Encoder]) ->
     try:
         encoder = load(settings)
         log_calibration(encoder)
+        if settings.fidelity_reference == "startup" and encoder.float32() is not encoder:
+            log.info("fidelity reference: %s loaded in float32 beside the served %s", encoder.name, dtype_name(encoder.dtype))
         if encoder.graphs is not None:  # counted from the warm-up on
             encoder.graphs.on_event = state.metrics.cuda_graph_event
         if settings.warmup:

@@ -114,6 +114,10 @@ def start_request(
     inputs, params = parse_inputs(raw_inputs, options.param, state.settings.max_client_batch_size)
     if options.dimensions is not None and options.dimensions > encoder.dim:
         raise errors.invalid_field("dimensions", f"must be in [1, {encoder.dim}], got {options.dimensions}")
+    if options.fidelity and encoder.dtype != torch.float32 and state.settings.fidelity_reference == "off":
+        raise errors.invalid_field(
+            "fidelity", "this server runs without its float32 reference model (fidelity_reference=off)"
+        )
     return state, spec, target, encoder, batcher, inputs, params
 
 

@@ -120,7 +120,8 @@ class ChunkingRequest(BaseModel):
     window_overlap: json_int(ge=0, le=CHUNK_TOKENS_MAX - 1) | None = Field(
         None,
         description="tokens each later window re-reads from the one before as context (its first window_overlap "
-        f"outputs are dropped); default {WINDOW_OVERLAP_SHARE:g} of the window's text tokens",
+        "outputs are dropped); must be below the window's text tokens (window less its special and prompt "
+        f"tokens; 422 otherwise); default {WINDOW_OVERLAP_SHARE:g} of the window's text tokens",
     )
 
 

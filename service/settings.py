@@ -148,6 +148,12 @@ class Settings(BaseSettings):
         "route, status, tokens, times)",
     )
     warmup: bool = Field(True, description="run each method once at start-up before turning ready")
+    fidelity_reference: Literal["startup", "off"] = Field(
+        "startup",
+        description='the float32 model that "fidelity": true compares against where the server runs another dtype: '
+        '"startup" loads it (a float32 copy of the weights) before the server turns ready; "off" does not, and a '
+        "request asking for fidelity gets a 422",
+    )
     cuda_graphs: bool = Field(
         True,
         description="on CUDA with the triton backend: pad batches to length buckets and replay each layer from a "

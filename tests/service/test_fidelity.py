@@ -7,7 +7,7 @@ import json
 import anyio
 import numpy as np
 import pytest
-from service_helpers import FakeEncoder, fake_app, license_text, running, scrape, value
+from service_helpers import REAL_LIMITS, FakeEncoder, fake_app, license_text, running, scrape, value
 
 from models.calibration import FORMAT, load_calibration
 from service.app import create_app
@@ -168,3 +168,23 @@ async def test_a_bad_configured_table_fails_start_up_clearly(tmp_path, problem):
         message = response.json()["error"]["message"]
         assert "CalibrationError" in message and str(path) in message
         assert {"missing": "does not exist", "malformed": "buckets[0]", "other model": "another-model"}[problem] in message
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("reference", ["startup", "off"])
+async def test_the_float32_reference_loads_at_start_up_or_fidelity_is_refused(reference):
+    """A bfloat16 server loads its float32 reference before it turns ready (never in the worker,
+    while batches wait), or, told not to, answers "fidelity": true with a 422 naming it."""
+    settings = {**REAL_LIMITS, "dtype": "bfloat16", "fidelity_reference": reference}
+    app = create_app(Settings(**settings))
+    async with running(app) as http:
+        encoder = app.state.service.encoder
+        assert (encoder._float32 is not None) == (reference == "startup")
+        body = {"input": "a short sentence", "attention": {"method": "full"}, "fidelity": True}
+        response = await http.post("/v1/embeddings", json=body)
+        if reference == "startup":
+            assert response.status_code == 200, response.text
+            assert 0.99 < response.json()["data"][0]["fidelity"] <= 1.0 + 1e-6  # bfloat16 against float32
+        else:
+            assert response.status_code == 422 and response.json()["error"]["param"] == "fidelity"
+            assert (await http.post("/v1/embeddings", json={"input": "a short sentence"})).status_code == 200

@@ -36,7 +36,7 @@ def test_422_names_the_knob(client, knobs, param, says):
 
 def test_banded_runs_and_echoes_its_knobs(client):
     text = " ".join(["the licence grants the rights listed below"] * 40)  # ~300 tokens: approximate
-    body = {"input": text, "attention": {"method": "banded", "band": 1, "block": 32, "sinks": 4}}
+    body = {"input": text, "attention": {"method": "banded", "band": 1, "block": 32, "sinks": 4, "far_blocks": 0}}
     response = client.post("/v1/embeddings", json=body)
     assert response.status_code == 200
     echo = {"method": "banded", "band": 1, "block": 32, "sinks": 4, "far_blocks": 0}
