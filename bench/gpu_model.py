@@ -348,7 +348,7 @@ def estimate_call(label: str, spec: AttentionSpec, n: int, head_dim: int, dtype:
         stage = STAGES.get(r.kernel, r.kernel)
         stages[stage] = stages.get(stage, 0.0) + r.est_us
     for name, kernels in library:
-        stage = "smyrf sort" if "sort" in name else f"torch {name}"
+        stage = "smyrf sort" if "sort" in name and spec.method == "smyrf" else f"torch {name}"
         stages[stage] = stages.get(stage, 0.0) + sum(us for _, us in kernels)
     fa2, fa3 = exact_ms(n, head_dim), exact_ms(n, head_dim, which="fa3")
     return dict(method=label, spec=asdict(spec), seq_len=n,

@@ -6,7 +6,8 @@ chunks in windows), for every attention method; then the passkey and needle prob
 (bench.probes) at growing lengths.
 
     python -m bench.retrieval [--docs 8] [--min-tokens 2000] [--max-tokens 4500] [--queries 10]
-        [--methods full clustered i-clustered smyrf] [--probe-lengths 1024 4096]
+        [--methods full clustered i-clustered smyrf banded] [--approaches document late-window]
+        [--probe-lengths 1024 4096]
         [--probe-candidates 4] [--probe-methods full] [--sweep 0 63 127 255] [--name retrieval-cpu]
 
 A document scores by its best chunk (cosine); recall@1 and MRR over the queries of each set
@@ -102,7 +103,7 @@ def retrieval(encoder, args, chunking: ChunkingSpec) -> list[dict]:
     rows, exact = [], {}
     for method in sorted(args.methods, key=lambda m: m != "full"):  # exact first: the others compare to it
         spec = AttentionSpec(method=method)
-        for approach in APPROACHES:
+        for approach in args.approaches:
             vectors, seconds, cpu = timed(lambda: embed_approach(encoder, approach, texts, spec, chunking), args.repeats)
             if method == "full":
                 exact[approach] = vectors
@@ -121,7 +122,7 @@ def retrieval(encoder, args, chunking: ChunkingSpec) -> list[dict]:
         print(f"  window_overlap {overlap:4d}  {_figures(rows[-1])}  {seconds:7.2f} s  {cpu:7.2f} cpu-s", flush=True)
     naive_cpu = {r["method"]: r["cpu_seconds"] for r in rows if r["approach"] == "naive"}
     for row in rows:
-        row["vs_naive"] = row["cpu_seconds"] / naive_cpu[row["method"]]
+        row["vs_naive"] = row["cpu_seconds"] / naive_cpu[row["method"]] if row["method"] in naive_cpu else None
     return rows
 
 
@@ -181,6 +182,7 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=10, help="passages per document (cheap: short texts)")
     parser.add_argument("--query-words", type=int, default=32)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--approaches", nargs="+", default=list(APPROACHES), choices=APPROACHES)
     parser.add_argument("--size", type=int, default=ChunkingSpec.size)
     parser.add_argument("--overlap", type=int, default=ChunkingSpec.overlap)
     parser.add_argument("--boundaries", default=ChunkingSpec.boundaries)

@@ -114,28 +114,39 @@ def far_count(spec: AttentionSpec, blocks: int) -> int:
     return max(0, min(spec.far_blocks, blocks - band - 1))
 
 
-def select(q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, scale: float) -> Pooled:
-    """The select stage (every backend): per query block, the `far_blocks` blocks outside the
-    band with the highest score max over the block's real queries of q . mean key * scale +
-    log count, among blocks holding a counted key. q (B, H, N, D) -> pooled with `chosen`
-    (B, H, NB, R) ascending, -1 where fewer blocks qualify."""
+def block_scores(q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, scale: float) -> Tensor:
+    """(B, H, NB, NB): for query block t and block c, the largest q . mean key of c * scale over
+    t's real queries (-inf for a block of none), in the pooled keys' dtype. The reference's;
+    the Triton backend has its kernel."""
     b, h, n, d = q.shape
     blocks = pooled.keys.shape[2]
-    r = far_count(spec, blocks)
-    if r == 0:
-        return pooled
     size = spec.block
     tail = blocks * size - n
     keys = pooled.keys
     q_pad = F.pad(q.to(keys.dtype), (0, 0, 0, tail)).view(b, h, blocks, size, d)
     real = F.pad(key_mask, (0, tail)).view(b, 1, blocks, size, 1)
-    bias = pooled.log_count[:, None, None, :]  # (B, 1, 1, NB), -inf for a block of no counted key
     score = keys.new_empty(b, h, blocks, blocks)
     for first in range(0, blocks, _BLOCKS_PER_STEP):
         last = min(blocks, first + _BLOCKS_PER_STEP)
         logits = q_pad[:, :, first:last] @ keys[:, :, None].transpose(-1, -2)  # (B, H, c, size, NB)
-        best = logits.masked_fill(~real[:, :, first:last], float("-inf")).amax(dim=3)
-        score[:, :, first:last] = best * scale + bias
+        score[:, :, first:last] = logits.masked_fill(~real[:, :, first:last], float("-inf")).amax(dim=3) * scale
+    return score
+
+
+def select(
+    q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, scale: float,
+    scores: Callable[..., Tensor] = block_scores,
+) -> Pooled:
+    """The select stage (every backend): per query block, the `far_blocks` blocks outside the
+    band with the highest score max over the block's real queries of q . mean key * scale +
+    log count, among blocks holding a counted key (`scores` gives the first term). q (B, H, N,
+    D) -> pooled with `chosen` (B, H, NB, R) ascending, -1 where fewer blocks qualify."""
+    blocks = pooled.keys.shape[2]
+    r = far_count(spec, blocks)
+    if r == 0:
+        return pooled
+    bias = pooled.log_count[:, None, None, :]  # (B, 1, 1, NB), -inf for a block of no counted key
+    score = scores(q, pooled, key_mask, spec, scale).to(bias.dtype) + bias
     ids = torch.arange(blocks, device=q.device)
     near = (ids[:, None] - ids[None, :]).abs() <= min(spec.band, blocks - 1)
     top = score.masked_fill(near, float("-inf")).topk(r, dim=-1)
@@ -236,19 +247,21 @@ def run_banded(
         qc, kc, vc = qc.contiguous(), kc.contiguous(), vc.contiguous()
     key_mask, _ = token_masks(q, k, key_padding_mask)
     pooled = observe("pool", stages.pool, kc, vc, key_mask, spec)
-    pooled = observe("select", select, qc, pooled, key_mask, spec, scale)
+    pooled = observe("select", select, qc, pooled, key_mask, spec, scale, stages.scores)
     return observe("attend", stages.attend, qc, kc, vc, pooled, key_mask, spec, scale, q.dtype)
 
 
 @dataclass(frozen=True)
 class BandedStages:
-    """One backend's banded pipeline: pool is shared, attend is the backend's."""
+    """One backend's banded pipeline: pool and the choice of far blocks are shared (the block
+    scores may be the backend's), attend is the backend's."""
 
     name: str
     compute: Callable[[torch.dtype], torch.dtype]
     pool: Callable[..., Pooled]
     attend: Callable[..., Tensor]
     contiguous: bool = False
+    scores: Callable[..., Tensor] = block_scores
 
 
 REFERENCE = BandedStages(name="reference", compute=float32_or_64, pool=pool, attend=attend)

@@ -1,5 +1,10 @@
-"""The Triton backend of banded attention (banded.py): the attend stage as one kernel; the pool
-stage is the reference's (O(N D) means, in float32).
+"""The Triton backend of banded attention (banded.py): the attend stage as one kernel, the block
+scores that choose the far blocks as another; the pool stage and the top-k of the choice are
+the reference's (O(N D) means in float32; a top-k over (NB, NB) scores).
+
+The scores: one program per (batch x head, query block, tile of BLOCK_N pooled blocks) runs
+its block's queries in tiles of BLOCK_M against the tile's pooled keys (float32, split parts
+for half-precision queries) and writes the largest logit of each block over its real queries.
 
 One program per (batch x head, tile of BLOCK_M queries) writes its own rows of the output and
 nothing else (no atomics). Its queries run one online softmax over
@@ -10,8 +15,8 @@ nothing else (no atomics). Its queries run one online softmax over
       block size), R per query block, in tiles of BLOCK_N keys, each row masked to its own
       block's choice and to counted keys,
     - the pooled keys and values (float32) in tiles of BLOCK_N blocks, each row masked to the
-      blocks outside its band that hold a counted key and are not chosen for it, logits raised
-      by their log count.
+      blocks outside its band that hold a counted key and are not chosen for it (a (NB, NB)
+      mask a head, built from the choice), logits raised by their log count.
 q . k and p . v run on tensor cores in the inputs' dtype with float32 accumulation; the float32
 pooled keys and values meet half-precision operands as split parts (float32 accuracy).
 """
@@ -25,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .banded import BandedStages, Pooled, pool
+from .banded import BandedStages, Pooled, chosen_hits, pool
 from .blocks import pow2_block
 from .spec import AttentionSpec
 from .triton_helpers import dot_split_right, mma, online_softmax_step, rounded, upcast
@@ -36,9 +41,10 @@ LOG2E = 1.0 / math.log(2.0)
 @triton.jit
 def _banded_kernel(
     q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, plog_ptr, preal_ptr, sink_ptr, sreal_ptr, real_ptr, counted_ptr, chosen_ptr,
-    out_ptr, N, H, NB, S, R, SIZE, BAND, scale_log2,
+    replaced_ptr, out_ptr, N, H, NB, S, R, SIZE, BAND, scale_log2,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+    FAR: tl.constexpr, UPCAST: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b = bh // H
@@ -84,12 +90,14 @@ def _banded_kernel(
     s_logits = tl.where(s_far & s_real[None, :], mma(q, s_keys, UPCAST) * scale_log2, float("-inf"))
     acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s_logits, s_values, True, UPCAST)
 
-    # The counted keys of the far blocks chosen for each row's block.
+    # The counted keys of the far blocks chosen for each row's block (their ids read at once).
     steps = tl.arange(0, BLOCK_N)
+    slots_r = tl.arange(0, BLOCK_R)
     for t in range(first // SIZE, last // SIZE + 1):
         mine = t_row == t
+        picks = tl.load(chosen_ptr + (bh * NB + t) * R + slots_r, mask=slots_r < R, other=-1)
         for r in range(0, R):
-            blk = tl.load(chosen_ptr + (bh * NB + t) * R + r)
+            blk = tl.sum(tl.where(slots_r == r, picks, 0))
             width = tl.where(blk >= 0, SIZE, 0)  # -1: no block chosen in this slot
             for start in range(0, SIZE, BLOCK_N):
                 cols = tl.maximum(blk, 0) * SIZE + start + steps
@@ -113,9 +121,10 @@ def _banded_kernel(
         counted = (tl.load(preal_ptr + b * NB + blocks, mask=blk_ok, other=0) != 0) & blk_ok
         log_count = tl.load(plog_ptr + b * NB + blocks, mask=blk_ok, other=0.0)
         far = tl.abs(blocks[None, :] - t_row[:, None]) > BAND
-        for r in range(0, R):
-            picked = tl.load(chosen_ptr + (bh * NB + t_row) * R + r, mask=row_ok, other=-1)
-            far = far & (blocks[None, :] != picked[:, None])
+        if FAR:  # a chosen block's keys replace its pooled key
+            replaced = tl.load(replaced_ptr + (bh * NB + t_row)[:, None] * NB + blocks[None, :],
+                mask=row_ok[:, None] & blk_ok[None, :], other=0)
+            far = far & (replaced == 0)
         dots = dot_split_right(q, keys, UPCAST)
         logits = tl.where(far & counted[None, :], dots * scale_log2 + (log_count * 1.4426950408889634)[None, :], float("-inf"))
         acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, True, UPCAST)
@@ -145,22 +154,71 @@ def attend(
     flags = [t.to(torch.uint8).contiguous() for t in (counted, pooled.sink_real, key_mask, pooled.counted)]
     sinks = pooled.sinks.to(torch.int64).contiguous()
     chosen = pooled.chosen.to(torch.int64).contiguous()
+    far = chosen.shape[-1] > 0
+    # (B, H, NB, NB) uint8: whether query block t attends block c's keys instead of its pooled key
+    replaced = chosen_hits(chosen, blocks).to(torch.uint8).contiguous() if far else chosen
     out = torch.empty(b, h, n, dv, dtype=q.dtype, device=q.device)
     if n == 0:
         return out.to(dtype)
     block_m = 16 if q.device.type == "cpu" else 64
     grid = (b * h, triton.cdiv(n, block_m))
     _banded_kernel[grid](
-        q, k, v, pk, pv, plog, flags[0], sinks, flags[1], flags[2], flags[3], chosen, out,
+        q, k, v, pk, pv, plog, flags[0], sinks, flags[1], flags[2], flags[3], chosen, replaced, out,
         n, h, blocks, sinks.shape[1], chosen.shape[-1], spec.block, min(spec.band, blocks), scale * LOG2E,
         D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv), BLOCK_M=block_m,
         BLOCK_N=pow2_block(0, high=64) if q.device.type == "cpu" else 64,
-        BLOCK_S=pow2_block(sinks.shape[1]), UPCAST=upcast(q),
+        BLOCK_S=pow2_block(sinks.shape[1]), BLOCK_R=pow2_block(chosen.shape[-1]), FAR=far, UPCAST=upcast(q),
     )
     return out.to(dtype)
 
 
-TRITON = BandedStages(name="triton", compute=lambda dtype: dtype, pool=pool, attend=attend, contiguous=True)
+@triton.jit
+def _block_scores_kernel(
+    q_ptr, pk_ptr, real_ptr, out_ptr, N, H, NB, SIZE, scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = bh // H
+    t = tl.program_id(1)
+    blocks = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    blk_ok = blocks < NB
+    dims = tl.arange(0, BLOCK_D)
+    keys = tl.load(pk_ptr + (bh * NB + blocks)[None, :] * D + dims[:, None],
+        mask=blk_ok[None, :] & (dims < D)[:, None], other=0.0)
+    best = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    steps = tl.arange(0, BLOCK_M)
+    for start in range(0, SIZE, BLOCK_M):
+        rows = t * SIZE + start + steps
+        row_ok = (start + steps < SIZE) & (rows < N)
+        real = (tl.load(real_ptr + b * N + rows, mask=row_ok, other=0) != 0) & row_ok
+        q = tl.load(q_ptr + (bh * N + rows)[:, None] * D + dims[None, :], mask=row_ok[:, None] & (dims < D)[None, :],
+            other=0.0)
+        dots = tl.where(real[:, None], dot_split_right(q, keys, UPCAST), float("-inf"))
+        best = tl.maximum(best, tl.max(dots, axis=0))
+    tl.store(out_ptr + (bh * NB + t) * NB + blocks, best * scale, mask=blk_ok)
+
+
+def block_scores(q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, scale: float) -> Tensor:
+    """banded.block_scores as one Triton kernel: (B, H, N, D) float32, float16 or bfloat16 ->
+    (B, H, NB, NB) float32."""
+    b, h, n, d = q.shape
+    blocks = pooled.keys.shape[2]
+    q = q.contiguous()
+    pk = pooled.keys.to(torch.float32).contiguous()
+    real = key_mask.to(torch.uint8).contiguous()
+    out = torch.empty(b, h, blocks, blocks, dtype=torch.float32, device=q.device)
+    block_n = 16 if q.device.type == "cpu" else 64
+    grid = (b * h, blocks, triton.cdiv(blocks, block_n))
+    _block_scores_kernel[grid](
+        q, pk, real, out, n, h, blocks, spec.block, scale,
+        D=d, BLOCK_D=pow2_block(d), BLOCK_M=16 if q.device.type == "cpu" else 64, BLOCK_N=block_n, UPCAST=upcast(q),
+    )
+    return out
+
+
+TRITON = BandedStages(
+    name="triton", compute=lambda dtype: dtype, pool=pool, attend=attend, contiguous=True, scores=block_scores
+)
 
 
 def _band_span(a: dict) -> dict:

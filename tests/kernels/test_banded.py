@@ -135,6 +135,25 @@ def test_triton_matches_reference(n, block, band, sinks, far, lengths, dtype):
     assert torch.allclose(out.float(), expected.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, block, lengths", [(37, 8, [37, 22]), (70, 32, [70, 50]), (25, 4, [25, 3])])
+def test_triton_block_scores_match_the_reference(n, block, lengths, dtype):
+    """The scores that choose the far blocks: the Triton kernel against the reference's matrix
+    product, -inf where a query block has no real query."""
+    from kernels import banded as reference
+    from kernels import banded_triton
+
+    q, k, v = qkv(b=2, h=2, n=n, d=16, dtype=dtype, seed=n + 4)
+    mask = padding_mask(2, n, lengths)
+    spec = banded(0, block, 2, far_blocks=2)
+    pooled = reference.pool(k, v, mask, spec)
+    expected = reference.block_scores(q, pooled, mask, spec, 0.25)
+    got = banded_triton.block_scores(q, pooled, mask, spec, 0.25)
+    assert torch.isinf(expected).any() and torch.equal(torch.isinf(got), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    assert torch.allclose(got[finite], expected[finite], atol=1e-5, rtol=1e-5)
+
+
 BACKENDS = ["reference", "triton"] + ([] if native_missing() else ["native"])
 
 
