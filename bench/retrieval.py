@@ -6,7 +6,8 @@ chunks in windows), for every attention method; then the passkey and needle prob
 (bench.probes) at growing lengths.
 
     python -m bench.retrieval [--docs 8] [--min-tokens 2000] [--max-tokens 4500] [--queries 10]
-        [--methods full clustered i-clustered smyrf banded] [--approaches document late-window]
+        [--methods full clustered i-clustered smyrf banded auto] [--approaches document late-window]
+        [--target-fidelity 0.98]
         [--probe-lengths 1024 4096]
         [--probe-candidates 4] [--probe-methods full] [--sweep 0 63 127 255] [--name retrieval-cpu]
 
@@ -16,7 +17,9 @@ the embedding calls (the forward passes and their planning), what the server spe
 approach: wall-clock seconds and CPU seconds of this process (one torch thread by default, so
 that other work on a shared machine changes the wall clock more than the CPU seconds);
 `vs_naive` is the ratio of CPU seconds to naive chunking with the same method, in this run.
-Chunk vectors of every method are compared with exact attention's (`cos_mean`, `cos_min`:
+Method "auto" is what the server runs for a request that names none: auto at
+`--target-fidelity` (the server's default target), chosen per pass from the model's calibration
+table. Chunk vectors of every method are compared with exact attention's (`cos_mean`, `cos_min`:
 over the chunks, or the documents). `--sweep` also runs windowed late
 chunking with exact attention at each window_overlap: the figures the default is chosen from.
 Corpus: this machine's man pages (bench.corpus). Prints tables, writes
@@ -42,20 +45,23 @@ from .corpus import documents, passages, questions
 from .probes import TASKS, haystack, probe
 
 APPROACHES = ("document", "naive", "late-window", "late-whole")
-METHODS = ("full", "clustered", "i-clustered", "smyrf", "banded")
+METHODS = ("full", "clustered", "i-clustered", "smyrf", "banded", "auto")
 
 
-def embed_approach(encoder, approach: str, texts: list[str], spec: AttentionSpec, chunking: ChunkingSpec) -> list[Tensor]:
-    """Per text its (k, dim) unit vectors: k = 1 for "document", its chunks otherwise."""
+def embed_approach(
+    encoder, approach: str, texts: list[str], spec: AttentionSpec, chunking: ChunkingSpec, target: float | None = None
+) -> list[Tensor]:
+    """Per text its (k, dim) unit vectors: k = 1 for "document", its chunks otherwise.
+    target: the target fidelity of spec "auto" (None for the other methods)."""
     if approach == "document":
-        return list(encoder.embed(texts, spec).split(1))
+        return list(encoder.embed(texts, spec, target_fidelity=target).split(1))
     if approach == "naive":
         chunking = ChunkingSpec(**{**chunking.__dict__, "late": False})
     elif approach == "late-whole":
         chunking = ChunkingSpec(**{**chunking.__dict__, "late": True, "window": encoder.max_input_tokens})
     else:
         chunking = ChunkingSpec(**{**chunking.__dict__, "late": True})
-    return [chunked.vectors for chunked in encoder.embed_chunks(texts, spec, chunking)]
+    return [chunked.vectors for chunked in encoder.embed_chunks(texts, spec, chunking, target_fidelity=target)]
 
 
 def timed(fn: Callable[[], list[Tensor]], repeats: int = 1) -> tuple[list[Tensor], float, float]:
@@ -102,9 +108,11 @@ def retrieval(encoder, args, chunking: ChunkingSpec) -> list[dict]:
 
     rows, exact = [], {}
     for method in sorted(args.methods, key=lambda m: m != "full"):  # exact first: the others compare to it
-        spec = AttentionSpec(method=method)
+        spec, target = AttentionSpec(method=method), args.target_fidelity if method == "auto" else None
         for approach in args.approaches:
-            vectors, seconds, cpu = timed(lambda: embed_approach(encoder, approach, texts, spec, chunking), args.repeats)
+            vectors, seconds, cpu = timed(
+                lambda: embed_approach(encoder, approach, texts, spec, chunking, target), args.repeats
+            )
             if method == "full":
                 exact[approach] = vectors
             cos = cosines_to_exact(vectors, exact[approach]) if approach in exact else (None, None)
@@ -143,8 +151,10 @@ def probes(encoder, args, chunking: ChunkingSpec) -> list[dict]:
             answers = list(range(len(case.documents)))
             for method in args.probe_methods:
                 for approach in ("document", "naive", "late-window"):
-                    spec = AttentionSpec(method=method)
-                    vectors, seconds, cpu = timed(lambda: embed_approach(encoder, approach, case.documents, spec, chunking))
+                    spec, target = AttentionSpec(method=method), args.target_fidelity if method == "auto" else None
+                    vectors, seconds, cpu = timed(
+                        lambda: embed_approach(encoder, approach, case.documents, spec, chunking, target)
+                    )
                     recall, mrr = rank_scores(query_vectors, vectors, answers)
                     rows.append(dict(task=task, tokens=length, approach=approach, method=method,
                                      recall_at_1=recall, mrr=mrr, seconds=seconds, cpu_seconds=cpu))  # fmt: skip
@@ -183,6 +193,7 @@ def main() -> None:
     parser.add_argument("--query-words", type=int, default=32)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--approaches", nargs="+", default=list(APPROACHES), choices=APPROACHES)
+    parser.add_argument("--target-fidelity", type=float, default=0.98, help='method "auto": its target')
     parser.add_argument("--size", type=int, default=ChunkingSpec.size)
     parser.add_argument("--overlap", type=int, default=ChunkingSpec.overlap)
     parser.add_argument("--boundaries", default=ChunkingSpec.boundaries)

@@ -119,9 +119,10 @@ class Resolved:
 
 class AutoTable(Protocol):
     """What `resolve_auto` needs of a calibration table (models.calibration.Calibration is one):
-    `choose` returns an object with the chosen `spec` and an `echo(target)` dict."""
+    `choose` returns an object with the chosen `spec` and an `echo(target)` dict; `chunks`
+    asks for a choice judged by the fidelity of late chunks rather than of a whole input."""
 
-    def choose(self, tokens: int, target: float, seed: int = 0) -> Any: ...
+    def choose(self, tokens: int, target: float, seed: int = 0, chunks: bool = False) -> Any: ...
 
 
 def exact_by_knobs(spec: AttentionSpec, tokens: int) -> bool:
@@ -144,6 +145,7 @@ def resolve_auto(
     table: AutoTable | None = None,
     target: float | None = None,
     shortcut_exact: bool = True,
+    chunks: bool = False,
 ) -> Resolved:
     """The one place "auto" is decided, for an input of `tokens` tokens.
 
@@ -151,7 +153,8 @@ def resolve_auto(
     the table chooses (the fastest configuration measured to meet the target at that length);
     otherwise "full" below `spec.auto_threshold` tokens and `spec.auto_method` from there on.
     A target without a table falls back to the threshold, and the echo says so
-    (`"calibrated_fidelity": null`). Whatever was chosen, an approximate spec that is exact by
+    (`"calibrated_fidelity": null`). chunks: the input is a late-chunking window, whose chunk
+    vectors the table's choice is judged by (`AutoTable.choose`). Whatever was chosen, an approximate spec that is exact by
     its knobs at this length (`exact_by_knobs`) runs exact attention directly, the cheaper way
     to the same result, and the echo says so (`"method": "full"`, `"exact_by_knobs"`: what was
     asked). `kernels.attention` calls this with no table and without that shortcut: it runs
@@ -162,7 +165,7 @@ def resolve_auto(
             raise ValueError(f'target: applies to method "auto" only, got method {spec.method!r}')
         resolved = Resolved(spec, spec.used_knobs())
     elif target is not None and table is not None:
-        choice = table.choose(tokens, target, seed=spec.seed)
+        choice = table.choose(tokens, target, seed=spec.seed, chunks=chunks)
         resolved = Resolved(choice.spec, choice.echo(target))
     else:
         concrete = dataclasses.replace(spec, method="full" if tokens < spec.auto_threshold else spec.auto_method)

@@ -14,7 +14,12 @@ Fidelity is the cosine of a document's embedding to its exact-attention embeddin
 float32 (whatever dtype the table was measured in, so that it says what a user gets; a
 bucket's `exact_fidelity_min` is exact attention's own, below 1 in bfloat16);
 `fidelity_min` is the worst over the calibration documents, and it is what a target is
-checked against. `Calibration.choose(tokens, target)` judges an input by the buckets around
+checked against. A table may also record `chunk_fidelity_min` per configuration: the worst
+cosine of the mean token state over each `chunk_tokens`-token span of a document (late
+chunking's chunk vectors) to exact attention's, over every span of every document; a chunk
+averages fewer tokens' errors than a whole document, so it keeps less. `choose(..., chunks=True)`
+judges late-chunked sequences by it, and by `fidelity_min` in a table without it.
+`Calibration.choose(tokens, target)` judges an input by the buckets around
 its length (the longest at most as long and the shortest at least as long; the longest
 bucket alone past it) and picks the fastest configuration that meets the target and is at
 least MIN_SPEEDUP times faster than exact in each of them, or exact attention when none is:
@@ -56,12 +61,20 @@ class Measured:
     fidelity_min: float
     fidelity_mean: float
     ms: float
+    chunk_fidelity_min: float | None = None  # late chunks' worst cosine; None where not measured
+
+    def fidelity(self, chunks: bool) -> float:
+        """The worst fidelity a choice is judged by: of late chunks where `chunks` and the table
+        measured them, else of the document's pooled vector."""
+        return self.chunk_fidelity_min if chunks and self.chunk_fidelity_min is not None else self.fidelity_min
 
     def summary(self, exact_ms: float) -> dict[str, Any]:
+        chunk = {} if self.chunk_fidelity_min is None else {"chunk_fidelity_min": round(self.chunk_fidelity_min, 5)}
         return {
             "attention": self.spec.used_knobs(),
             "fidelity_min": round(self.fidelity_min, 5),
             "fidelity_mean": round(self.fidelity_mean, 5),
+            **chunk,
             "ms": round(self.ms, 2),
             "speedup": round(exact_ms / self.ms, 3),
         }
@@ -74,9 +87,10 @@ class Bucket:
     configs: tuple[Measured, ...]
     # Exact attention in the table's dtype against exact attention in float32 (1.0 in float32).
     exact_fidelity: float = 1.0
+    exact_chunk_fidelity: float | None = None
 
     def exact(self) -> Measured:
-        return Measured(EXACT, self.exact_fidelity, self.exact_fidelity, self.exact_ms)
+        return Measured(EXACT, self.exact_fidelity, self.exact_fidelity, self.exact_ms, self.exact_chunk_fidelity)
 
     def measured(self, spec: AttentionSpec) -> Measured | None:
         """This bucket's measurement of `spec`, None where the grid did not run it here."""
@@ -100,12 +114,14 @@ class Choice:
     bucket: int  # tokens of the bucket the input fell in
     fidelity: float  # the calibrated worst-case fidelity (1.0 for exact)
     speedup: float  # calibrated exact time / this configuration's time
+    chunks: bool = False  # judged by the fidelity of late chunks (the table measured it)
 
     def echo(self, target: float) -> dict[str, Any]:
         return {
             **self.spec.used_knobs(),
             "target_fidelity": target,
             "calibrated_fidelity": round(self.fidelity, 5),
+            **({"calibrated_for": "late chunks"} if self.chunks else {}),
             "calibrated_speedup": round(self.speedup, 3),
             "calibration_bucket": self.bucket,
         }
@@ -140,25 +156,33 @@ class Calibration:
         upper = self.bucket_for(tokens)
         return (lower,) if lower is upper else (lower, upper)
 
-    def choose(self, tokens: int, target: float, seed: int = 0) -> Choice:
+    @property
+    def has_chunk_fidelity(self) -> bool:
+        """Whether every configuration of every bucket has its late chunks' fidelity measured."""
+        return all(m.chunk_fidelity_min is not None for b in self.buckets for m in b.configs)
+
+    def choose(self, tokens: int, target: float, seed: int = 0, chunks: bool = False) -> Choice:
         """The fastest calibrated configuration for an input of `tokens` tokens whose worst
         measured fidelity is >= target and which is at least MIN_SPEEDUP times faster than
         exact, in every bucket around the input (`around`); exact attention when none is.
         Fidelity and speed-up are the worst of those buckets'; speed is compared in the
-        longer one."""
+        longer one. chunks: the input is a late-chunking window, judged by the fidelity of its
+        chunks where the table measured it (`has_chunk_fidelity`)."""
+        chunks = chunks and self.has_chunk_fidelity
         upper = self.bucket_for(tokens)
         judged = self.around(tokens)
-        best = Choice(EXACT, upper.tokens, upper.exact_fidelity, 1.0)
+        best = Choice(EXACT, upper.tokens, upper.exact().fidelity(chunks), 1.0, chunks)
         best_ms = upper.exact_ms
         for entry in upper.configs:
             measured = [bucket.measured(entry.spec) for bucket in judged]
             if not judged or None in measured or entry.ms >= best_ms:
                 continue
             pairs = list(zip(judged, measured))
-            if all(m.fidelity_min >= target and m.ms * MIN_SPEEDUP <= b.exact_ms for b, m in pairs):
-                fidelity = min(m.fidelity_min for m in measured)
+            if all(m.fidelity(chunks) >= target and m.ms * MIN_SPEEDUP <= b.exact_ms for b, m in pairs):
+                fidelity = min(m.fidelity(chunks) for m in measured)
                 speedup = min(b.exact_ms / m.ms for b, m in pairs)
-                best, best_ms = Choice(dataclasses.replace(entry.spec, seed=seed), upper.tokens, fidelity, speedup), entry.ms
+                spec = dataclasses.replace(entry.spec, seed=seed)
+                best, best_ms = Choice(spec, upper.tokens, fidelity, speedup, chunks), entry.ms
         return best
 
     def info(self) -> dict[str, Any]:
@@ -168,7 +192,11 @@ class Calibration:
             "model": self.model,
             "device": self.device,
             "device_name": self.device_name,
-            **{k: self.meta[k] for k in ("measured", "docs", "texts", "dtype", "fidelity_reference") if k in self.meta},
+            **{
+                k: self.meta[k]
+                for k in ("measured", "docs", "texts", "dtype", "fidelity_reference", "chunk_tokens")
+                if k in self.meta
+            },
             "frontier": [
                 {
                     "tokens": b.tokens,
@@ -202,6 +230,9 @@ def parse_calibration(raw: Any, source: str) -> Calibration:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
             raise fail(field, f"must be a number in [{low}, {high}], got {value!r}")
         return float(value)
+
+    def optional(entry: dict, name: str, where: str) -> float | None:
+        return None if entry.get(name) is None else number(entry[name], f"{where}.{name}", -1.0, 1.0)
 
     if not isinstance(raw, dict):
         raise fail("(top level)", "must be a JSON object")
@@ -238,11 +269,18 @@ def parse_calibration(raw: Any, source: str) -> Calibration:
                     number(c.get("fidelity_min"), f"{at}.fidelity_min", -1.0, 1.0),
                     number(c.get("fidelity_mean"), f"{at}.fidelity_mean", -1.0, 1.0),
                     number(c.get("ms"), f"{at}.ms", 1e-9),
+                    optional(c, "chunk_fidelity_min", at),
                 )
             )
         exact_fidelity = number(b.get("exact_fidelity_min", 1.0), f"{where}.exact_fidelity_min", -1.0, 1.0)
+        exact_chunk_fidelity = optional(b, "exact_chunk_fidelity_min", where)
+        if exact_chunk_fidelity is None and all(m.chunk_fidelity_min is not None for m in configs):
+            exact_chunk_fidelity = exact_fidelity  # float32 tables: exact attention is its own reference
         buckets.append(
-            Bucket(tokens, number(b.get("exact_ms"), f"{where}.exact_ms", 1e-9), tuple(configs), exact_fidelity)
+            Bucket(
+                tokens, number(b.get("exact_ms"), f"{where}.exact_ms", 1e-9), tuple(configs), exact_fidelity,
+                exact_chunk_fidelity,
+            )
         )
     if len({b.tokens for b in buckets}) != len(buckets):
         raise fail("buckets", "two buckets have the same tokens")

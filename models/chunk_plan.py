@@ -238,5 +238,7 @@ def _plan(
             ChunkedInput(document.chunks, document.tokens, range(first_sequence, len(sequences)), range(first_row, rows), combine)
         )
     table = encoder.calibration if target_fidelity is not None else None
-    planned = tuple(PlannedInput(ids, resolve_auto(spec, len(ids), table, target_fidelity)) for ids in sequences)
+    planned = tuple(
+        PlannedInput(ids, resolve_auto(spec, len(ids), table, target_fidelity, chunks=chunking.late)) for ids in sequences
+    )
     return ChunkPlan(Plan(planned, spec, target_fidelity, prompt_name, adapter), tuple(outputs), tuple(inputs), chunking.late)

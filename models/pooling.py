@@ -111,7 +111,7 @@ def pool(hidden: Tensor, packed: Packed, mode: str) -> Tensor:
         raise ValueError(f"pooling mode: must be one of {', '.join(POOLING_MODES)}, got {mode!r}")
     hidden = hidden.float()
     parts = packed.parts(hidden)
-    pooled = torch.cat([_pool_one(part, mode) for part in parts])
+    pooled = torch.cat([pool_one(part, mode) for part in parts])
     if len(parts) == 1:
         return pooled
     result = torch.empty_like(pooled)
@@ -137,11 +137,11 @@ def pool_each(hidden: Tensor, packed: Packed, mode: str, outputs: Sequence[Outpu
                 raise ValueError(f"spans: beyond the sequence's {part.shape[0]} tokens: {output.spans}")
             result.append(torch.stack([part[start:stop].mean(dim=0) for start, stop in output.spans]))
         else:
-            result.append(_pool_one(part, mode))
+            result.append(pool_one(part, mode))
     return result
 
 
-def _pool_one(part: Tensor, mode: str) -> Tensor:
+def pool_one(part: Tensor, mode: str) -> Tensor:
     """(n, C) states of one sequence -> (1, C), by the checkpoint's pooling."""
     if mode == "cls":
         return part[:1]

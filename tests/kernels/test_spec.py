@@ -80,8 +80,8 @@ class OneChoiceTable:
     def __init__(self, spec):
         self.spec, self.asked = spec, []
 
-    def choose(self, tokens, target, seed=0):
-        self.asked.append((tokens, target, seed))
+    def choose(self, tokens, target, seed=0, chunks=False):
+        self.asked.append((tokens, target, seed, chunks))
         return Choice(dataclasses.replace(self.spec, seed=seed))
 
 
@@ -89,9 +89,11 @@ def test_auto_with_a_target_runs_what_the_table_chooses():
     table = OneChoiceTable(AttentionSpec(method="smyrf", hash_rounds=2))
     spec = AttentionSpec(method="auto", auto_threshold=10, seed=5)
     resolved = resolve_auto(spec, 3, table=table, target=0.95, shortcut_exact=False)  # below the threshold too
-    assert table.asked == [(3, 0.95, 5)]
+    assert table.asked == [(3, 0.95, 5, False)]
     assert resolved.spec.method == "smyrf" and resolved.spec.seed == 5
     assert resolved.echo["target_fidelity"] == 0.95 and resolved.echo["calibrated_fidelity"] == 0.97
+    resolve_auto(spec, 3, table=table, target=0.95, chunks=True)  # a late-chunking window: judged by its chunks
+    assert table.asked[-1] == (3, 0.95, 5, True)
 
 
 def test_a_target_without_a_table_falls_back_to_the_threshold_and_says_so():

@@ -99,6 +99,32 @@ def test_choice_keeps_the_request_seed():
     assert table.choose(1024, 0.98, seed=7).spec == AttentionSpec(method="full")
 
 
+def test_late_chunks_are_judged_by_their_own_fidelity_where_the_table_measured_it():
+    chunked = copy.deepcopy(TABLE)
+    late = {"smyrf": 0.9, "i-clustered": 0.97, "clustered": 0.96}  # a chunk keeps less than its document
+    for bucket in chunked["buckets"]:
+        for entry in bucket["configs"]:
+            knobs = entry["attention"]
+            entry["chunk_fidelity_min"] = 0.995 if knobs.get("clusters") == 200 else late[knobs["method"]]
+    table = parse_calibration(chunked, "test")
+    assert table.has_chunk_fidelity
+    assert table.choose(8192, 0.98).spec == AttentionSpec(method="i-clustered", clusters=100)  # the document's
+    chosen = table.choose(8192, 0.98, chunks=True)  # 100 clusters keep 0.97 of a chunk: 200 are needed
+    assert chosen.spec == AttentionSpec(method="i-clustered", clusters=200) and chosen.chunks
+    assert (chosen.fidelity, chosen.echo(0.98)["calibrated_for"]) == (0.995, "late chunks")
+    assert table.choose(8192, 0.996, chunks=True).spec.method == "full"
+    assert "calibrated_for" not in table.choose(8192, 0.98).echo(0.98)
+    point = next(p for p in table.info()["frontier"][1]["points"] if p["attention"]["method"] == "smyrf")
+    assert point["chunk_fidelity_min"] == 0.9
+    # A table without the column judges late chunks by the document's fidelity, as before it.
+    plain = parse_calibration(TABLE, "test")
+    assert not plain.has_chunk_fidelity
+    assert plain.choose(8192, 0.98, chunks=True) == plain.choose(8192, 0.98)
+    # Partly measured: the column is not used at all, not half-used.
+    del chunked["buckets"][0]["configs"][0]["chunk_fidelity_min"]
+    assert parse_calibration(chunked, "test").choose(8192, 0.98, chunks=True).spec.clusters == 100
+
+
 def test_frontier_is_the_pareto_set_fastest_first():
     bucket = parse_calibration(TABLE, "test").buckets[1]
     frontier = bucket.frontier()
@@ -131,6 +157,8 @@ def test_info_lists_each_bucket_frontier_with_speedups():
         (lambda t: t["buckets"][0].update(exact_ms="fast"), "buckets[0].exact_ms"),
         (lambda t: t["buckets"][1]["configs"][1].update(fidelity_min=1.5), "buckets[1].configs[1].fidelity_min"),
         (lambda t: t["buckets"][1]["configs"][1].pop("ms"), "buckets[1].configs[1].ms"),
+        (lambda t: t["buckets"][1]["configs"][1].update(chunk_fidelity_min="high"), "configs[1].chunk_fidelity_min"),
+        (lambda t: t["buckets"][1].update(exact_chunk_fidelity_min=2), "buckets[1].exact_chunk_fidelity_min"),
         (lambda t: t["buckets"][1]["configs"][1]["attention"].update(clusters=0), "buckets[1].configs[1].attention"),
         (lambda t: t["buckets"][1]["configs"][1]["attention"].update(cluster=3), "buckets[1].configs[1].attention"),
         (lambda t: t["buckets"][1]["configs"][0]["attention"].update(method="full"), "configs[0].attention.method"),

@@ -15,9 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.calibrate import CHUNK_TOKENS
 from bench.common import HELD_BACK_TEXTS, LICENSE_DIR, long_text_ids
 from models import load_encoder
 from models.calibration import SHIPPED_DIR, load_calibration, table_name
+from models.pooling import pool_one
 
 # bfloat16 is checked at 8k only: where the CPU has no bfloat16 matrix instructions (AVX2
 # machines) torch emulates it at several times float32's cost, and 16k would take most of the
@@ -60,16 +62,38 @@ def test_choices_meet_their_target_on_held_back_texts(default_encoder, full_spec
 @pytest.mark.skipif(not (LICENSE_DIR / HELD_BACK_TEXTS[0]).is_file(), reason="needs Debian's license texts")
 def test_the_default_models_choices_meet_their_target_on_held_back_texts(nomic_encoder, full_spec):
     """nomic-embed-text-v1.5's float32 table at 4k, where it chooses banded attention with far
-    blocks for the default target (0.98) and for 0.99: each choice meets its target on the
-    held-back texts."""
+    blocks for the default target (0.98) and for 0.99, for whole documents and, by their
+    chunks' fidelity, for late-chunking windows: each document choice keeps its target for
+    every held-back document's vector; each window choice for at least 80% of the documents'
+    256-token chunks, and none more than 0.01 below it: the table's worst chunk is the worst
+    of 2 calibration documents, and a few chunks of other texts fall a little below it (at
+    0.98, 4 of 32 held-back chunks, the worst at 0.976)."""
     table = load_calibration(SHIPPED_DIR / table_name(nomic_encoder.name, "cpu", "float32"))
-    n = 4096
-    chosen = {target: table.choose(n, target).spec for target in (0.98, 0.99)}
-    assert all(spec.method == "banded" and spec.far_blocks for spec in chosen.values()), chosen
+    n, targets = 4096, (0.98, 0.99)
+    documents = {target: table.choose(n, target).spec for target in targets}
+    windows = {target: table.choose(n, target, chunks=True).spec for target in targets}
+    chosen = [*documents.values(), *windows.values()]
+    assert all(spec.method == "banded" and spec.far_blocks for spec in chosen), chosen
+    assert windows != documents, "the chunks' fidelity chose as the documents' did: nothing new is checked"
     docs = [long_text_ids(nomic_encoder, n, offset=4000 * d, texts=HELD_BACK_TEXTS) for d in range(DOCS)]
-    exact = nomic_encoder.embed(docs, full_spec, max_batch_tokens=n)
-    embedded = {spec: nomic_encoder.embed(docs, spec, max_batch_tokens=n) for spec in set(chosen.values())}
-    for target, spec in chosen.items():
-        cosines = torch.nn.functional.cosine_similarity(embedded[spec], exact, dim=-1)
-        print(f"{n} target {target}: {spec.to_json()} cosines {cosines.tolist()}")
+
+    def vectors(spec):
+        """Per document its pooled vector and its 256-token chunks' vectors, from one pass."""
+        states = [nomic_encoder.token_states([ids], [spec])[0] for ids in docs]
+        pooled = torch.cat([pool_one(s, nomic_encoder.pooling.mode) for s in states])
+        chunks = torch.cat([torch.stack([s[i : i + CHUNK_TOKENS].mean(dim=0) for i in range(1, n - 1, CHUNK_TOKENS)])
+                            for s in states])  # fmt: skip
+        return pooled, chunks
+
+    exact = vectors(full_spec)
+    embedded = {spec: vectors(spec) for spec in set(chosen)}
+    for target in targets:
+        spec = documents[target]
+        cosines = torch.nn.functional.cosine_similarity(embedded[spec][0], exact[0], dim=-1)
+        print(f"{n} target {target}: {spec.to_json()} document cosines {cosines.tolist()}")
         assert (cosines >= target).all(), (target, spec, cosines)
+        spec = windows[target]
+        cosines = torch.nn.functional.cosine_similarity(embedded[spec][1], exact[1], dim=-1)
+        met = (cosines >= target).float().mean().item()
+        print(f"{n} target {target}: {spec.to_json()} chunks: worst {cosines.min():.4f}, {met:.0%} meet it")
+        assert met >= 0.8 and cosines.min() >= target - 0.01, (target, spec, sorted(cosines.tolist())[:5])

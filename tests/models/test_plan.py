@@ -9,6 +9,8 @@ import torch
 
 from kernels import AttentionSpec
 from models.calibration import parse_calibration
+from models.chunk_plan import plan_chunks
+from models.chunking import ChunkingSpec
 from models.packing import pack
 from models.plan import UnknownAdapter, fits, plan
 
@@ -87,6 +89,28 @@ def test_auto_is_resolved_by_each_inputs_own_length(default_encoder, long_text):
     together = encoder.embed([short, long], AttentionSpec(method="auto"), target_fidelity=0.98)
     by_itself = encoder.embed([short], AttentionSpec(method="auto"), target_fidelity=0.98)
     assert torch.nn.functional.cosine_similarity(together[:1], by_itself).item() >= 1 - 1e-6
+
+
+def test_a_late_chunking_window_is_judged_by_its_chunks_fidelity(default_encoder, long_text):
+    encoder = copy.copy(default_encoder)
+    # 100 clusters keep 0.99 of a document but 0.95 of its late chunks; 200 keep 0.99 of both.
+    cheap = {"attention": {"method": "clustered", "clusters": 100}, "fidelity_min": 0.99, "fidelity_mean": 0.99,
+             "chunk_fidelity_min": 0.95, "ms": 20.0}
+    dear = {"attention": {"method": "clustered", "clusters": 200}, "fidelity_min": 0.995, "fidelity_mean": 0.995,
+            "chunk_fidelity_min": 0.99, "ms": 30.0}
+    encoder.calibration = parse_calibration(
+        {"format": "clusterserve-calibration/1", "model": encoder.name, "device": "cpu",
+         "buckets": [{"tokens": 2048, "exact_ms": 100.0, "configs": [cheap, dear]}]},
+        "test",
+    )  # fmt: skip
+    text, auto = long_text(2300, seed=2), AttentionSpec(method="auto")
+    whole = plan(encoder, [text], auto, target_fidelity=0.98).inputs[0]
+    assert whole.spec.clusters == 100 and "calibrated_for" not in whole.attention.echo
+    late = plan_chunks(encoder, [text], auto, ChunkingSpec(window=2200), target_fidelity=0.98).plan.inputs
+    assert len(late) == 2 and late[0].tokens == 2200  # a window in the 2048 bucket, and the rest
+    assert late[0].spec.clusters == 200 and late[0].attention.echo["calibrated_for"] == "late chunks"
+    naive = plan_chunks(encoder, [text], auto, ChunkingSpec(late=False, size=2100), target_fidelity=0.98).plan.inputs
+    assert naive[0].tokens >= 2048 and naive[0].spec.clusters == 100  # a naive chunk is a document of its own
 
 
 @pytest.mark.parametrize("method", ["full", "clustered", "i-clustered", "smyrf"])
