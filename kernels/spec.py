@@ -153,11 +153,11 @@ def resolve_auto(
     the table chooses (the fastest configuration measured to meet the target at that length);
     otherwise "full" below `spec.auto_threshold` tokens and `spec.auto_method` from there on.
     A target without a table falls back to the threshold, and the echo says so
-    (`"calibrated_fidelity": null`). chunks: the input is a late-chunking window, whose chunk
-    vectors the table's choice is judged by (`AutoTable.choose`). Whatever was chosen, an approximate spec that is exact by
-    its knobs at this length (`exact_by_knobs`) runs exact attention directly, the cheaper way
-    to the same result, and the echo says so (`"method": "full"`, `"exact_by_knobs"`: what was
-    asked). `kernels.attention` calls this with no table and without that shortcut: it runs
+    (`"calibrated_fidelity": null`). chunks: the input is a late-chunking window, and the
+    table judges its choice by the chunk vectors (`AutoTable.choose`). Whatever was chosen, an
+    approximate spec that is exact by its knobs at this length (`exact_by_knobs`) runs exact
+    attention directly, the cheaper way to the same result, and the echo says so (`"method":
+    "full"`, `"exact_by_knobs"`: what was asked). `kernels.attention` calls this with no table and without that shortcut: it runs
     the method it is given, so that the methods' exact cases stay testable through it.
     """
     if spec.method != "auto":
