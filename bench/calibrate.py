@@ -117,26 +117,28 @@ def main() -> None:
     print(f"wrote {out} and {plot(table)}")
 
 
+def pooled_and_chunks(encoder, ids: list[int], spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward pass over a document's ids -> its pooled vector (1, C) and its late-chunk
+    vectors (k, C): the mean token state over each CHUNK_TOKENS-token span of its text."""
+    states = encoder.token_states([ids], [spec])[0]
+    body = range(1, len(ids) - 1, CHUNK_TOKENS)  # the text's tokens, not [CLS] and [SEP]
+    chunks = torch.stack([states[start : min(start + CHUNK_TOKENS, len(ids) - 1)].mean(dim=0) for start in body])
+    return pool_one(states, encoder.pooling.mode), chunks
+
+
 def measure(encoder, lengths: list[int], docs: int, grid: list[AttentionSpec] = GRID) -> dict:
     """Run the grid on `docs` calibration documents per length; the table as JSON-ready dicts."""
     sync = torch.cuda.synchronize if encoder.device.type == "cuda" else (lambda: None)
 
-    def run(model, ids: list[int], spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward pass -> the pooled vector (1, C) and the late-chunk vectors (k, C)."""
-        states = model.token_states([ids], [spec])[0]
-        body = range(1, len(ids) - 1, CHUNK_TOKENS)  # the text's tokens, not [CLS] and [SEP]
-        chunks = torch.stack([states[start : min(start + CHUNK_TOKENS, len(ids) - 1)].mean(dim=0) for start in body])
-        return pool_one(states, model.pooling.mode), chunks
-
     def timed(ids: list[int], spec: AttentionSpec, repeats: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         if encoder.graphs is not None and encoder.graphs.takes([len(ids)]):
             for _ in range(2):  # CUDA graphs: this shape's eager warm-up and its capture, untimed
-                run(encoder, ids, spec)
+                pooled_and_chunks(encoder, ids, spec)
         times = []
         for _ in range(repeats):
             sync()
             start = time.perf_counter()
-            vector, chunks = run(encoder, ids, spec)
+            vector, chunks = pooled_and_chunks(encoder, ids, spec)
             sync()
             times.append(time.perf_counter() - start)
         return vector, chunks, statistics.median(times) * 1e3
@@ -146,17 +148,17 @@ def measure(encoder, lengths: list[int], docs: int, grid: list[AttentionSpec] = 
         return min(1.0, max(-1.0, cosine))  # float32 rounding can pass 1
 
     reference = encoder.float32()  # fidelity is measured against exact attention in float32
+    full = AttentionSpec(method="full")
     warm = long_text_ids(encoder, min(lengths), texts=CALIBRATION_TEXTS)
-    for spec in (AttentionSpec(method="full"), *grid):
-        run(encoder, warm, spec)  # one-off costs (first calls, Triton compiles) stay out of the times
+    for spec in (full, *grid):
+        pooled_and_chunks(encoder, warm, spec)  # one-off costs (first calls, Triton compiles) stay out of the times
     buckets = []
     for n in lengths:
         repeats = 3 if n <= 2048 else 1
         documents = [long_text_ids(encoder, n, offset=5000 * d, texts=CALIBRATION_TEXTS) for d in range(docs)]
-        full = AttentionSpec(method="full")
         exact = [timed(ids, full, repeats) for ids in documents]
         if reference is not encoder:
-            references = [run(reference, ids, full) for ids in documents]
+            references = [pooled_and_chunks(reference, ids, full) for ids in documents]
         else:
             references = [(vector, chunks) for vector, chunks, _ in exact]
         exact_fidelity = min(worst(vector, ref) for (vector, _, _), (ref, _) in zip(exact, references))

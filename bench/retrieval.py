@@ -64,6 +64,11 @@ def embed_approach(
     return [chunked.vectors for chunked in encoder.embed_chunks(texts, spec, chunking, target_fidelity=target)]
 
 
+def method_spec(method: str, args) -> tuple[AttentionSpec, float | None]:
+    """A method's name -> its spec at the defaults and its target fidelity (auto's; None)."""
+    return AttentionSpec(method=method), args.target_fidelity if method == "auto" else None
+
+
 def timed(fn: Callable[[], list[Tensor]], repeats: int = 1) -> tuple[list[Tensor], float, float]:
     """fn()'s result, and the least wall-clock and CPU seconds (this process, all threads) of
     `repeats` calls. On a machine shared with other work the CPU seconds are the steadier cost."""
@@ -108,7 +113,7 @@ def retrieval(encoder, args, chunking: ChunkingSpec) -> list[dict]:
 
     rows, exact = [], {}
     for method in sorted(args.methods, key=lambda m: m != "full"):  # exact first: the others compare to it
-        spec, target = AttentionSpec(method=method), args.target_fidelity if method == "auto" else None
+        spec, target = method_spec(method, args)
         for approach in args.approaches:
             vectors, seconds, cpu = timed(
                 lambda: embed_approach(encoder, approach, texts, spec, chunking, target), args.repeats
@@ -151,7 +156,7 @@ def probes(encoder, args, chunking: ChunkingSpec) -> list[dict]:
             answers = list(range(len(case.documents)))
             for method in args.probe_methods:
                 for approach in ("document", "naive", "late-window"):
-                    spec, target = AttentionSpec(method=method), args.target_fidelity if method == "auto" else None
+                    spec, target = method_spec(method, args)
                     vectors, seconds, cpu = timed(
                         lambda: embed_approach(encoder, approach, case.documents, spec, chunking, target)
                     )

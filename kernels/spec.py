@@ -157,8 +157,9 @@ def resolve_auto(
     table judges its choice by the chunk vectors (`AutoTable.choose`). Whatever was chosen, an
     approximate spec that is exact by its knobs at this length (`exact_by_knobs`) runs exact
     attention directly, the cheaper way to the same result, and the echo says so (`"method":
-    "full"`, `"exact_by_knobs"`: what was asked). `kernels.attention` calls this with no table and without that shortcut: it runs
-    the method it is given, so that the methods' exact cases stay testable through it.
+    "full"`, `"exact_by_knobs"`: what was asked). `kernels.attention` calls this with no table
+    and without that shortcut: it runs the method it is given, so that the methods' exact cases
+    stay testable through it.
     """
     if spec.method != "auto":
         if target is not None:

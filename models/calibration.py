@@ -34,6 +34,7 @@ little about a GPU's times.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -156,7 +157,7 @@ class Calibration:
         upper = self.bucket_for(tokens)
         return (lower,) if lower is upper else (lower, upper)
 
-    @property
+    @functools.cached_property
     def has_chunk_fidelity(self) -> bool:
         """Whether every configuration of every bucket has its late chunks' fidelity measured."""
         return all(m.chunk_fidelity_min is not None for b in self.buckets for m in b.configs)

@@ -15,11 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.calibrate import CHUNK_TOKENS
+from bench.calibrate import pooled_and_chunks
 from bench.common import HELD_BACK_TEXTS, LICENSE_DIR, long_text_ids
 from models import load_encoder
 from models.calibration import SHIPPED_DIR, load_calibration, table_name
-from models.pooling import pool_one
 
 # bfloat16 is checked at 8k only: where the CPU has no bfloat16 matrix instructions (AVX2
 # machines) torch emulates it at several times float32's cost, and 16k would take most of the
@@ -78,12 +77,9 @@ def test_the_default_models_choices_meet_their_target_on_held_back_texts(nomic_e
     docs = [long_text_ids(nomic_encoder, n, offset=4000 * d, texts=HELD_BACK_TEXTS) for d in range(DOCS)]
 
     def vectors(spec):
-        """Per document its pooled vector and its 256-token chunks' vectors, from one pass."""
-        states = [nomic_encoder.token_states([ids], [spec])[0] for ids in docs]
-        pooled = torch.cat([pool_one(s, nomic_encoder.pooling.mode) for s in states])
-        chunks = torch.cat([torch.stack([s[i : i + CHUNK_TOKENS].mean(dim=0) for i in range(1, n - 1, CHUNK_TOKENS)])
-                            for s in states])  # fmt: skip
-        return pooled, chunks
+        """The documents' pooled vectors, and their 256-token chunks' vectors, from one pass each."""
+        passes = [pooled_and_chunks(nomic_encoder, ids, spec) for ids in docs]
+        return torch.cat([pooled for pooled, _ in passes]), torch.cat([chunks for _, chunks in passes])
 
     exact = vectors(full_spec)
     embedded = {spec: vectors(spec) for spec in set(chosen)}
