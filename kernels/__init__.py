@@ -7,12 +7,13 @@ the CPU and Triton kernels for the GPU (dispatch.py says which runs where).
 """
 
 from .dispatch import BACKENDS, attention, backend_for
-from .spec import APPROXIMATE_METHODS, KNOB_RANGES, METHOD_KNOBS, METHODS, AttentionSpec, Resolved, resolve_auto
+from .spec import APPROXIMATE_METHODS, KNOB_RANGES, METHOD_KNOBS, METHODS, AttentionSpec, FieldError, Resolved, resolve_auto
 
 __all__ = [
     "APPROXIMATE_METHODS",
     "AttentionSpec",
     "BACKENDS",
+    "FieldError",
     "KNOB_RANGES",
     "METHODS",
     "METHOD_KNOBS",

@@ -13,7 +13,22 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+
+class FieldError(ValueError):
+    """A bad value of one named field: `field` (a knob, an argument), `detail` (what is wrong),
+    and `within`, the object the field belongs to ("attention", "chunking"; None: an argument).
+    str() is "field: detail". The service answers it as a 422 naming the field where the
+    request holds it (`within.field`); no caller parses the message."""
+
+    def __init__(self, field: str, detail: str, within: str | None = None):
+        super().__init__(f"{field}: {detail}")
+        self.field = field
+        self.detail = detail
+        self.within = within
+
+
 METHODS = ("full", "clustered", "i-clustered", "smyrf", "banded", "auto")
+ATTENTION = "attention"  # FieldError.within for an AttentionSpec knob
 APPROXIMATE_METHODS = ("clustered", "i-clustered", "smyrf", "banded")
 
 # (low, high) inclusive ranges of the integer knobs; the service publishes these on /info.
@@ -87,17 +102,17 @@ class AttentionSpec:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"method: must be one of {', '.join(METHODS)}, got {self.method!r}")
+            raise FieldError("method", f"must be one of {', '.join(METHODS)}, got {self.method!r}", ATTENTION)
         if self.auto_method not in APPROXIMATE_METHODS:
-            raise ValueError(
-                f"auto_method: must be one of {', '.join(APPROXIMATE_METHODS)}, got {self.auto_method!r}"
+            raise FieldError(
+                "auto_method", f"must be one of {', '.join(APPROXIMATE_METHODS)}, got {self.auto_method!r}", ATTENTION
             )
         for name, (low, high) in KNOB_RANGES.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name}: must be an integer, got {value!r}")
+                raise FieldError(name, f"must be an integer, got {value!r}", ATTENTION)
             if not low <= value <= high:
-                raise ValueError(f"{name}: must be in [{low}, {high}], got {value}")
+                raise FieldError(name, f"must be in [{low}, {high}], got {value}", ATTENTION)
 
     def used_knobs(self) -> dict[str, Any]:
         """The method and only the knobs it reads, e.g. for echoing back to a client."""
@@ -163,7 +178,7 @@ def resolve_auto(
     """
     if spec.method != "auto":
         if target is not None:
-            raise ValueError(f'target: applies to method "auto" only, got method {spec.method!r}')
+            raise FieldError("target", f'applies to method "auto" only, got method {spec.method!r}')
         resolved = Resolved(spec, spec.used_knobs())
     elif target is not None and table is not None:
         choice = table.choose(tokens, target, seed=spec.seed, chunks=chunks)

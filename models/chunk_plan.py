@@ -26,9 +26,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from kernels import AttentionSpec, resolve_auto
+from kernels import AttentionSpec, FieldError, resolve_auto
 
-from .chunking import ChunkingSpec, chunk_spans, unit_starts, window_sizes, windows
+from .chunking import CHUNKING, ChunkingSpec, chunk_spans, unit_starts, window_sizes, windows
 from .inputs import InputTooLong, NoTokens
 from .plan import Encoder, Plan, PlannedInput, check_attention, choose_prompt_and_adapter
 from .pooling import POOLED, Output
@@ -105,20 +105,24 @@ def plan_chunks(
     it), so a caller limits the passes' tokens instead. `truncate` cuts a text longer than
     `encoder.max_input_tokens` (prompt and special tokens included) to it first ("right" keeps
     its start, "left" its end). Raises
-    ValueError "<field>: ..." naming a ChunkingSpec field that does not fit the model or
-    "chunking: ..." for token-id inputs, and models.plan's errors."""
+    kernels.FieldError naming a ChunkingSpec field that does not fit the model (`within`
+    "chunking") or "chunking" for token-id inputs, and models.plan's errors."""
     if not isinstance(chunking, ChunkingSpec):
-        raise ValueError(f"chunking: must be a models.chunking.ChunkingSpec, got {type(chunking).__name__}")
+        raise FieldError("chunking", f"must be a models.chunking.ChunkingSpec, got {type(chunking).__name__}")
     if truncation_direction not in TRUNCATION_DIRECTIONS:
-        raise ValueError(f"truncation_direction: must be one of {', '.join(TRUNCATION_DIRECTIONS)}, got {truncation_direction!r}")
+        raise FieldError(
+            "truncation_direction", f"must be one of {', '.join(TRUNCATION_DIRECTIONS)}, got {truncation_direction!r}"
+        )
     prompt_ids, chosen_prompt, chosen_adapter = _prompt(
         encoder, texts, spec, target_fidelity, prompt_name, adapter, chunking.late
     )
     framing = len(encoder.tokenizer.prefix) + len(prompt_ids) + len(encoder.tokenizer.suffix)
     if not chunking.late and chunking.size + framing > encoder.max_input_tokens:
-        raise ValueError(
-            f"size: a chunk's sequence adds {framing} special and prompt tokens; size must be at most "
-            f"{encoder.max_input_tokens - framing}, got {chunking.size}"
+        raise FieldError(
+            "size",
+            f"a chunk's sequence adds {framing} special and prompt tokens; size must be at most "
+            f"{encoder.max_input_tokens - framing}, got {chunking.size}",
+            CHUNKING,
         )
     limit = encoder.max_input_tokens - framing
     documents = []
@@ -173,13 +177,14 @@ def _prompt(
     after checking the attention and that the inputs are texts."""
     check_attention(spec, target_fidelity)
     if isinstance(texts, str) or not texts or not all(isinstance(text, str) for text in texts):
-        raise ValueError("chunking: applies to a list of texts; token-id inputs cannot be chunked")
+        raise FieldError("chunking", "applies to a list of texts; token-id inputs cannot be chunked")
     chosen_prompt, chosen_adapter = choose_prompt_and_adapter(encoder, texts, prompt_name, adapter)
     prompt = encoder.prompts.text(chosen_prompt) if chosen_prompt is not None else ""
     if prompt and not late and not encoder.pooling.include_prompt:
-        raise ValueError(
-            "prompt_name: this checkpoint pools without its prompt's tokens (include_prompt: false), "
-            "which is not implemented; embed without a prompt"
+        raise FieldError(
+            "prompt_name",
+            "this checkpoint pools without its prompt's tokens (include_prompt: false), "
+            "which is not implemented; embed without a prompt",
         )
     prompt_ids = encoder.tokenizer.encode_body([prompt])[0].ids if prompt else []
     return prompt_ids, chosen_prompt, chosen_adapter

@@ -25,8 +25,11 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Sequence
 
+from kernels import FieldError
+
 from .inputs import is_int
 
+CHUNKING = "chunking"  # FieldError.within for a ChunkingSpec field
 BOUNDARIES = ("tokens", "sentences", "paragraphs")
 # The default window_overlap, as a share of a window's text tokens: each later window's kept
 # tokens see at least this much left context, for 1 / (1 - share) times the tokens run. A
@@ -43,7 +46,7 @@ _PARAGRAPH_END = re.compile(r"\n[ \t]*\n\s*")
 
 @dataclass(frozen=True)
 class ChunkingSpec:
-    """How to chunk, validated on construction (ValueError naming the field). Sizes count the
+    """How to chunk, validated on construction (kernels.FieldError naming the field). Sizes count the
     text's own tokens; a naive chunk's sequence adds the special tokens and the prompt, and a
     window counts every token it runs (positions).
 
@@ -63,35 +66,41 @@ class ChunkingSpec:
 
     def __post_init__(self) -> None:
         if not (is_int(self.size) and self.size >= 1):
-            raise ValueError(f"size: must be a positive integer, got {self.size!r}")
+            raise FieldError("size", f"must be a positive integer, got {self.size!r}", CHUNKING)
         if not (is_int(self.overlap) and 0 <= self.overlap < self.size):
-            raise ValueError(f"overlap: must be an integer in [0, size - 1] = [0, {self.size - 1}], got {self.overlap!r}")
+            detail = f"must be an integer in [0, size - 1] = [0, {self.size - 1}], got {self.overlap!r}"
+            raise FieldError("overlap", detail, CHUNKING)
         if self.boundaries not in BOUNDARIES:
-            raise ValueError(f"boundaries: must be one of {', '.join(BOUNDARIES)}, got {self.boundaries!r}")
+            detail = f"must be one of {', '.join(BOUNDARIES)}, got {self.boundaries!r}"
+            raise FieldError("boundaries", detail, CHUNKING)
         if not isinstance(self.late, bool):
-            raise ValueError(f"late: must be true or false, got {self.late!r}")
+            raise FieldError("late", f"must be true or false, got {self.late!r}", CHUNKING)
         if self.window is not None and not (is_int(self.window) and self.window >= 1):
-            raise ValueError(f"window: must be a positive integer, got {self.window!r}")
+            raise FieldError("window", f"must be a positive integer, got {self.window!r}", CHUNKING)
         if self.window_overlap is not None and not (is_int(self.window_overlap) and self.window_overlap >= 0):
-            raise ValueError(f"window_overlap: must be a non-negative integer, got {self.window_overlap!r}")
+            detail = f"must be a non-negative integer, got {self.window_overlap!r}"
+            raise FieldError("window_overlap", detail, CHUNKING)
 
 
 def window_sizes(chunking: ChunkingSpec, native_positions: int, max_tokens: int, framing: int) -> tuple[int, int]:
     """(room, overlap): the text tokens a context window runs and the ones it re-reads, for
     windows of `chunking.window` tokens (None: `native_positions`, at most `max_tokens`) that
-    spend `framing` tokens on special tokens and the prompt. ValueError naming window or
+    spend `framing` tokens on special tokens and the prompt. FieldError naming window or
     window_overlap when they do not fit."""
     window = chunking.window if chunking.window is not None else min(native_positions, max_tokens)
     if window > max_tokens:
-        raise ValueError(f"window: must be at most the model's {max_tokens} tokens, got {window}")
+        raise FieldError("window", f"must be at most the model's {max_tokens} tokens, got {window}", CHUNKING)
     if window <= framing:
-        raise ValueError(f"window: must hold the {framing} special and prompt tokens and some text, got {window}")
+        detail = f"must hold the {framing} special and prompt tokens and some text, got {window}"
+        raise FieldError("window", detail, CHUNKING)
     room = window - framing
     overlap = chunking.window_overlap if chunking.window_overlap is not None else int(room * WINDOW_OVERLAP_SHARE)
     if overlap >= room:
-        raise ValueError(
-            f"window_overlap: must be below the window's {room} tokens of text (window {window} "
-            f"less {framing} special and prompt tokens), got {overlap}"
+        raise FieldError(
+            "window_overlap",
+            f"must be below the window's {room} tokens of text (window {window} "
+            f"less {framing} special and prompt tokens), got {overlap}",
+            CHUNKING,
         )
     return room, overlap
 

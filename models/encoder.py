@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import BACKENDS, AttentionSpec
+from kernels import BACKENDS, AttentionSpec, FieldError
 
 from .calibration import Calibration
 from .chunk_plan import Chunk, ChunkPlan, plan_chunks
@@ -141,12 +141,13 @@ class Encoder:
         raises its EmptyInput, InvalidTokenIds, InputTooLong). Texts get the prompt
         `prompt_name` (None: the checkpoint's default prompt, if any; NO_PROMPT: none)
         prepended; its tokens count toward the limit. Naming a prompt for token-id inputs is a
-        ValueError."""
+        FieldError."""
         prompt = self.prompts.text(prompt_name)
         if prompt and not self.pooling.include_prompt:
-            raise ValueError(
-                "prompt_name: this checkpoint pools without its prompt's tokens (include_prompt: false), "
-                "which is not implemented; embed without a prompt"
+            raise FieldError(
+                "prompt_name",
+                "this checkpoint pools without its prompt's tokens (include_prompt: false), "
+                "which is not implemented; embed without a prompt",
             )
         is_text = (
             isinstance(inputs, Sequence) and not isinstance(inputs, (str, bytes)) and all(isinstance(x, str) for x in inputs)
@@ -154,7 +155,7 @@ class Encoder:
         if prompt and is_text:
             inputs = [self.prompts.prepend(prompt_name, text) for text in inputs]
         elif prompt_name not in (None, NO_PROMPT) and not is_text:
-            raise ValueError("prompt_name: prompts apply to texts; token-id inputs are used exactly as given")
+            raise FieldError("prompt_name", "prompts apply to texts; token-id inputs are used exactly as given")
         return prepare_inputs(
             self.tokenizer,
             inputs,
@@ -311,9 +312,9 @@ class Encoder:
         return self._float32
 
     def check_dimensions(self, dimensions: int | None) -> None:
-        """ValueError naming `dimensions` unless it is None or in [1, dim]."""
+        """FieldError naming `dimensions` unless it is None or in [1, dim]."""
         if dimensions is not None and not (is_int(dimensions) and 1 <= dimensions <= self.dim):
-            raise ValueError(f"dimensions: must be an integer in [1, {self.dim}], got {dimensions!r}")
+            raise FieldError("dimensions", f"must be an integer in [1, {self.dim}], got {dimensions!r}")
 
     def _adapter_index(self, adapter: str | None) -> int | None:
         """The index of a task adapter of the checkpoint (None: the base weights)."""

@@ -6,7 +6,7 @@ as the OpenAI API expects ids to be the model's input) after a range check again
 vocabulary; `truncate` cuts an input longer than the limit ("right" keeps its start, "left"
 its end; texts keep their special tokens), otherwise such an input is refused.
 
-Failures are typed `InputError`s (all `ValueError`s) that name the input by its index, so
+Failures are typed `InputError`s (all `kernels.FieldError`s) that name the input by its index, so
 a caller can map each kind to its own answer (the HTTP service: 400, 413, 422).
 """
 
@@ -15,17 +15,18 @@ from __future__ import annotations
 from numbers import Integral
 from typing import Any, Protocol, Sequence
 
+from kernels import FieldError
+
 from .tokenization import TRUNCATION_DIRECTIONS, Tokens
 
 
-class InputError(ValueError):
+class InputError(FieldError):
     """An input that cannot be embedded. `index`: its position in the call (None: the call
     as a whole); `detail`: what is wrong, without the input's name."""
 
     def __init__(self, index: int | None, detail: str):
-        super().__init__(f"{'inputs' if index is None else f'inputs[{index}]'}: {detail}")
+        super().__init__("inputs" if index is None else f"inputs[{index}]", detail)
         self.index = index
-        self.detail = detail
 
 
 class EmptyInput(InputError):
@@ -65,11 +66,11 @@ def prepare_inputs(
 
     inputs: a list of strings or a list of token-id lists (not both).
     Raises EmptyInput, InvalidTokenIds, InputTooLong (each names the input's index), or
-    ValueError for a `truncation_direction` other than "right" or "left".
+    FieldError for a `truncation_direction` other than "right" or "left".
     """
     if truncation_direction not in TRUNCATION_DIRECTIONS:
-        raise ValueError(
-            f"truncation_direction: must be one of {', '.join(TRUNCATION_DIRECTIONS)}, got {truncation_direction!r}"
+        raise FieldError(
+            "truncation_direction", f"must be one of {', '.join(TRUNCATION_DIRECTIONS)}, got {truncation_direction!r}"
         )
     if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
         raise InputError(None, "must be a list of strings or a list of token-id lists")

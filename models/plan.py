@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
-from kernels import AttentionSpec, Resolved, resolve_auto
+from kernels import AttentionSpec, FieldError, Resolved, resolve_auto
 
 from .calibration import Calibration
 from .pooling import PoolingConfig
@@ -48,12 +48,12 @@ class Encoder(Protocol):
     ) -> list[list[int]]: ...
 
 
-class UnknownAdapter(ValueError):
+class UnknownAdapter(FieldError):
     """`name` is not one of the checkpoint's task adapters."""
 
     def __init__(self, name: str, known: tuple[str, ...]):
         listed = ", ".join(known) if known else "none: this checkpoint has no task adapters"
-        super().__init__(f"adapter: unknown adapter {name!r}; known: {listed}")
+        super().__init__("adapter", f"unknown adapter {name!r}; known: {listed}")
         self.name = name
 
 
@@ -146,14 +146,14 @@ def choose_prompt_and_adapter(
 
 
 def check_attention(spec: AttentionSpec, target_fidelity: float | None) -> None:
-    """ValueError naming `spec` or `target_fidelity` unless they make a request."""
+    """FieldError naming `spec` or `target_fidelity` unless they make a request."""
     if not isinstance(spec, AttentionSpec):
-        raise ValueError(f"spec: must be a kernels.AttentionSpec, got {type(spec).__name__}")
+        raise FieldError("spec", f"must be a kernels.AttentionSpec, got {type(spec).__name__}")
     if target_fidelity is not None:
         if spec.method != "auto":
-            raise ValueError(f'target_fidelity: applies to method "auto" only, got method {spec.method!r}')
+            raise FieldError("target_fidelity", f'applies to method "auto" only, got method {spec.method!r}')
         if isinstance(target_fidelity, bool) or not isinstance(target_fidelity, (int, float)) or not 0 < target_fidelity <= 1:
-            raise ValueError(f"target_fidelity: must be a number in (0, 1], got {target_fidelity!r}")
+            raise FieldError("target_fidelity", f"must be a number in (0, 1], got {target_fidelity!r}")
 
 
 def plan(

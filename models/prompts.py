@@ -9,17 +9,19 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kernels import FieldError
+
 # The prompt_name that asks for no prompt, whatever the checkpoint's default: each text is
 # embedded exactly as written (as Ollama embeds it).
 NO_PROMPT = ""
 
 
-class UnknownPrompt(ValueError):
+class UnknownPrompt(FieldError):
     """`name` is not one of the checkpoint's prompts."""
 
     def __init__(self, name: str, known: tuple[str, ...]):
         listed = ", ".join(known) if known else "none: this checkpoint defines no prompts"
-        super().__init__(f"prompt_name: unknown prompt {name!r}; known: {listed}")
+        super().__init__("prompt_name", f"unknown prompt {name!r}; known: {listed}")
         self.name = name
 
 

@@ -1,12 +1,13 @@
 """The scheduler: embedding requests queue here and one worker thread runs them, a layer at a time.
 
-The pipeline (service.pipeline) plans a request (models.plan: tokens, each input's attention
-spec, its estimated work) and submits a `Job`. The job's inputs enter a queue as `Item`s.
+The pipeline (service.pipeline) plans a request (service.planning: each sequence's tokens,
+attention spec, output and estimated work) and submits a `Job` of those `Run`s. Each run
+enters a queue as an `Item`.
 The worker forms packed batches (the oldest-waiting, least-work item first, then queued items
 of any request with the same batch key while the batch's real tokens stay within the token
 budget: `models.plan.fits`, the rule `Encoder.embed` batches by) and runs each as a packed
 forward pass (`Encoder.start`): each input attends by its own spec, no padding is computed.
-Each input returns what its job asks (`Job.outputs`, models.pooling.Output): its pooled
+Each sequence returns what its run asks (`Run.output`, models.pooling.Output): its pooled
 vector, the means over token spans of a late-chunking window, or every token's state; the
 batch's pass gives each its own (`Forward.outputs`), so inputs asking for different things
 share batches.
@@ -46,7 +47,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -58,7 +59,7 @@ from models.plan import fits
 from models.pooling import POOLED, Output
 
 from . import errors
-from .metrics import Metrics, PeakMemory
+from .metrics import Metrics, PeakMemory, dominant_method
 
 log = logging.getLogger("clusterserve")
 
@@ -77,18 +78,27 @@ class BatchKey:
     exact_rerun: bool = False
 
 
+@dataclass(frozen=True)
+class Run:
+    """One sequence of a job: its token ids (within the length limit), its resolved attention
+    (never "auto"), what it returns, its estimated work units (models.cost), and whether it is
+    an exact re-run of another ("fidelity": true)."""
+
+    ids: list[int]
+    spec: AttentionSpec
+    output: Output = POOLED
+    work: float = 0.0
+    exact_rerun: bool = False
+
+
 @dataclass
 class Job:
-    """One client request: its inputs (token ids, already within the length limit) and specs."""
+    """One client request: its sequences, in the order its rows come back."""
 
     request_id: str
-    inputs: list[list[int]]
-    specs: list[AttentionSpec]  # resolved per input (models.plan): never "auto"
-    adapter: str | None = None  # the task adapter every input runs with (None: the base weights)
-    exact_reruns: int = 0  # the last this many inputs are exact re-runs of others ("fidelity": true)
-    work: list[float] = field(default_factory=list)  # estimated work units per input (models.cost); [] = 0
-    outputs: list[Output] | None = None  # per input, what it returns (None: each its pooled vector)
-    deadline: float = float("inf")  # time.monotonic() by which it must be answered
+    runs: list[Run]
+    adapter: str | None = None  # the task adapter every sequence runs with (None: the base weights)
+    deadline: float = float("inf")  # the scheduler's clock (time.monotonic) by which it must be answered
     timeout_s: float = float("inf")  # the deadline's length, for the 504 message
 
     # Filled in by the scheduler.
@@ -107,16 +117,16 @@ class Job:
 
 @dataclass(frozen=True)
 class JobResult:
-    # Every input's rows, input after input: (sum of k_i, dim) float32 on the CPU, not
-    # normalised (models.encoder.finish); k_i = Job.outputs[i].rows(tokens), 1 for a pooled input.
+    # Every sequence's rows, in order: (sum of k_i, dim) float32 on the CPU, not normalised
+    # (models.encoder.finish); k_i = Job.runs[i].output.rows(tokens), 1 for a pooled sequence.
     vectors: Tensor
     queue_s: float
     inference_s: float
     peak_memory: int | None
-    spans: tuple[tuple[float, float], ...] = ()  # per input: (start, end) of the forward pass that ran it
+    spans: tuple[tuple[float, float], ...] = ()  # per sequence: (start, end) of the forward pass that ran it
 
     def run_seconds(self, indices: list[int]) -> float:
-        """Seconds of the forward passes that ran these inputs (a pass shared by several counts once)."""
+        """Seconds of the forward passes that ran these sequences (a pass shared by several counts once)."""
         return sum(end - start for start, end in {self.spans[i] for i in indices})
 
 
@@ -127,20 +137,20 @@ class Item:
     key: BatchKey
 
     @property
+    def run(self) -> Run:
+        return self.job.runs[self.index]
+
+    @property
     def tokens(self) -> int:
-        return len(self.job.inputs[self.index])
+        return len(self.run.ids)
 
     @property
     def spec(self) -> AttentionSpec:
-        return self.job.specs[self.index]
-
-    @property
-    def output(self) -> Output:
-        return self.job.outputs[self.index] if self.job.outputs is not None else POOLED
+        return self.run.spec
 
     @property
     def work(self) -> float:
-        return self.job.work[self.index] if self.job.work else 0.0
+        return self.run.work
 
 
 class Abandoned(Exception):
@@ -164,10 +174,9 @@ class Running:
             return self.work
         return self.work * (1.0 - self.forward.done / max(self.forward.layers, 1))
 
-    def wanted(self) -> list[int]:
-        """Indices of the items whose request still waits for them: not cancelled, not past
-        its deadline."""
-        now = time.monotonic()
+    def wanted(self, now: float) -> list[int]:
+        """Indices of the items whose request still waits for them at `now`: not cancelled,
+        not past its deadline."""
         return [i for i, item in enumerate(self.items) if not item.job.cancelled and now < item.job.deadline]
 
 
@@ -182,6 +191,7 @@ class Batcher:
         max_concurrent_requests: int,
         throughput: Throughput | None = None,
         max_running: int = 4,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.encoder = encoder
         self.metrics = metrics
@@ -190,6 +200,8 @@ class Batcher:
         # Without a measured rate, work units are compared as they are (one unit a nanosecond).
         self.throughput = throughput or Throughput(1e9)
         self.max_running = max_running
+        # Seconds, for deadlines, waiting and timings; tests pass a clock they move themselves.
+        self.clock = clock
         self._pending: deque[Item] = deque()
         self._running: list[Running] = []
         self._cond = threading.Condition()
@@ -217,25 +229,24 @@ class Batcher:
             raise errors.not_ready("the server is shutting down")
         if self._admitted >= self.max_concurrent_requests:
             raise errors.overloaded(self.max_concurrent_requests)
-        if time.monotonic() >= job.deadline:  # expired while tokenizing: never queued, never run
+        if self.clock() >= job.deadline:  # expired while tokenizing: never queued, never run
             raise errors.deadline_exceeded(job.timeout_s)
         loop = asyncio.get_running_loop()
         job.loop, job.future = loop, loop.create_future()
-        job.vectors = [None] * len(job.inputs)
-        job.spans = [None] * len(job.inputs)
-        job.remaining = len(job.inputs)
-        job.enqueued_at = time.monotonic()
+        job.vectors = [None] * len(job.runs)
+        job.spans = [None] * len(job.runs)
+        job.remaining = len(job.runs)
+        job.enqueued_at = self.clock()
         self._admitted += 1
         self.metrics.inflight.set(self._admitted)
         with self._cond:
             self._waiting_jobs += 1
             self.metrics.queue_depth.set(self._waiting_jobs)
-            first_rerun = len(job.inputs) - job.exact_reruns
-            for index in range(len(job.inputs)):
-                self._pending.append(Item(job, index, BatchKey(job.adapter, index >= first_rerun)))
+            for index, run in enumerate(job.runs):
+                self._pending.append(Item(job, index, BatchKey(job.adapter, run.exact_rerun)))
             self._cond.notify()
         try:
-            remaining = job.deadline - time.monotonic()
+            remaining = job.deadline - self.clock()
             return await asyncio.wait_for(asyncio.shield(job.future), timeout=max(remaining, 0.0))
         except TimeoutError:
             job.gone_because = "deadline"
@@ -276,7 +287,7 @@ class Batcher:
                 if self._stopping:
                     return None
                 self._cond.wait()
-            now = time.monotonic()
+            now = self.clock()
             candidate = self._candidate(now) if len(self._running) < self.max_running else None
             best = min(self._running, key=lambda r: self._score(r, now), default=None)
             if candidate is not None and (best is None or self._score(candidate, now) < self._score(best, now)):
@@ -309,7 +320,7 @@ class Batcher:
 
     def _drop_dead_items(self) -> None:
         """Remove queued items of cancelled jobs; fail and remove jobs whose deadline has passed."""
-        now = time.monotonic()
+        now = self.clock()
         alive: deque[Item] = deque()
         for item in self._pending:
             job = item.job
@@ -329,7 +340,7 @@ class Batcher:
     def _advance(self, running: Running) -> None:
         """Start `running` or run its next layer, dropping inputs nobody waits for; deliver it
         when its last layer is done."""
-        wanted = running.wanted()
+        wanted = running.wanted(self.clock())
         if len(wanted) < len(running.items):
             gone = [item for i, item in enumerate(running.items) if i not in wanted]
             for job in {id(item.job): item.job for item in gone if not item.job.cancelled}.values():
@@ -358,14 +369,14 @@ class Batcher:
         except (torch.OutOfMemoryError, MemoryError):
             pass  # handled outside the except: its traceback pins the batch's tensors
         else:
-            running.waiting_since = time.monotonic()
+            running.waiting_since = self.clock()
             if running.forward.finished:
                 self._finish_batch(running)
             return
         self._oom(running)
 
     def _start(self, running: Running) -> None:
-        started = time.monotonic()
+        started = self.clock()
         with self._cond:
             for item in running.items:
                 if item.job.started_at is None:
@@ -378,22 +389,22 @@ class Batcher:
         self._peak.reset()
 
         def check() -> None:
-            if not running.wanted():
+            if not running.wanted(self.clock()):
                 raise Abandoned
 
         # Fidelity's exact re-runs compare against exact attention in float32.
         encoder = self.encoder.float32() if running.items[0].key.exact_rerun else self.encoder
         running.forward = encoder.start(
-            [item.job.inputs[item.index] for item in running.items],
+            [item.run.ids for item in running.items],
             [item.spec for item in running.items],
             running.items[0].key.adapter,
             check=check,
         )
 
     def _finish_batch(self, running: Running) -> None:
-        vectors = running.forward.outputs([item.output for item in running.items])
+        vectors = running.forward.outputs([item.run.output for item in running.items])
         self._forget(running)
-        self._deliver(running.items, vectors, running.started_at, time.monotonic(), self._peak.read())
+        self._deliver(running.items, vectors, running.started_at, self.clock(), self._peak.read())
 
     def _forget(self, running: Running) -> None:
         """Take a batch off the running list (its forward pass and tensors go with it)."""
@@ -436,7 +447,7 @@ class Batcher:
 
     def _deliver(self, batch: list[Item], vectors: list[Tensor], started: float, finished: float, peak: int | None) -> None:
         """Record the batch's metrics and hand each item its vector; finish jobs now complete."""
-        method = dominant_method(batch)
+        method = dominant_method((item.spec.method, item.tokens) for item in batch)
         self.metrics.inference_duration.labels(method=method).observe(finished - started)
         self.metrics.batch_size.labels(method=method).observe(len(batch))
         self.metrics.batch_tokens.labels(method=method).observe(sum(item.tokens for item in batch))
@@ -505,11 +516,3 @@ class Batcher:
                 "admitted": self._admitted,
             }
 
-
-def dominant_method(batch: list[Item]) -> str:
-    """The attention method that a batch's per-batch metrics are labelled with: the one that
-    runs the most of its tokens (a packed batch may mix methods)."""
-    tokens: dict[str, int] = {}
-    for item in batch:
-        tokens[item.spec.method] = tokens.get(item.spec.method, 0) + item.tokens
-    return max(tokens, key=lambda method: tokens[method])

@@ -11,12 +11,15 @@ count it in `clusterserve_request_failures_total{reason}`. A bad request never b
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kernels import FieldError
+from models.inputs import EmptyInput, InputError, InputTooLong, NoTokens
 
 # The fixed set of failure reasons (the `reason` label); metrics pre-creates each one.
 FAILURE_REASONS = (
@@ -151,6 +154,29 @@ def client_disconnected() -> ServiceError:
     # 499 (nginx's "client closed request"): nobody reads it, but the access log and
     # clusterserve_requests_total{code} show what happened.
     return ServiceError(499, "disconnected", "the client disconnected before its embeddings were ready")
+
+
+# The planners' typed errors (kernels.FieldError and its kinds) as answers: the first row
+# whose type the error is, called with the error and the request field it names.
+FIELD_ERRORS: tuple[tuple[type[FieldError], Callable[[Any, str], ServiceError]], ...] = (
+    (InputTooLong, lambda exc, param: input_too_long(param, exc.tokens, exc.limit)),
+    (NoTokens, lambda exc, param: invalid_field(param, exc.detail)),  # text, but no token of its own
+    (EmptyInput, lambda exc, param: empty_input(param)),
+    (FieldError, lambda exc, param: invalid_field(param, exc.detail)),
+)
+
+
+def from_field_error(exc: FieldError, inputs_param: str, params: list[str], renames: dict[str, str]) -> ServiceError:
+    """`exc` answered by FIELD_ERRORS, naming the request field it concerns: an input by its
+    param (`params[index]`, `inputs_param` for the inputs as a whole), a knob or a chunking
+    field within its object (`attention.clusters`), or the field itself, as `renames` says
+    the route calls it."""
+    if isinstance(exc, InputError):
+        param = inputs_param if exc.index is None else params[exc.index]
+    else:
+        name = f"{exc.within}.{exc.field}" if exc.within else exc.field
+        param = renames.get(name, name)
+    return next(answer(exc, param) for kind, answer in FIELD_ERRORS if isinstance(exc, kind))
 
 
 def error_body(status: int, message: str, param: str | None) -> dict[str, Any]:

@@ -18,6 +18,8 @@ Peak memory per batch (`clusterserve_peak_memory_bytes`, header `x-peak-memory-b
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
@@ -251,3 +253,12 @@ class _KernelFallbacks:
         for (kernel, reason), count in sorted(fallbacks.counts().items()):
             family.add_metric([kernel, reason], count)
         yield family
+
+
+def dominant_method(runs: Iterable[tuple[str, int]]) -> str:
+    """The label of work that mixes methods, from (method, tokens) pairs: the method that runs
+    the most tokens."""
+    tokens: dict[str, int] = {}
+    for method, count in runs:
+        tokens[method] = tokens.get(method, 0) + count
+    return max(tokens, key=lambda method: tokens[method])

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictBool, StrictFloat, StrictInt, WithJsonSchema
 
-from .schemas import AttentionRequest, json_int
+from .schemas import AttentionRequest, error_responses, json_int
 
 
 def _check_texts(value: Any) -> str | list[str]:
@@ -30,15 +30,20 @@ MODEL_DESCRIPTION = (
 )
 OPTIONS_DESCRIPTION = "Ollama's model options (num_ctx, num_thread, ...): accepted and ignored"
 KEEP_ALIVE_DESCRIPTION = "accepted and ignored: the model stays loaded for the server's lifetime"
+# Ollama answers a body without a model "model is required" (400): the server checks it itself,
+# so that the words are Ollama's, and the schema says it (a non-empty string, required).
+REQUIRED_MODEL = WithJsonSchema({"type": "string", "minLength": 1, "description": MODEL_DESCRIPTION})
+ModelName = Annotated[Union[str, None], REQUIRED_MODEL]
+OLD_NAME = "the same as model (Ollama's older field)"
 ATTENTION_DESCRIPTION = "extension: the attention method and knobs, as on every embedding route (echo: x-attention)"
 
 
 class OllamaEmbedRequest(BaseModel):
     """POST /api/embed (Ollama), plus the `attention` extension. Texts get no prompt."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"required": ["model"]})
 
-    model: str | None = Field(None, description=MODEL_DESCRIPTION)
+    model: ModelName = None
     input: OllamaInput | None = Field(
         None, description='text(s) to embed as written; "" or [] loads nothing and returns no vectors, as Ollama does'
     )
@@ -62,9 +67,9 @@ class OllamaEmbedResponse(BaseModel):
 class OllamaEmbeddingsRequest(BaseModel):
     """POST /api/embeddings (Ollama's legacy route), plus the `attention` extension."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"required": ["model"]})
 
-    model: str | None = Field(None, description=MODEL_DESCRIPTION)
+    model: ModelName = None
     prompt: str | None = Field(None, description='the text to embed as written; "" or unset returns no vector')
     options: dict[str, Any] | None = Field(None, description=OPTIONS_DESCRIPTION)
     keep_alive: Union[StrictInt, StrictFloat, str, None] = Field(None, description=KEEP_ALIVE_DESCRIPTION)
@@ -78,10 +83,10 @@ class OllamaEmbeddingsResponse(BaseModel):
 class OllamaShowRequest(BaseModel):
     """POST /api/show; `name` is Ollama's older spelling of `model`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"anyOf": [{"required": ["model"]}, {"required": ["name"]}]})
 
-    model: str | None = Field(None, description=MODEL_DESCRIPTION)
-    name: str | None = Field(None, description="the same as model (Ollama's older field)")
+    model: ModelName = None
+    name: Annotated[Union[str, None], WithJsonSchema({"type": "string", "minLength": 1, "description": OLD_NAME})] = None
     verbose: StrictBool = Field(False, description="accepted; the answer is the same")
 
 
@@ -117,9 +122,9 @@ class OllamaError(BaseModel):
     error: str
 
 
-OLLAMA_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": OllamaError, "description": description}
-    for status, description in {
+OLLAMA_ERROR_RESPONSES = error_responses(
+    OllamaError,
+    {
         400: "malformed JSON, a missing model, an empty item, or an invalid field (the message names it)",
         401: "missing or wrong API key (when one is configured)",
         404: "a model this server does not serve",
@@ -127,5 +132,5 @@ OLLAMA_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         429: "overloaded (`Retry-After`)",
         503: "not ready, or out of memory for this batch",
         504: "deadline passed",
-    }.items()
-}
+    },
+)

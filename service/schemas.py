@@ -329,10 +329,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-# Documented on every route that can fail with them (OpenAPI `responses`).
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse, "description": description}
-    for status, description in {
+def error_responses(model: type[BaseModel], descriptions: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    """An OpenAPI `responses` table: each status, its body's model and when it is answered."""
+    return {status: {"model": model, "description": description} for status, description in descriptions.items()}
+
+
+# Documented on every route that can fail with them.
+ERROR_RESPONSES = error_responses(
+    ErrorResponse,
+    {
         400: "empty input or malformed JSON",
         401: "missing or wrong API key (when one is configured)",
         413: "input longer than the limit without truncate, or body / batch too large",
@@ -340,5 +345,5 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         429: "overloaded (`Retry-After`)",
         503: "not ready, or out of memory for this batch",
         504: "deadline passed",
-    }.items()
-}
+    },
+)

@@ -42,7 +42,8 @@ from ..ollama_schemas import (
     OllamaTagsResponse,
     OllamaVersionResponse,
 )
-from ..pipeline import EmbedOptions, embed
+from ..pipeline import embed
+from ..planning import EmbedOptions
 from ..responses import json_response, json_rows
 from ..state import get_state
 
@@ -63,6 +64,8 @@ class JSONBodyRoute(APIRoute):
 
 
 router = APIRouter(tags=["ollama"], route_class=JSONBodyRoute)
+ERRORS = OLLAMA_ERROR_RESPONSES
+AUTH = [Depends(require_api_key)]
 
 # Ollama's library name for a model this server can serve (Encoder.name -> Ollama's name).
 OLLAMA_NAMES = {"nomic-embed-text-v1.5": "nomic-embed-text", "all-MiniLM-L6-v2": "all-minilm"}
@@ -109,12 +112,7 @@ def _nanoseconds_since_arrival(request: Request) -> int:
     return int((time.monotonic() - request.scope.get(ARRIVAL_KEY, time.monotonic())) * 1e9)
 
 
-@router.post(
-    "/api/embed",
-    response_model=OllamaEmbedResponse,
-    responses=OLLAMA_ERROR_RESPONSES,
-    dependencies=[Depends(require_api_key)],
-)
+@router.post("/api/embed", response_model=OllamaEmbedResponse, responses=ERRORS, dependencies=AUTH)
 async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> Response:
     encoder = model_for(request, body.model, not_pulled)
     if not body.input:  # Ollama's clients send this to load a model; it is loaded
@@ -124,8 +122,7 @@ async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> Response:
         )  # fmt: skip
     # As Ollama: 0, or as many as the model has or more, keeps them all.
     dimensions = body.dimensions if body.dimensions and body.dimensions < encoder.dim else None
-    options = EmbedOptions("input", body.attention, body.truncate, dimensions=dimensions, prompt_name=NO_PROMPT)
-    embedded = await embed(request, body.input, options)
+    embedded = await embed(request, body.input, EmbedOptions.of(body, "input", dimensions=dimensions, prompt_name=NO_PROMPT))
 
     def answer() -> dict:
         return {
@@ -139,23 +136,18 @@ async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> Response:
     return await json_response(answer, embedded.headers())
 
 
-@router.post(
-    "/api/embeddings",
-    response_model=OllamaEmbeddingsResponse,
-    responses=OLLAMA_ERROR_RESPONSES,
-    dependencies=[Depends(require_api_key)],
-)
+@router.post("/api/embeddings", response_model=OllamaEmbeddingsResponse, responses=ERRORS, dependencies=AUTH)
 async def ollama_embeddings(body: OllamaEmbeddingsRequest, request: Request) -> Response:
     model_for(request, body.model, not_pulled)
     if not body.prompt:
         return JSONResponse({"embedding": []})
     # Ollama's legacy route truncates and returns the pooled vector without normalising it.
-    options = EmbedOptions("prompt", body.attention, truncate=True, normalize=False, prompt_name=NO_PROMPT)
+    options = EmbedOptions.of(body, "prompt", truncate=True, normalize=False, prompt_name=NO_PROMPT)
     embedded = await embed(request, body.prompt, options)
     return await json_response(lambda: {"embedding": json_rows(embedded.vectors[0])}, embedded.headers())
 
 
-@router.get("/api/tags", response_model=OllamaTagsResponse, responses=OLLAMA_ERROR_RESPONSES)
+@router.get("/api/tags", response_model=OllamaTagsResponse, responses=ERRORS)
 async def ollama_tags(request: Request) -> JSONResponse:
     encoder, _ = get_state(request).require_ready()
     size = sum(p.numel() * p.element_size() for p in encoder.model.parameters())
@@ -165,7 +157,7 @@ async def ollama_tags(request: Request) -> JSONResponse:
     )
 
 
-@router.post("/api/show", response_model=OllamaShowResponse, responses=OLLAMA_ERROR_RESPONSES)
+@router.post("/api/show", response_model=OllamaShowResponse, responses=ERRORS)
 async def ollama_show(body: OllamaShowRequest, request: Request) -> JSONResponse:
     encoder = model_for(request, body.model or body.name, not_found)
     config, arch = encoder.model.config, encoder.architecture

@@ -13,7 +13,7 @@ default) and which task adapter ran; null when none.
 
 With `chunking` each text is cut into chunks and `data` holds one item per chunk, input after
 input: `index` is the input's, `chunk` the chunk's number within it, `text_span` and
-`token_span` its [start, stop) characters and tokens (service.chunking); the official client
+`token_span` its [start, stop) characters and tokens (models.chunk_plan); the official client
 parses it as a list of embeddings and keeps the extra fields. With `late_chunking` (Jina's
 form) the inputs are the consecutive chunks of one text and `data` has one item per input.
 """
@@ -26,46 +26,26 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from ..auth import require_api_key
-from ..chunking import embed_chunks
-from ..pipeline import FIDELITY_REFERENCE, EmbedOptions, embed
+from ..pipeline import FIDELITY_REFERENCE, embed
+from ..planning import EmbedOptions
 from ..responses import json_response, json_rows
 from ..schemas import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse
-from ..state import get_state
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(tags=["openai"], responses=ERROR_RESPONSES, dependencies=[Depends(require_api_key)])
 
 
-@router.post(
-    "/v1/embeddings",
-    response_model=EmbeddingResponse,
-    responses=ERROR_RESPONSES,
-    dependencies=[Depends(require_api_key)],
-)
+@router.post("/v1/embeddings", response_model=EmbeddingResponse)
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
-    options = EmbedOptions(
-        "input",
-        body.attention,
-        body.truncate,
-        dimensions=body.dimensions,
-        fidelity=body.fidelity,
-        prompt_name=body.prompt_name,
-        adapter=body.adapter,
-    )
-    if body.chunking is not None or body.late_chunking:
-        chunked = await embed_chunks(request, body.input, options, body.chunking, late_inputs=body.late_chunking)
-        embedded = chunked.embedded
-    else:
-        chunked, embedded = None, await embed(request, body.input, options)
-    model = get_state(request).encoder.name
+    embedded = await embed(request, body.input, EmbedOptions.of(body, "input"))
 
     def answer() -> dict:
-        if chunked is None or body.late_chunking:  # one item per input
+        if embedded.chunks is None or body.late_chunking:  # one item per input
             items: list[dict] = [{"object": "embedding", "index": i} for i in range(embedded.vectors.shape[0])]
         else:  # one item per chunk
             items = [
                 {"object": "embedding", "index": i, "chunk": j, "text_span": list(c.text_span),
                  "token_span": list(c.token_span)}
-                for i, chunks in enumerate(chunked.chunks)
+                for i, chunks in enumerate(embedded.chunks)
                 for j, c in enumerate(chunks)
             ]
         if body.encoding_format == "base64":
@@ -81,7 +61,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
         content = {
             "object": "list",
             "data": items,
-            "model": model,
+            "model": embedded.model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             "attention": embedded.attention,
             "prompt_name": embedded.prompt_name,

@@ -11,7 +11,7 @@ the task adapter that ran in `x-adapter`, and with `"fidelity": true` each input
 the exact embedding in `x-fidelity` (comma-separated, input order).
 
 With `chunking` the answer is, per input, its chunks in order, each `{chunk, embedding,
-text_span, token_span}` (service.chunking; `x-fidelity` then lists one cosine per chunk).
+text_span, token_span}` (models.chunk_plan; `x-fidelity` then lists one cosine per chunk).
 /embed_all answers, per input, one vector per token ([CLS] and [SEP] included, in the order
 POST /tokenize lists them): the last hidden states, not normalised, as TEI does (~5 KB of
 JSON a token). Every answer is built and printed off the event loop (service.responses).
@@ -23,43 +23,21 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from ..auth import require_api_key
-from ..chunking import embed_chunks, embed_tokens
-from ..pipeline import EmbedOptions, embed
+from ..pipeline import embed
+from ..planning import EmbedOptions
 from ..responses import json_response, json_rows
 from ..schemas import ERROR_RESPONSES, ChunkEmbedding, EmbedAllRequest, EmbedRequest
 
-router = APIRouter(tags=["tei"])
+router = APIRouter(tags=["tei"], responses=ERROR_RESPONSES, dependencies=[Depends(require_api_key)])
+EMBEDDINGS = list[list[float]] | list[list[ChunkEmbedding]]
 
 
-@router.post(
-    "/embed",
-    response_model=list[list[float]] | list[list[ChunkEmbedding]],
-    responses=ERROR_RESPONSES,
-    dependencies=[Depends(require_api_key)],
-)
-@router.post(
-    "/",
-    response_model=list[list[float]] | list[list[ChunkEmbedding]],
-    responses=ERROR_RESPONSES,
-    dependencies=[Depends(require_api_key)],
-    summary="Tei Embed (TEI's root route: the same as /embed)",
-)
+@router.post("/embed", response_model=EMBEDDINGS)
+@router.post("/", response_model=EMBEDDINGS, summary="Tei Embed (TEI's root route: the same as /embed)")
 async def tei_embed(body: EmbedRequest, request: Request) -> Response:
-    options = EmbedOptions(
-        "inputs",
-        body.attention,
-        body.truncate,
-        body.truncation_direction,
-        body.normalize,
-        body.dimensions,
-        body.fidelity,
-        body.prompt_name,
-        body.adapter,
-    )
-    if body.chunking is None:
-        embedded = await embed(request, body.inputs, options)
+    embedded = await embed(request, body.inputs, EmbedOptions.of(body, "inputs"))
+    if embedded.chunks is None:
         return await json_response(lambda: json_rows(embedded.vectors), embedded.headers())
-    chunked = await embed_chunks(request, body.inputs, options, body.chunking)
 
     def answer() -> list:
         return [
@@ -67,29 +45,14 @@ async def tei_embed(body: EmbedRequest, request: Request) -> Response:
                 {"chunk": j, "embedding": vector, "text_span": list(c.text_span), "token_span": list(c.token_span)}
                 for j, (c, vector) in enumerate(zip(chunks, json_rows(vectors)))
             ]
-            for chunks, vectors in zip(chunked.chunks, chunked.per_input())
+            for chunks, vectors in zip(embedded.chunks, embedded.per_input())
         ]
 
-    return await json_response(answer, chunked.embedded.headers())
+    return await json_response(answer, embedded.headers())
 
 
-@router.post(
-    "/embed_all",
-    response_model=list[list[list[float]]],
-    responses=ERROR_RESPONSES,
-    dependencies=[Depends(require_api_key)],
-)
+@router.post("/embed_all", response_model=list[list[list[float]]])
 async def tei_embed_all(body: EmbedAllRequest, request: Request) -> Response:
-    options = EmbedOptions(
-        "inputs",
-        body.attention,
-        body.truncate,
-        body.truncation_direction,
-        normalize=False,
-        prompt_name=body.prompt_name,
-        adapter=body.adapter,
-    )
-    embedded = await embed_tokens(request, body.inputs, options)
+    embedded = await embed(request, body.inputs, EmbedOptions.of(body, "inputs", every_token=True, normalize=False))
     # Per input its (tokens, dim) rows: `[[[float]]]`.
-    return await json_response(lambda: [json_rows(part) for part in embedded.vectors.split(embedded.tokens)],
-                               embedded.headers())
+    return await json_response(lambda: [json_rows(part) for part in embedded.per_input()], embedded.headers())

@@ -12,19 +12,14 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..auth import require_api_key
-from ..pipeline import parse_inputs
+from ..planning import parse_inputs
 from ..schemas import ERROR_RESPONSES, Token, TokenizeRequest
 from ..state import get_state
 
-router = APIRouter(tags=["tokenize"])
+router = APIRouter(tags=["tokenize"], responses=ERROR_RESPONSES, dependencies=[Depends(require_api_key)])
 
 
-@router.post(
-    "/tokenize",
-    response_model=list[list[Token]],
-    responses=ERROR_RESPONSES,
-    dependencies=[Depends(require_api_key)],
-)
+@router.post("/tokenize", response_model=list[list[Token]])
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     state = get_state(request)
     encoder, _ = state.require_ready()

@@ -1,18 +1,20 @@
-"""One request cannot stall the server: against a real server process, a heavy but legal
-request past its deadline stops within a layer, small requests are served while it runs and
-after its 504, and a request over the work budget is refused before it runs. Layers and
-answers are counted; nothing is timed."""
+"""One request cannot stall the server: a heavy but legal request past its deadline stops
+within a layer, small requests are served while it runs and after its 504 (in process, on a
+gated encoder and a clock the test moves), and a request over the work budget is refused
+before it runs (against a real server process). Layers and answers are counted; nothing is
+timed."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 
+import anyio
 import httpx
 import pytest
 from server_process import running_server
-from service_helpers import license_text, scrape, value
-
-HEAVY_TOKENS = 30000
+from service_helpers import FakeEncoder, fake_app, license_text, running, scrape, value
 
 
 @pytest.fixture(scope="module")
@@ -31,44 +33,53 @@ def layers_and_stops(base: str) -> tuple[float, float, float]:
     )
 
 
-def test_a_heavy_request_past_its_deadline_stops_and_small_ones_are_served(base):
-    document = license_text() * 3
-    layers_before, stops_before, _ = layers_and_stops(base)
-    small_layers = 0
-    answers: dict[str, httpx.Response] = {}
+@pytest.mark.anyio
+async def test_a_heavy_request_past_its_deadline_stops_and_small_ones_are_served():
+    # In process, on a gated encoder and a scheduler clock the test moves: layers are
+    # released one by one, and the heavy request's deadline passes when the clock says so.
+    gate = threading.Semaphore(0)
+    app, encoder = fake_app(FakeEncoder(layers=6, layer_gate=gate))
+    async with running(app) as http:
+        batcher = app.state.service.batcher
+        clock = Clock(time.monotonic())
+        batcher.clock = clock
+        body = {"input": "heavy " * 200, "truncate": True}
+        heavy = asyncio.ensure_future(http.post("/v1/embeddings", json=body, headers={"x-request-timeout-ms": "60000"}))
+        gate.release(2)
+        await until(lambda: len(encoder.layers_run) == 2)
+        small = asyncio.ensure_future(http.post("/v1/embeddings", json={"input": "hello world"}))
+        await until(lambda: batcher.snapshot()["pending_items"] == 1)
+        gate.release(7)  # the heavy one's third layer (under way), then the small one's 6
+        during = await small
+        clock.now += 120  # past the heavy request's deadline, while its fourth layer waits
+        gate.release(1)
+        answer = await heavy
+        after = asyncio.ensure_future(http.post("/v1/embeddings", json={"input": "hello world"}))
+        gate.release(6)
+        after = await after
+        families = scrape((await http.get("/metrics")).text)
+    assert answer.status_code == 504, answer.text
+    assert during.status_code == after.status_code == 200
+    assert during.json()["data"][0]["embedding"] == after.json()["data"][0]["embedding"]
+    heavy_layers = sum(1 for step in encoder.layers_run if len(step[0]) > 32)
+    assert heavy_layers == 3  # it stopped at the first layer boundary after its deadline passed
+    assert value(families, "clusterserve_stopped_inputs", "clusterserve_stopped_inputs_total", reason="deadline") == 1.0
 
-    def heavy() -> None:
-        body = {"input": document, "truncate": True, "attention": {"method": "full"}}
-        with httpx.Client(timeout=600) as http:
-            tokens = http.post(f"{base}/tokenize", json={"inputs": document}).json()[0]
-            assert len(tokens) > HEAVY_TOKENS
-            # Its own deadline of 3 s (x-request-timeout-ms); every other request keeps the server's.
-            answers["heavy"] = http.post(
-                f"{base}/v1/embeddings", json={**body, "input": document[: tokens[HEAVY_TOKENS]["stop"]]},
-                headers={"x-request-timeout-ms": "3000"},
-            )  # fmt: skip
 
-    thread = threading.Thread(target=heavy)
-    thread.start()
-    with httpx.Client(timeout=600) as http:
-        while layers_and_stops(base)[2] == 0 and thread.is_alive():  # until the heavy batch runs
-            pass
-        during = http.post(f"{base}/v1/embeddings", json={"input": "hello world"})
-        small_layers += 6
-        thread.join(600)
-        assert answers["heavy"].status_code == 504, answers["heavy"].text
-        after = http.post(f"{base}/v1/embeddings", json={"input": "hello world"})
-        small_layers += 6
-        assert during.status_code == after.status_code == 200
-        assert during.json()["data"][0]["embedding"] == after.json()["data"][0]["embedding"]
-        for _ in range(6000):  # the worker notices at the heavy batch's next layer boundary
-            layers, stops, running = layers_and_stops(base)
-            if stops > stops_before and running == 0:
-                break
-            threading.Event().wait(0.1)
-    heavy_layers = layers - layers_before - small_layers
-    assert stops == stops_before + 1
-    assert 0 <= heavy_layers < 6  # the default model has 6 layers: it stopped part-way
+class Clock:
+    """The scheduler's clock, moved by the test."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def until(condition) -> None:
+    with anyio.fail_after(60):
+        while not condition():
+            await anyio.sleep(0.002)
 
 
 def test_a_request_over_the_work_budget_is_refused_at_once(base):

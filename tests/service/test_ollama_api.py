@@ -367,3 +367,14 @@ def test_ollamas_routes_add_no_prompt_where_the_others_add_the_default(prompted)
     np.testing.assert_array_equal(np.array(bare.json()[0], dtype=np.float32), vectors(ollama)[0])
     legacy = np.array(client.post("/api/embeddings", json={"model": name, "prompt": text}).json()["embedding"])
     np.testing.assert_allclose(legacy / np.linalg.norm(legacy), vectors(ollama)[0], atol=1e-6)
+
+
+def test_the_schema_says_a_model_is_required_as_the_server_does(client):
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    for name in ("OllamaEmbedRequest", "OllamaEmbeddingsRequest"):
+        assert schemas[name]["required"] == ["model"]
+        assert schemas[name]["properties"]["model"]["type"] == "string"
+        assert schemas[name]["properties"]["model"]["minLength"] == 1
+    assert schemas["OllamaShowRequest"]["anyOf"] == [{"required": ["model"]}, {"required": ["name"]}]
+    for body in ({"input": "a"}, {"model": None, "input": "a"}):
+        assert ollama_error(client.post("/api/embed", json=body), 400) == "model is required"

@@ -1,6 +1,6 @@
 """The scheduler a layer at a time: short work runs between the layers of long work, work whose
 request is gone stops within a layer, and the rest of its batch goes on unchanged. Layers
-are counted, never timed."""
+are counted, never timed: the scheduler runs on a clock the tests move themselves."""
 
 from __future__ import annotations
 
@@ -14,22 +14,35 @@ from service_helpers import FakeEncoder
 
 from kernels import AttentionSpec
 from models.cost import Throughput
-from service.batching import Batcher, Job
+from service.batching import Batcher, Job, Run
 from service.metrics import Metrics
 
 pytestmark = pytest.mark.anyio
 FULL = AttentionSpec(method="full")
 
 
-def make_batcher(encoder: FakeEncoder) -> Batcher:
+class Clock:
+    """A clock that stands still until a test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_batcher(encoder: FakeEncoder, clock: Clock | None = None) -> Batcher:
     # One work unit a second: the jobs' `work` is their estimated seconds.
-    batcher = Batcher(encoder, Metrics(), max_batch_tokens=1000, max_concurrent_requests=8, throughput=Throughput(1.0))
+    batcher = Batcher(
+        encoder, Metrics(), max_batch_tokens=1000, max_concurrent_requests=8, throughput=Throughput(1.0),
+        clock=clock or Clock(),
+    )  # fmt: skip
     batcher.start()
     return batcher
 
 
 def job(name: int, tokens: int, work: float) -> Job:
-    return Job(request_id=str(name), inputs=[[name] * tokens], specs=[FULL], work=[work])
+    return Job(request_id=str(name), runs=[Run([name] * tokens, FULL, work=work)])
 
 
 async def until(condition, what: str) -> None:
@@ -66,13 +79,14 @@ async def test_a_short_request_waits_for_at_most_one_layer_of_a_long_one():
 async def test_a_long_request_still_advances_once_it_has_waited_its_remaining_work():
     gate = threading.Semaphore(0)
     encoder = FakeEncoder(layers=2, layer_gate=gate)
-    batcher = make_batcher(encoder)
+    clock = Clock()
+    batcher = make_batcher(encoder, clock)
     try:
         # Remaining work 0.01 s: ageing lets it run before a short request that has just come.
         long = asyncio.ensure_future(batcher.submit(job(7, 50, work=0.02)))
         gate.release(1)
         await until(lambda: len(encoder.layers_run) == 1, "one layer of the first request")
-        await anyio.sleep(0.05)  # it has now waited longer than its remaining work
+        clock.now += 0.05  # it has now waited longer than its remaining work
         short = asyncio.ensure_future(batcher.submit(job(3, 4, work=0.005)))
         await until(lambda: batcher.snapshot()["pending_items"] == 1, "the second request queued")
         gate.release(10)
@@ -106,16 +120,15 @@ async def test_a_cancelled_request_stops_within_one_layer_and_the_next_is_unchan
 
 
 async def test_a_request_past_its_deadline_leaves_its_batch_and_the_others_go_on():
-    import time
-
     gate = threading.Semaphore(0)
     encoder = FakeEncoder(layers=4, layer_gate=gate)
-    batcher = make_batcher(encoder)
+    clock = Clock()
+    batcher = make_batcher(encoder, clock)
     try:
         blocker = asyncio.ensure_future(batcher.submit(job(1, 2, work=1e-6)))
         await until(lambda: batcher.snapshot()["running_batches"] == 1, "the blocker running")
         leaving = job(7, 10, work=10.0)
-        leaving.deadline, leaving.timeout_s = time.monotonic() + 3600, 3600
+        leaving.deadline, leaving.timeout_s = clock.now + 3600, 3600
         staying = job(3, 6, work=10.0)
         first = asyncio.ensure_future(batcher.submit(leaving))
         second = asyncio.ensure_future(batcher.submit(staying))
@@ -125,7 +138,7 @@ async def test_a_request_past_its_deadline_leaves_its_batch_and_the_others_go_on
         await blocker
         assert layers_of(encoder) == [1, 1, 1, 1, (7, 3)]
         # Its deadline passes while the batch's second layer waits to run: it leaves after it.
-        leaving.deadline = time.monotonic()
+        clock.now = leaving.deadline
         gate.release(10)
         with pytest.raises(Exception, match="deadline"):
             await first

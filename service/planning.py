@@ -1,0 +1,220 @@
+"""What one embedding request runs, decided before anything runs: a `RequestPlan`.
+
+    request_plan(encoder, inputs, spec, target, options)
+      -> models.plan              one sequence per input, returning its pooled vector, or
+                                  every token's state (/embed_all)
+      -> models.chunk_plan        with `chunking`: one sequence per naive chunk or per late-
+                                  chunking window (or Jina's `late_chunking` form: the inputs
+                                  are one text's chunks)
+    -> RequestPlan                each sequence's ids, resolved attention, output and work;
+                                  how the rows it returns become each input's rows; the
+                                  per-request limits it must keep
+
+The service's one serving path (service.pipeline) serves any plan the same way. The request's
+own fields are read here too: its attention knobs over the server's defaults
+(`resolve_request_attention`), its `input(s)` (`parse_inputs`) and its chunking fields
+(`chunking_spec`). Bad values raise kernels.FieldError (or models.inputs' typed errors),
+which service.errors answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from kernels import AttentionSpec, FieldError
+from models import Encoder
+from models.chunk_plan import Chunk, plan_chunks, plan_late_inputs
+from models.chunking import CHUNKING, ChunkingSpec
+from models.plan import Plan, plan
+from models.pooling import EVERY_TOKEN, POOLED, Output
+
+from . import errors
+from .schemas import CALIBRATED_KNOBS, AttentionRequest, ChunkingRequest
+from .settings import Settings
+
+LATE_INPUTS_FIELDS = ("window", "window_overlap")  # what `chunking` may set beside late_chunking
+PER_REQUEST = "send fewer or shorter inputs per request"
+
+
+@dataclass(frozen=True)
+class EmbedOptions:
+    """What a route asks besides the inputs: `param` is the body field holding them ("input"
+    or "inputs"), for error messages; `chunking` / `late_chunking` / `every_token` say what
+    each input returns (its pooled vector when none is set)."""
+
+    param: str
+    attention: AttentionRequest | None = None
+    truncate: bool = False
+    truncation_direction: str = "right"
+    normalize: bool = True
+    dimensions: int | None = None
+    fidelity: bool = False
+    prompt_name: str | None = None  # None: the model's default prompt, if any
+    adapter: str | None = None  # None: the adapter named like the prompt in effect, if any
+    chunking: ChunkingRequest | None = None
+    late_chunking: bool = False  # Jina's form: the inputs are the consecutive chunks of one text
+    every_token: bool = False  # /embed_all: every token's state, not normalised
+
+    @classmethod
+    def of(cls, body: Any, param: str, **overrides: Any) -> EmbedOptions:
+        """A route's options: every field of these that the request body has, by name, then
+        the route's `overrides`."""
+        fields = {f.name: getattr(body, f.name) for f in dataclasses.fields(cls) if hasattr(body, f.name)}
+        return cls(**{**fields, "param": param, **overrides})
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A per-request bound the plan must keep (413 naming the inputs' field when over)."""
+
+    count: int
+    what: str  # "tokens", "chunks", "token vectors"
+    limit: int
+    advice: str
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """sequences: what runs, each sequence's ids and resolved attention (a models Plan, so it
+    echoes and batches as any); outputs and work: per sequence; input_tokens: per input (what
+    `usage` counts); input_sequences: per input, its range of sequences; assemble: the
+    sequences' rows, concatenated in order -> per input its rows, not normalised; chunks: per
+    input its chunks' spans (None: not chunked)."""
+
+    sequences: Plan
+    outputs: tuple[Output, ...]
+    work: tuple[float, ...]
+    input_tokens: tuple[int, ...]
+    input_sequences: tuple[range, ...]
+    assemble: Callable[[Tensor], list[Tensor]]
+    limits: tuple[Limit, ...]
+    budget_advice: str = PER_REQUEST
+    chunks: tuple[tuple[Chunk, ...], ...] | None = None
+
+    def rows(self) -> list[int]:
+        """Per sequence, the rows it returns."""
+        return [output.rows(planned.tokens) for output, planned in zip(self.outputs, self.sequences.inputs)]
+
+
+def request_plan(
+    encoder: Encoder, inputs: list[Any], spec: AttentionSpec, target: float | None, options: EmbedOptions,
+    settings: Settings,
+) -> RequestPlan:
+    """Plan a request (see the module docstring); runs off the event loop (tokenizing a
+    30k-token text takes milliseconds). Raises FieldError and models.inputs' errors."""
+    if options.dimensions is not None and options.dimensions > encoder.dim:
+        raise FieldError("dimensions", f"must be in [1, {encoder.dim}], got {options.dimensions}")
+    if options.fidelity and encoder.dtype != torch.float32 and settings.fidelity_reference == "off":
+        raise FieldError("fidelity", "this server runs without its float32 reference model (fidelity_reference=off)")
+    common = dict(target_fidelity=target, prompt_name=options.prompt_name, adapter=options.adapter)
+    direction = options.truncation_direction.lower()
+    if options.chunking is not None or options.late_chunking:
+        asked = chunking_spec(options.chunking, options.late_chunking)
+        if options.late_chunking:
+            chunked = plan_late_inputs(encoder, inputs, spec, window=asked.window, window_overlap=asked.window_overlap, **common)
+        else:
+            chunked = plan_chunks(
+                encoder, inputs, spec, asked, truncate=options.truncate, truncation_direction=direction, **common
+            )
+        tokens = sum(planned.tokens for planned in chunked.plan.inputs)
+        advice = "send fewer inputs" if options.late_chunking else "send a larger chunking.size or fewer inputs"
+        return _request_plan(
+            encoder, chunked.plan, chunked.outputs, tuple(one.tokens for one in chunked.inputs),
+            tuple(one.sequences for one in chunked.inputs), chunked.assemble,
+            (Limit(tokens, "tokens", settings.max_request_tokens, "send fewer or shorter inputs"),
+             Limit(chunked.chunks, "chunks", settings.max_request_chunks, advice)),
+            budget_advice=f"{PER_REQUEST}, larger chunks, or less overlap between windows (chunking.window_overlap)",
+            chunks=tuple(one.chunks for one in chunked.inputs),
+        )  # fmt: skip
+    call = plan(encoder, inputs, spec, truncate=options.truncate, truncation_direction=direction, **common)
+    tokens = tuple(planned.tokens for planned in call.inputs)
+    if options.every_token:
+        limit = Limit(sum(tokens), "token vectors", settings.max_embed_all_tokens, "send fewer or shorter inputs, or truncate")
+    else:
+        limit = Limit(sum(tokens), "tokens", settings.max_request_tokens, "send fewer or shorter inputs")
+    output = EVERY_TOKEN if options.every_token else POOLED
+    return _request_plan(
+        encoder, call, (output,) * len(tokens), tokens, tuple(range(i, i + 1) for i in range(len(tokens))),
+        lambda rows: list(rows.split([output.rows(n) for n in tokens])), (limit,),
+    )  # fmt: skip
+
+
+def _request_plan(encoder: Encoder, sequences: Plan, outputs: tuple[Output, ...], *rest: Any, **named: Any) -> RequestPlan:
+    work = tuple(encoder.cost.work(planned.tokens, planned.spec) for planned in sequences.inputs)
+    return RequestPlan(sequences, outputs, work, *rest, **named)
+
+
+def resolve_request_attention(
+    default: AttentionSpec, requested: AttentionRequest | None, default_target: float | None = None
+) -> tuple[AttentionSpec, float | None]:
+    """The request's knobs over the server defaults, validated as an AttentionSpec (FieldError
+    naming the knob), and the target fidelity "auto" aims at: the request's, else the server's
+    `default_target` when the request runs "auto" and names no knob a calibration sets. The
+    one place that checks a target's rules: "auto" only, and no knob it chooses."""
+    knobs = requested.model_dump(exclude_none=True) if requested is not None else {}
+    target = knobs.pop("target_fidelity", None)
+    named_knobs = [name for name in CALIBRATED_KNOBS if name in knobs]
+    if target is None and knobs.get("method", default.method) == "auto" and not named_knobs:
+        target = default_target
+    elif target is not None:
+        method = knobs.setdefault("method", "auto")
+        if method != "auto":
+            raise FieldError(
+                "target_fidelity",
+                f'applies to method "auto" only, got method {method!r}; leave method out or set it to "auto"',
+                "attention",
+            )
+        if named_knobs:
+            raise FieldError(
+                named_knobs[0],
+                "is chosen by target_fidelity from the calibration table; leave it out, "
+                "or drop target_fidelity to choose the knobs yourself",
+                "attention",
+            )
+    return dataclasses.replace(default, **knobs), target
+
+
+def parse_inputs(
+    value: Any, param: str, max_inputs: int, allow_empty_items: bool = False
+) -> tuple[list[Any], list[str]]:
+    """A request's `input(s)` as a list of inputs and the param name of each.
+
+    A string or a flat list of ids is one input; a list of strings or of id lists is several.
+    400 when there is none, or one is empty (unless `allow_empty_items`: /tokenize answers ""
+    with its special tokens); 413 when there are more than `max_inputs`.
+    """
+    if isinstance(value, str):
+        inputs, params = [value], [param]
+    elif value and all(isinstance(v, int) for v in value):
+        inputs, params = [value], [param]
+    else:
+        inputs, params = list(value), [f"{param}[{i}]" for i in range(len(value))]
+    if not inputs:
+        raise errors.empty_input(param)
+    if len(inputs) > max_inputs:
+        raise errors.batch_too_large(param, len(inputs), max_inputs)
+    for one, name in zip(inputs, params):
+        if len(one) == 0 and not allow_empty_items:
+            raise errors.empty_input(name)
+    return inputs, params
+
+
+def chunking_spec(requested: ChunkingRequest | None, late_inputs: bool) -> ChunkingSpec:
+    """The request's chunking fields over ChunkingSpec's defaults (FieldError naming a bad
+    one). With late_inputs (Jina's form) the inputs are the chunks: only the window fields
+    apply."""
+    fields = requested.model_dump(exclude_none=True) if requested is not None else {}
+    if late_inputs:
+        for name in fields:
+            if name not in LATE_INPUTS_FIELDS:
+                raise FieldError(
+                    name,
+                    "does not apply with late_chunking, whose inputs are the chunks; set window and window_overlap only",
+                    CHUNKING,
+                )
+    return ChunkingSpec(**fields)
