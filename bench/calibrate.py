@@ -14,7 +14,7 @@ says what a user gets; in bfloat16 each bucket also records exact attention's ow
 over each CHUNK_TOKENS-token span of a document against exact attention's, worst over every
 span (`chunk_fidelity_min`), which auto judges late-chunking windows by. Time is per
 document, in the served dtype. Writes the table
-(models/calibration.py has the format) next to the model (DIR/calibration.<device>[-bf16].json),
+(models/planning/calibration.py has the format) next to the model (DIR/calibration.<device>[-bf16].json),
 or for a model given by name (the default, nomic-embed-text-v1.5, or all-MiniLM-L6-v2) to
 models/calibrations/, which ships with clusterserve; `--out` writes it elsewhere. `--grid`
 replaces the grid by one AttentionSpec per line of a file, as JSON keyword arguments. Prints
@@ -37,7 +37,8 @@ import torch
 from kernels import AttentionSpec
 from kernels.spec import exact_by_knobs
 from models import load_encoder
-from models.calibration import (
+from models.loader import DEFAULT_MODEL_NAME, MODEL_ALIASES, resolve_model
+from models.planning.calibration import (
     DTYPE_SUFFIXES,
     FORMAT,
     SHIPPED_DIR,
@@ -46,10 +47,9 @@ from models.calibration import (
     parse_calibration,
     table_name,
 )
-from models.chunking import ChunkingSpec
-from models.loader import DEFAULT_MODEL_NAME, MODEL_ALIASES, resolve_model
+from models.planning.chunking import ChunkingSpec
 from models.pooling import pool_one
-from models.precision import DTYPE_SETTINGS, dtype_name, resolve_dtype
+from models.runtime.precision import DTYPE_SETTINGS, dtype_name, resolve_dtype
 
 from .common import CALIBRATION_TEXTS, RESULTS_DIR, device_name, long_text_ids, print_table
 
@@ -72,7 +72,7 @@ GRID = [
     AttentionSpec(method="smyrf", hash_rounds=4, cluster_size=64),
 ]
 TARGETS = (0.98, 0.99, 0.995)
-# Late chunking's default chunk size (models.chunking.ChunkingSpec.size): the span whose mean
+# Late chunking's default chunk size (models.planning.chunking.ChunkingSpec.size): the span whose mean
 # token state a late chunk vector is.
 CHUNK_TOKENS = ChunkingSpec().size
 

@@ -1,4 +1,4 @@
-"""The work estimate (models.cost) against calibration tables' measured times.
+"""The work estimate (models.planning.cost) against calibration tables' measured times.
 
     python -m bench.cost_check [--table PATH ...] [--rows] [--fit]
 
@@ -11,8 +11,8 @@ the bucket's length as exact attention, as the table measured it). Without --tab
 table shipped in models/calibrations/. Prints, per table, the lowest and highest ratio and
 where they are (--rows: every configuration).
 
---fit fits models.cost.WEIGHTS to the tables (`fit`) and prints the fitted weights, as a
-literal to paste into models/cost.py, and the ratios they give. The shipped weights were
+--fit fits models.planning.cost.WEIGHTS to the tables (`fit`) and prints the fitted weights, as a
+literal to paste into models/planning/cost.py, and the ratios they give. The shipped weights were
 fitted this way to the shipped CPU tables.
 """
 
@@ -28,13 +28,13 @@ import torch
 from kernels import AttentionSpec
 from kernels.spec import exact_by_knobs
 from models import load_encoder
-from models.calibration import SHIPPED_DIR, Calibration, load_calibration
-from models.cost import WEIGHTS, CostModel
+from models.planning.calibration import SHIPPED_DIR, Calibration, load_calibration
+from models.planning.cost import WEIGHTS, CostModel
 
 from .common import print_table
 
 EXACT = AttentionSpec(method="full")
-# The steps whose code depends on the dtype get a weight per dtype in the fit (models.cost's
+# The steps whose code depends on the dtype get a weight per dtype in the fit (models.planning.cost's
 # docstring says why); every other step one weight for all dtypes.
 PER_DTYPE = ("dense", "exact", "centroid")
 # How hard each fitted log-weight is pulled toward its current value: steps the tables cannot
@@ -83,7 +83,7 @@ def ratios(cost: CostModel, table: Calibration, weights: dict[str, float] | None
 def fit(
     tables: list[tuple[CostModel, Calibration]], per_dtype: tuple[str, ...] = PER_DTYPE, ridge: float = RIDGE
 ) -> dict[str, dict[str, float]]:
-    """models.cost.WEIGHTS fitted to measured times: (cost model in the table's dtype, table) pairs.
+    """models.planning.cost.WEIGHTS fitted to measured times: (cost model in the table's dtype, table) pairs.
 
     Least squares of log(estimated / measured time) over every configuration of every bucket
     and every bucket's exact pass, each table with its own free scale (its device's speed and

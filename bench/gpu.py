@@ -19,7 +19,7 @@ Stage breakdown: the backend's stage functions timed one by one (bench/stages.py
 torch ops and Triton launches each makes. End to end: one document of 512, 4k, 16k and 32k
 tokens embedded by the default model on the GPU, per method: `ms` with every layer run
 eagerly on the unpadded input, `graph_ms` with the layers replayed from the encoder's CUDA
-graphs (models.graphs; after the eager warm-up and the capture call; None above
+graphs (models.runtime.graphs; after the eager warm-up and the capture call; None above
 cuda_graph_max_length), and `graph_cosine`, the cosine between the two vectors.
 
 Writes under --out (default bench/results/): <date>-<gpu>.json, a list of rows

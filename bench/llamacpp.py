@@ -32,7 +32,7 @@ import httpx
 import numpy as np
 
 from models.fetch import default_model_path
-from models.rotary import rotary_base
+from models.networks.rotary import rotary_base
 
 from .common import LICENSE_DIR, print_table, run_conditions, write_results
 from .short_texts import sentences

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import kernels
-import models.rotary_bert as rotary_bert
+import models.networks.rotary_bert as rotary_bert
 from kernels import AttentionSpec
 from models import load_encoder
 
@@ -51,7 +51,7 @@ METHODS = {
 
 @contextmanager
 def layer_attention(choose: Callable[[int, Callable[..., Tensor], tuple], Tensor]):
-    """Every attention call of models.rotary_bert goes through choose(layer, attention, args):
+    """Every attention call of models.networks.rotary_bert goes through choose(layer, attention, args):
     layer counts the calls of one pass (one document: one call per layer)."""
     original = rotary_bert.attention
     calls = [0]

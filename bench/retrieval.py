@@ -38,7 +38,7 @@ from torch import Tensor
 
 from kernels import AttentionSpec
 from models import load_encoder
-from models.chunking import ChunkingSpec
+from models.planning.chunking import ChunkingSpec
 
 from .common import RESULTS_DIR, device_name, print_table, write_results
 from .corpus import documents, passages, questions
@@ -202,7 +202,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=ChunkingSpec.size)
     parser.add_argument("--overlap", type=int, default=ChunkingSpec.overlap)
     parser.add_argument("--boundaries", default=ChunkingSpec.boundaries)
-    parser.add_argument("--window-overlap", type=int, default=None, help="default: models.chunking's")
+    parser.add_argument("--window-overlap", type=int, default=None, help="default: models.planning.chunking's")
     parser.add_argument("--sweep", type=int, nargs="*", default=[], help="window_overlap values to compare")
     parser.add_argument("--probe-lengths", type=int, nargs="*", default=[1024, 4096])
     parser.add_argument("--probe-candidates", type=int, default=4)

@@ -133,7 +133,7 @@ class Resolved:
 
 
 class AutoTable(Protocol):
-    """What `resolve_auto` needs of a calibration table (models.calibration.Calibration is one):
+    """What `resolve_auto` needs of a calibration table (models.planning.calibration.Calibration is one):
     `choose` returns an object with the chosen `spec` and an `echo(target)` dict; `chunks`
     asks for a choice judged by the fidelity of late chunks rather than of a whole input."""
 

@@ -8,10 +8,10 @@ sentence-transformers pooling and prompts.
     vectors = enc.embed(["a long document ..."], AttentionSpec(method="full"))  # (1, 384)
 """
 
-from .config import EncoderConfig, UnsupportedArchitecture
-from .encoder import Encoder, InputTooLong
-from .loader import load_encoder
-from .prompts import UnknownPrompt
-from .tokenization import Tokens
+from models.config import EncoderConfig, UnsupportedArchitecture
+from models.loader import load_encoder
+from models.planning.inputs import InputTooLong
+from models.prompts import UnknownPrompt
+from models.runtime.encoder import Encoder
 
-__all__ = ["Encoder", "EncoderConfig", "InputTooLong", "Tokens", "UnknownPrompt", "UnsupportedArchitecture", "load_encoder"]
+__all__ = ["Encoder", "EncoderConfig", "InputTooLong", "UnknownPrompt", "UnsupportedArchitecture", "load_encoder"]

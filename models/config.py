@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch.nn.functional as F
 from torch import Tensor
 
-from .rotary import ROPE_TYPES
+from models.networks.rotary import ROPE_TYPES
 
 BERT_FAMILY = ("bert", "roberta", "xlm-roberta")
 # Post-norm BERTs with rotary positions and no position table.
@@ -77,7 +77,7 @@ class EncoderConfig:
     attention_bias: bool = True
     mlp_bias: bool = True  # the MLP's input projections (ModernBERT: both)
     mlp_out_bias: bool = True
-    # Rotary families (see models.rotary for the schedules).
+    # Rotary families (see models.networks.rotary for the schedules).
     rope_theta: float = 10_000.0
     rope_type: str = "default"
     rope_factor: float = 1.0

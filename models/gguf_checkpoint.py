@@ -4,8 +4,8 @@ read from one file, for the encoder architectures llama.cpp names "bert" and "no
 A GGUF file carries what a HuggingFace folder spreads over config.json, *.safetensors,
 tokenizer.json and the sentence-transformers files. `read_gguf` turns it into those same
 pieces: a config dict in the names `EncoderConfig.from_dict` reads, a state dict in the
-checkpoint names the architecture module maps (so the one name table of models.bert and
-models.rotary_bert applies to both formats), a WordPiece tokenizer built from the file's own
+checkpoint names the architecture module maps (so the one name table of models.networks.bert and
+models.networks.rotary_bert applies to both formats), a WordPiece tokenizer built from the file's own
 vocabulary and special-token ids, and the pooling the file declares, with normalisation (what
 llama.cpp and Ollama return). `ARCHITECTURES` is the one table of what differs per
 architecture; nothing else branches on it.
@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .config import UnsupportedArchitecture
-from .pooling import PoolingConfig
-from .prompts import Prompts
+from models.config import UnsupportedArchitecture
+from models.pooling import PoolingConfig
+from models.prompts import Prompts
 
 # llama.cpp's LLAMA_POOLING_TYPE values -> models.pooling modes (0 = none and 4 = rank are
 # not embedding poolings).
@@ -50,7 +50,7 @@ class GgufArchitecture:
 
     model_type: EncoderConfig's model type. config: GGUF metadata key (after "<arch>.") ->
     config.json key. fixed: config.json keys the file does not carry. tensors: (GGUF name
-    pattern, checkpoint name) in the names models.bert / models.rotary_bert map.
+    pattern, checkpoint name) in the names models.networks.bert / models.networks.rotary_bert map.
     prompts, default_prompt: the model family's published prompts.
     """
 

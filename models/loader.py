@@ -23,18 +23,17 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from kernels import backend_for
-
-from . import bert, eurobert, modernbert, rotary_bert
-from .calibration import CalibrationError, find_calibration, load_calibration
-from .config import BERT_FAMILY, ROTARY_BERT_FAMILY, EncoderConfig
-from .encoder import Encoder
-from .fetch import default_model_path
-from .gguf_checkpoint import read_gguf
-from .graphs import CudaGraphs, LayerGraphs
-from .pooling import PoolingConfig, read_pooling
-from .precision import dtype_name, resolve_dtype
-from .prompts import Prompts, read_prompts
-from .tokenization import TextTokenizer
+from models.config import BERT_FAMILY, ROTARY_BERT_FAMILY, EncoderConfig
+from models.fetch import default_model_path
+from models.gguf_checkpoint import read_gguf
+from models.networks import bert, eurobert, modernbert, rotary_bert
+from models.planning.calibration import CalibrationError, find_calibration, load_calibration
+from models.pooling import PoolingConfig, read_pooling
+from models.prompts import Prompts, read_prompts
+from models.runtime.encoder import Encoder
+from models.runtime.graphs import CudaGraphs, LayerGraphs
+from models.runtime.precision import dtype_name, resolve_dtype
+from models.tokenization import TextTokenizer
 
 DEFAULT_MODEL_NAME = "nomic-embed-text-v1.5"
 MINILM_NAME = "all-MiniLM-L6-v2"
@@ -49,7 +48,7 @@ MODEL_ALIASES = {
     "all-minilm-l6-v2": MINILM_NAME,
     "minilm": MINILM_NAME,
 }
-# CUDA graphs (models.graphs): batch signatures kept captured, and the longest input graphed.
+# CUDA graphs (models.runtime.graphs): batch signatures kept captured, and the longest input graphed.
 DEFAULT_CUDA_GRAPHS = 16
 DEFAULT_CUDA_GRAPH_MAX_LENGTH = 8192
 
@@ -78,14 +77,14 @@ def load_encoder(
         by copying, and RoPE runs past its published length.
     device, dtype: where the weights live and their precision: a torch dtype, "float32",
         "bfloat16", "float16", or "auto" (bfloat16 on CUDA and on CPUs with fast bf16 matrix
-        instructions, float32 elsewhere: models.precision); default float32.
+        instructions, float32 elsewhere: models.runtime.precision); default float32.
     backend: the `kernels.attention` backend every attention layer runs ("auto" lets the
         kernels choose by device and dtype; the service passes the concrete one it resolved).
     calibration: the table "auto" picks from for a target fidelity; None = the folder's
         calibration.<device kind>[-bf16].json or the table shipped for the model, device
         kind and dtype, if any.
     cuda_graphs: on CUDA with the triton backend, the batch signatures whose layers are kept
-        captured in CUDA graphs (models.graphs); 0 = none, every layer runs eagerly on unpadded
+        captured in CUDA graphs (models.runtime.graphs); 0 = none, every layer runs eagerly on unpadded
         batches. Elsewhere ignored. cuda_graph_max_length: batches with a longer input run
         eagerly, unpadded.
     Raises UnsupportedArchitecture for a model we do not implement, FileNotFoundError for a

@@ -18,8 +18,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .config import UnsupportedArchitecture
-from .packing import Packed
+from models.config import UnsupportedArchitecture
+from models.runtime.packing import Packed
 
 POOLING_MODES = ("mean", "cls", "lasttoken", "max")
 _LEGACY_FLAGS = {

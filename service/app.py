@@ -22,9 +22,9 @@ from fastapi.middleware.cors import CORSMiddleware
 import kernels
 from kernels import APPROXIMATE_METHODS, AttentionSpec
 from models import Encoder
-from models.calibration import EXACT
-from models.cost import Throughput, default_budget
-from models.precision import dtype_name, resolve_dtype
+from models.planning.calibration import EXACT
+from models.planning.cost import Throughput, default_budget
+from models.runtime.precision import dtype_name, resolve_dtype
 
 from . import __version__, openapi
 from .batching import Batcher
@@ -58,7 +58,7 @@ _WARMUP_TEXT = "Clustered attention groups queries and attends once per cluster.
 def load_model(settings: Settings) -> Encoder:
     """The encoder the settings name (None = the embedded default), on the configured device,
     in the configured dtype ("auto": bfloat16 on CUDA and on CPUs with fast bf16, else
-    float32; models.precision), with the attention backend resolved once, here, for that
+    float32; models.runtime.precision), with the attention backend resolved once, here, for that
     device and dtype: the concrete
     one ("reference", "native" or "triton") that every attention call then names, and that
     /info and clusterserve_build_info show; and with its calibration table (the configured
@@ -181,7 +181,7 @@ def _load_and_start(state: ServiceState, load: Callable[[Settings], Encoder]) ->
 
 
 def measure_throughput(encoder: Encoder, tokens: int = 1024) -> Throughput:
-    """This device's work units per second (models.cost): a forward pass with exact attention
+    """This device's work units per second (models.planning.cost): a forward pass with exact attention
     over up to `tokens` tokens, timed. It turns the work budget into seconds and back."""
     ids = (encoder.prepare([_WARMUP_TEXT * 16], truncate=True)[0] * 2)[: min(tokens, encoder.max_input_tokens)]
     return Throughput.measure(lambda: encoder.run([ids], [EXACT]), encoder.cost.work(len(ids), EXACT))
@@ -189,7 +189,7 @@ def measure_throughput(encoder: Encoder, tokens: int = 1024) -> Throughput:
 
 def work_budget(encoder: Encoder, settings: Settings, default: AttentionSpec, throughput: Throughput) -> float:
     """Work units a request may take: the configured seconds at this device's throughput, or
-    the default (models.cost.default_budget) over every method at the server's default knobs
+    the default (models.planning.cost.default_budget) over every method at the server's default knobs
     and every configuration of the calibration table, at the model's longest input."""
     if settings.max_request_work_s is not None:
         budget = throughput.units(settings.max_request_work_s)

@@ -5,14 +5,14 @@ attention spec, output and estimated work) and submits a `Job` of those `Run`s. 
 enters a queue as an `Item`.
 The worker forms packed batches (the oldest-waiting, least-work item first, then queued items
 of any request with the same batch key while the batch's real tokens stay within the token
-budget: `models.plan.fits`, the rule `Encoder.embed` batches by) and runs each as a packed
+budget: `models.planning.plan.fits`, the rule `Encoder.embed` batches by) and runs each as a packed
 forward pass (`Encoder.start`): each input attends by its own spec, no padding is computed.
 Each sequence returns what its run asks (`Run.output`, models.pooling.Output): its pooled
 vector, the means over token spans of a late-chunking window, or every token's state; the
 batch's pass gives each its own (`Forward.outputs`), so inputs asking for different things
 share batches.
 
-Batches run one layer at a time (`models.encoder.Forward.step`). Between layers the worker
+Batches run one layer at a time (`models.runtime.encoder.Forward.step`). Between layers the worker
 chooses what runs next, among the running batches and the batch the queue would form next:
 the one with the least estimated remaining work, minus the seconds it has waited (shortest
 remaining work first, with ageing). A short request therefore waits for at most about one
@@ -54,8 +54,8 @@ from torch import Tensor
 
 from kernels import AttentionSpec
 from models import Encoder
-from models.cost import Throughput
-from models.plan import fits
+from models.planning.cost import Throughput
+from models.planning.plan import fits
 from models.pooling import POOLED, Output
 
 from . import errors
@@ -81,7 +81,7 @@ class BatchKey:
 @dataclass(frozen=True)
 class Run:
     """One sequence of a job: its token ids (within the length limit), its resolved attention
-    (never "auto"), what it returns, its estimated work units (models.cost), and whether it is
+    (never "auto"), what it returns, its estimated work units (models.planning.cost), and whether it is
     an exact re-run of another ("fidelity": true)."""
 
     ids: list[int]
@@ -118,7 +118,7 @@ class Job:
 @dataclass(frozen=True)
 class JobResult:
     # Every sequence's rows, in order: (sum of k_i, dim) float32 on the CPU, not normalised
-    # (models.encoder.finish); k_i = Job.runs[i].output.rows(tokens), 1 for a pooled sequence.
+    # (models.runtime.encoder.finish); k_i = Job.runs[i].output.rows(tokens), 1 for a pooled sequence.
     vectors: Tensor
     queue_s: float
     inference_s: float
@@ -164,7 +164,7 @@ class Running:
     items: list[Item]
     work: float  # estimated work units of the whole batch
     waiting_since: float  # when it last ran a layer, or its oldest item was queued
-    forward: Any = None  # models.encoder.Forward once started
+    forward: Any = None  # models.runtime.encoder.Forward once started
     started_at: float = 0.0
     peak_memory: int | None = None
 

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kernels import FieldError
-from models.inputs import EmptyInput, InputError, InputTooLong, NoTokens
+from models.planning.inputs import EmptyInput, InputError, InputTooLong, NoTokens
 
 # The fixed set of failure reasons (the `reason` label); metrics pre-creates each one.
 FAILURE_REASONS = (

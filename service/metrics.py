@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from kernels import APPROXIMATE_METHODS, METHODS, fallbacks
-from models.graphs import EVENTS, LayerGraphs
+from models.runtime.graphs import EVENTS, LayerGraphs
 
 from .errors import FAILURE_REASONS
 
@@ -172,7 +172,7 @@ class Metrics:
             self.cuda_graph_events.labels(event=event)
 
     def cuda_graph_event(self, event: str) -> None:
-        """Count one of models.graphs.EVENTS (the encoder's graphs call it)."""
+        """Count one of models.runtime.graphs.EVENTS (the encoder's graphs call it)."""
         self.cuda_graph_events.labels(event=event).inc()
 
     def update_graphs(self, graphs: LayerGraphs | None) -> None:

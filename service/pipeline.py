@@ -34,11 +34,11 @@ from torch import Tensor
 
 from kernels import AttentionSpec, FieldError
 from models import Encoder
-from models.calibration import EXACT
-from models.chunk_plan import Chunk
-from models.cost import over_budget
-from models.encoder import finish
-from models.plan import Plan
+from models.planning.calibration import EXACT
+from models.planning.chunk_plan import Chunk
+from models.planning.cost import over_budget
+from models.planning.plan import Plan
+from models.runtime.encoder import finish
 
 from . import errors
 from .batching import Batcher, Job, JobResult, Run

@@ -1,9 +1,9 @@
 """What one embedding request runs, decided before anything runs: a `RequestPlan`.
 
     request_plan(encoder, inputs, spec, target, options)
-      -> models.plan              one sequence per input, returning its pooled vector, or
+      -> models.planning.plan              one sequence per input, returning its pooled vector, or
                                   every token's state (/embed_all)
-      -> models.chunk_plan        with `chunking`: one sequence per naive chunk or per late-
+      -> models.planning.chunk_plan        with `chunking`: one sequence per naive chunk or per late-
                                   chunking window (or Jina's `late_chunking` form: the inputs
                                   are one text's chunks)
     -> RequestPlan                each sequence's ids, resolved attention, output and work;
@@ -13,7 +13,7 @@
 The service's one serving path (service.pipeline) serves any plan the same way. The request's
 own fields are read here too: its attention knobs over the server's defaults
 (`resolve_request_attention`), its `input(s)` (`parse_inputs`) and its chunking fields
-(`chunking_spec`). Bad values raise kernels.FieldError (or models.inputs' typed errors),
+(`chunking_spec`). Bad values raise kernels.FieldError (or models.planning.inputs' typed errors),
 which service.errors answers.
 """
 
@@ -28,9 +28,9 @@ from torch import Tensor
 
 from kernels import AttentionSpec, FieldError
 from models import Encoder
-from models.chunk_plan import Chunk, plan_chunks, plan_late_inputs
-from models.chunking import CHUNKING, ChunkingSpec
-from models.plan import Plan, plan
+from models.planning.chunk_plan import Chunk, plan_chunks, plan_late_inputs
+from models.planning.chunking import CHUNKING, ChunkingSpec
+from models.planning.plan import Plan, plan
 from models.pooling import EVERY_TOKEN, POOLED, Output
 
 from . import errors
@@ -106,7 +106,7 @@ def request_plan(
     settings: Settings,
 ) -> RequestPlan:
     """Plan a request (see the module docstring); runs off the event loop (tokenizing a
-    30k-token text takes milliseconds). Raises FieldError and models.inputs' errors."""
+    30k-token text takes milliseconds). Raises FieldError and models.planning.inputs' errors."""
     if options.dimensions is not None and options.dimensions > encoder.dim:
         raise FieldError("dimensions", f"must be in [1, {encoder.dim}], got {options.dimensions}")
     if options.fidelity and encoder.dtype != torch.float32 and settings.fidelity_reference == "off":

@@ -18,7 +18,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kernels import APPROXIMATE_METHODS, BACKENDS, METHODS, AttentionSpec
-from models.precision import DTYPE_SETTINGS
+from models.runtime.precision import DTYPE_SETTINGS
 
 _DEFAULT_SPEC = AttentionSpec()
 
@@ -117,7 +117,7 @@ class Settings(BaseSettings):
     max_request_work_s: float | None = Field(
         None,
         gt=0,
-        description="budget of estimated work per request, in seconds of this device's time (models.cost, at the "
+        description="budget of estimated work per request, in seconds of this device's time (models.planning.cost, at the "
         "throughput measured at start-up); a request over it is refused with 422 naming the knob that drives it; "
         "unset = two inputs of the model's longest length at the most costly default method or calibrated "
         "configuration",

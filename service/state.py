@@ -9,7 +9,7 @@ from fastapi import Request
 
 from kernels import AttentionSpec
 from models import Encoder
-from models.cost import Throughput
+from models.planning.cost import Throughput
 
 from . import errors
 from .batching import Batcher
@@ -27,7 +27,7 @@ class ServiceState:
     ready: bool = False  # loaded, warmed up and not draining
     draining: bool = False
     load_error: str | None = None
-    work_budget: float = float("inf")  # estimated work units a request may take (models.cost)
+    work_budget: float = float("inf")  # estimated work units a request may take (models.planning.cost)
     throughput: Throughput = field(default_factory=lambda: Throughput(1e9))  # this device's work units per second
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards the start/drain hand-over
 

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from kernels import KNOB_RANGES, METHOD_KNOBS, METHODS
 from models import Encoder
-from models.chunking import BOUNDARIES, ChunkingSpec, window_sizes
+from models.planning.chunking import BOUNDARIES, ChunkingSpec, window_sizes
 
 from .. import __version__, errors
 from ..schemas import CHUNK_TOKENS_MAX, ErrorResponse
@@ -73,7 +73,7 @@ def _limits(state: ServiceState, encoder: Encoder) -> dict[str, Any]:
         "max_concurrent_requests": settings.max_concurrent_requests,
         "max_body_bytes": settings.max_body_bytes,
         "request_timeout_s": settings.request_timeout_s,
-        # the estimated work a request may take (models.cost), in this device's seconds
+        # the estimated work a request may take (models.planning.cost), in this device's seconds
         "max_request_work_s": round(state.throughput.seconds(state.work_budget), 3),
         "work_budget_units": state.work_budget,
         "throughput_units_per_s": state.throughput.units_per_s,

@@ -13,7 +13,7 @@ default) and which task adapter ran; null when none.
 
 With `chunking` each text is cut into chunks and `data` holds one item per chunk, input after
 input: `index` is the input's, `chunk` the chunk's number within it, `text_span` and
-`token_span` its [start, stop) characters and tokens (models.chunk_plan); the official client
+`token_span` its [start, stop) characters and tokens (models.planning.chunk_plan); the official client
 parses it as a list of embeddings and keeps the extra fields. With `late_chunking` (Jina's
 form) the inputs are the consecutive chunks of one text and `data` has one item per input.
 """

@@ -11,7 +11,7 @@ the task adapter that ran in `x-adapter`, and with `"fidelity": true` each input
 the exact embedding in `x-fidelity` (comma-separated, input order).
 
 With `chunking` the answer is, per input, its chunks in order, each `{chunk, embedding,
-text_span, token_span}` (models.chunk_plan; `x-fidelity` then lists one cosine per chunk).
+text_span, token_span}` (models.planning.chunk_plan; `x-fidelity` then lists one cosine per chunk).
 /embed_all answers, per input, one vector per token ([CLS] and [SEP] included, in the order
 POST /tokenize lists them): the last hidden states, not normalised, as TEI does (~5 KB of
 JSON a token). Every answer is built and printed off the event loop (service.responses).

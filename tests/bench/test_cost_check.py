@@ -8,8 +8,8 @@ import pytest
 
 from bench.cost_check import EXACT, fit, ratios
 from kernels import AttentionSpec
-from models.calibration import Bucket, Calibration, Measured
-from models.cost import WEIGHTS, CostModel
+from models.planning.calibration import Bucket, Calibration, Measured
+from models.planning.cost import WEIGHTS, CostModel
 
 # all-MiniLM-L6-v2's shape: 6 layers of 12 heads x 32.
 SHAPE = CostModel(per_token=21293568.0, heads=12, head_dim=32, global_layers=6)

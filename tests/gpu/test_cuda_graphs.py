@@ -1,4 +1,4 @@
-"""CUDA graphs of the encoder's layers (models.graphs) on a GPU: captured, replayed, and the
+"""CUDA graphs of the encoder's layers (models.runtime.graphs) on a GPU: captured, replayed, and the
 vectors the eager layers give.
 
     python -m pytest -m gpu tests/gpu/test_cuda_graphs.py -rA -s     # on a CUDA machine
@@ -29,7 +29,7 @@ import torch
 
 from bench.common import long_text_ids
 from bench.cpu import SPECS
-from models.graphs import CudaGraphs, LayerGraphs
+from models.runtime.graphs import CudaGraphs, LayerGraphs
 
 pytestmark = pytest.mark.gpu
 

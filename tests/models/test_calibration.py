@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kernels import AttentionSpec
-from models.calibration import (
+from models.planning.calibration import (
     FORMAT,
     SHIPPED_DIR,
     CalibrationError,

@@ -18,7 +18,7 @@ import torch
 from bench.calibrate import pooled_and_chunks
 from bench.common import HELD_BACK_TEXTS, LICENSE_DIR, long_text_ids
 from models import load_encoder
-from models.calibration import SHIPPED_DIR, load_calibration, table_name
+from models.planning.calibration import SHIPPED_DIR, load_calibration, table_name
 
 # bfloat16 is checked at 8k only: where the CPU has no bfloat16 matrix instructions (AVX2
 # machines) torch emulates it at several times float32's cost, and 16k would take most of the

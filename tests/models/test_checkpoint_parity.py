@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import models.rows
+import models.networks.rows
 from models import load_encoder
 
 transformers = pytest.importorskip("transformers")
@@ -98,7 +98,7 @@ def tokenizer_json():
 
 @pytest.mark.parametrize("arch", list(CHECKPOINTS))
 def test_tiny_checkpoint_matches_transformers(arch, tmp_path, tokenizer_json, full_spec, monkeypatch):
-    monkeypatch.setattr(models.rows, "ROWS", 100)  # the feed-forward blocks run in several row blocks
+    monkeypatch.setattr(models.networks.rows, "ROWS", 100)  # the feed-forward blocks run in several row blocks
     build, native, prefix = CHECKPOINTS[arch]
     reference = build()
     _save(reference, tmp_path, tokenizer_json, shards=arch == "xlm-roberta", legacy_names=arch == "bert")
@@ -158,19 +158,19 @@ def test_modernbert_window_changes_the_output(tmp_path, tokenizer_json, full_spe
 
 
 def test_modernbert_spec_replaces_global_layers_only(tmp_path, tokenizer_json, full_spec, monkeypatch):
-    import models.modernbert
+    import models.networks.modernbert
     from kernels import AttentionSpec
 
     _save(_modernbert(), tmp_path, tokenizer_json)
     encoder = load_encoder(tmp_path)
     calls = []
-    real_attention = models.modernbert.attention
+    real_attention = models.networks.modernbert.attention
 
     def counting_attention(q, k, v, spec, **kwargs):
         calls.append(spec.method)
         return real_attention(q, k, v, spec, **kwargs)
 
-    monkeypatch.setattr(models.modernbert, "attention", counting_attention)
+    monkeypatch.setattr(models.networks.modernbert, "attention", counting_attention)
     ids = [t.ids for t in encoder.tokenize(TEXTS)]
     # Run as given (no plan, so no exact-by-knobs shortcut): top-k >= N makes it exact.
     spec = AttentionSpec(method="i-clustered", clusters=4, topk=128)

@@ -1,4 +1,4 @@
-"""Chunking (models.chunking, models.chunk_plan, Encoder.embed_chunks / encode): where chunks
+"""Chunking (models.planning.chunking, models.planning.chunk_plan, Encoder.embed_chunks / encode): where chunks
 fall, that naive chunks are the chunks embedded alone, that late chunks are the mean of the
 token states over their spans, whole-context and in overlapping windows, and Jina's form.
 Short real text (Debian's licence texts) on the default model, exact attention."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kernels import AttentionSpec
-from models.chunk_plan import plan_chunks, plan_late_inputs
-from models.chunking import ChunkingSpec, chunk_spans, unit_starts, windows
-from models.inputs import EmptyInput
+from models.planning.chunk_plan import plan_chunks, plan_late_inputs
+from models.planning.chunking import ChunkingSpec, chunk_spans, unit_starts, windows
+from models.planning.inputs import EmptyInput
 from models.pooling import EVERY_TOKEN, POOLED, Output
 
 GPL = Path("/usr/share/common-licenses/GPL-3")

@@ -11,9 +11,9 @@ import pytest
 
 from bench.cost_check import as_run, ratios, table_cost
 from kernels import APPROXIMATE_METHODS, AttentionSpec
-from models.calibration import SHIPPED_DIR, Calibration, load_calibration
-from models.cost import BUDGET_INPUTS, CostModel, default_budget, over_budget
 from models.loader import DEFAULT_MODEL_NAME, MINILM_NAME
+from models.planning.calibration import SHIPPED_DIR, Calibration, load_calibration
+from models.planning.cost import BUDGET_INPUTS, CostModel, default_budget, over_budget
 
 TABLES = sorted(SHIPPED_DIR.glob("*.json"))
 EXACT = AttentionSpec(method="full")

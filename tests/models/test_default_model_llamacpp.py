@@ -13,7 +13,7 @@ import pytest
 from default_model import require_default_model, require_llama_cpp
 
 from kernels import AttentionSpec
-from models.rotary import rotary_base
+from models.networks.rotary import rotary_base
 
 FULL = AttentionSpec(method="full")
 LICENCES = Path("/usr/share/common-licenses")

@@ -236,7 +236,7 @@ def test_bfloat16_weights_give_float32_vectors_close_to_float32(default_encoder,
 
 
 def test_run_is_one_packed_pass_over_prepared_inputs(default_encoder, full_spec, long_text):
-    from models.encoder import finish
+    from models.runtime.encoder import finish
 
     texts = ["short", long_text(60, seed=8)]
     sequences = default_encoder.prepare(texts)
@@ -250,7 +250,7 @@ def test_run_is_one_packed_pass_over_prepared_inputs(default_encoder, full_spec,
 
 
 def test_prepare_raises_typed_errors_naming_the_input(short_encoder):
-    from models.inputs import EmptyInput, InputTooLong, InvalidTokenIds
+    from models.planning.inputs import EmptyInput, InputTooLong, InvalidTokenIds
 
     with pytest.raises(InvalidTokenIds) as caught:
         short_encoder.prepare([[1, 2], [3, 30522]])

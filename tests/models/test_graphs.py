@@ -1,4 +1,4 @@
-"""Length buckets, the padded packed layout and the CUDA-graph cache (models.graphs), on CPU.
+"""Length buckets, the padded packed layout and the CUDA-graph cache (models.runtime.graphs), on CPU.
 
 The graph cache is driven by a stand-in backend whose "graph" runs the captured function
 again, so its bookkeeping (warm-up, one capture per signature and layer, replay, LRU, eager
@@ -16,13 +16,13 @@ import torch
 
 from kernels import AttentionSpec
 from kernels.hashing import hash_planes, holding_device_constants, on_device
-from models import bert, eurobert, modernbert, rotary_bert
 from models.config import EncoderConfig
-from models.encoder import Forward
-from models.forward import run_pass
-from models.graphs import LayerGraphs, Signature
-from models.packing import BUCKET_STEPS, bucket_length, pack
+from models.networks import bert, eurobert, modernbert, rotary_bert
 from models.pooling import POOLING_MODES, pool
+from models.runtime.encoder import Forward
+from models.runtime.forward import run_pass
+from models.runtime.graphs import LayerGraphs, Signature
+from models.runtime.packing import BUCKET_STEPS, bucket_length, pack
 
 CPU = torch.device("cpu")
 SPECS = {

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from kernels import AttentionSpec
-from models.calibration import parse_calibration
-from models.chunk_plan import plan_chunks
-from models.chunking import ChunkingSpec
-from models.packing import pack
-from models.plan import UnknownAdapter, fits, plan
+from models.planning.calibration import parse_calibration
+from models.planning.chunk_plan import plan_chunks
+from models.planning.chunking import ChunkingSpec
+from models.planning.plan import UnknownAdapter, fits, plan
+from models.runtime.packing import pack
 
 SMALL = dict(clusters=16, topk=16, iterations=5, refine=1, hash_rounds=2, cluster_size=32, seed=3)
 

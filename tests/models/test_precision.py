@@ -16,10 +16,10 @@ import dataclasses
 import pytest
 import torch
 
-import models.precision as precision
+import models.runtime.precision as precision
 from kernels import AttentionSpec
 from models import load_encoder
-from models.precision import cpu_has_bf16, resolve_dtype
+from models.runtime.precision import cpu_has_bf16, resolve_dtype
 
 SMALL = dict(clusters=16, topk=16, iterations=5, refine=1, hash_rounds=2, cluster_size=32, seed=3)
 METHODS = ["full", "clustered", "i-clustered", "smyrf"]

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import models.rows
+import models.networks.rows
 from kernels import AttentionSpec
 from models import load_encoder
-from models.rotary import apply_rotary, rotary_tables
+from models.networks.rotary import apply_rotary, rotary_tables
 
 transformers = pytest.importorskip("transformers")
 
@@ -108,7 +108,7 @@ def _assert_real_rows_close(encoder, input_ids, lengths, expected, adapter=None,
 
 @pytest.mark.parametrize("case", list(CHECKPOINTS))
 def test_tiny_checkpoint_matches_transformers(case, tmp_path, tokenizer_json, texts, full_spec, monkeypatch):
-    monkeypatch.setattr(models.rows, "ROWS", 100)  # the feed-forward blocks run in several row blocks
+    monkeypatch.setattr(models.networks.rows, "ROWS", 100)  # the feed-forward blocks run in several row blocks
     build, arch, native, prefix = CHECKPOINTS[case]
     reference = build()
     _save(reference, tmp_path, tokenizer_json)

@@ -19,7 +19,7 @@ import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from models.cost import CostModel
+from models.planning.cost import CostModel
 from models.prompts import Prompts
 from service.app import create_app
 from service.settings import Settings
@@ -89,7 +89,7 @@ class FakeEncoder:
     position_extension = None
     backend = "reference"
     calibration = None
-    graphs = None  # no CUDA graphs (models.graphs)
+    graphs = None  # no CUDA graphs (models.runtime.graphs)
     cost = CostModel(per_token=1.0, heads=1, head_dim=1, global_layers=1)  # work = tokens + attention
 
     def __init__(
@@ -123,7 +123,7 @@ class FakeEncoder:
         return self.tokenizer.encode(texts)
 
     def prepare(self, inputs, truncate=False, truncation_direction="right", prompt_name=None):
-        from models.inputs import prepare_inputs
+        from models.planning.inputs import prepare_inputs
 
         self.prompts.text(prompt_name)  # an unknown name raises, as the real encoder's does
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from service_helpers import REAL_LIMITS, FakeEncoder, fake_app, license_text, running, scrape, value
 
-from models.calibration import FORMAT, load_calibration
+from models.planning.calibration import FORMAT, load_calibration
 from service.app import create_app
 from service.settings import Settings
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kernels import FieldError
-from models.inputs import EmptyInput, InputError, InputTooLong, NoTokens
-from models.plan import UnknownAdapter
+from models.planning.inputs import EmptyInput, InputError, InputTooLong, NoTokens
+from models.planning.plan import UnknownAdapter
 from models.prompts import UnknownPrompt
 from service.errors import from_field_error
 

@@ -14,8 +14,8 @@ import torch
 from service_helpers import fake_app, license_text, running, scrape, value
 
 from kernels import AttentionSpec
-from models.chunk_plan import plan_late_inputs
-from models.chunking import ChunkingSpec
+from models.planning.chunk_plan import plan_late_inputs
+from models.planning.chunking import ChunkingSpec
 
 DOCUMENT = license_text(1500)  # ~300 tokens of real prose
 FULL = {"method": "full"}

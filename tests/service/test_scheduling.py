@@ -13,7 +13,7 @@ import torch
 from service_helpers import FakeEncoder
 
 from kernels import AttentionSpec
-from models.cost import Throughput
+from models.planning.cost import Throughput
 from service.batching import Batcher, Job, Run
 from service.metrics import Metrics
 

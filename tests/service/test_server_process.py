@@ -19,7 +19,7 @@ from server_process import running_server
 from service_helpers import license_text, scrape, value
 
 from kernels import backend_for
-from models.precision import dtype_name, resolve_dtype
+from models.runtime.precision import dtype_name, resolve_dtype
 
 METHODS = ["full", "clustered", "i-clustered", "smyrf"]
 DOCUMENT = license_text(17000)  # real prose, ~3,300 tokens

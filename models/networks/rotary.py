@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .packing import Packed
+from models.runtime.packing import Packed
 
 ROPE_TYPES = ("default", "linear", "dynamic", "ntk")
 

@@ -16,8 +16,7 @@ from numbers import Integral
 from typing import Any, Protocol, Sequence
 
 from kernels import FieldError
-
-from .tokenization import TRUNCATION_DIRECTIONS, Tokens
+from models.tokenization import TRUNCATION_DIRECTIONS, Tokens
 
 
 class InputError(FieldError):

@@ -8,7 +8,7 @@ sequences that share a length and an attention spec, each group as one (G, H, n,
 that is a view of the packed tensor; `pack` orders the sequences so that such groups are as
 large as they can be, and `Packed.unsort` puts per-sequence results back in the caller's order.
 
-For CUDA graphs (models.graphs), which replay fixed shapes, `pack` can instead give each
+For CUDA graphs (models.runtime.graphs), which replay fixed shapes, `pack` can instead give each
 sequence a slot of its length bucket (`bucket_length`: under 1/16 of a slot is padding).
 The padded rows follow their sequence's real tokens; attention masks them
 (`key_padding_mask`: they get no weight and their outputs are 0), and `parts`, `split` and

@@ -14,7 +14,7 @@ model over the document and mean-pools the last hidden states over each chunk's 
 that each chunk vector carries the document's context. A document longer than the context
 `window` (default: the positions the checkpoint was trained on) runs in windows that overlap
 by `window_overlap` tokens; each later window's first `window_overlap` outputs are context
-only, and every token's state comes from exactly one window. `models.chunk_plan` turns this
+only, and every token's state comes from exactly one window. `models.planning.chunk_plan` turns this
 into the sequences a forward pass runs.
 """
 
@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kernels import FieldError
-
-from .inputs import is_int
+from models.planning.inputs import is_int
 
 CHUNKING = "chunking"  # FieldError.within for a ChunkingSpec field
 BOUNDARIES = ("tokens", "sentences", "paragraphs")

@@ -21,13 +21,12 @@ import torch
 from torch import Tensor, nn
 
 from kernels import AttentionSpec, attention
-
-from .config import ACTIVATIONS, EncoderConfig
-from .forward import Pass, run_pass
-from .lora import AdaptedEmbedding, AdaptedLinear
-from .packing import Packed
-from .rotary import apply_rotary, packed_rotary
-from .rows import by_rows
+from models.config import ACTIVATIONS, EncoderConfig
+from models.networks.lora import AdaptedEmbedding, AdaptedLinear
+from models.networks.rotary import apply_rotary, packed_rotary
+from models.networks.rows import by_rows
+from models.runtime.forward import Pass
+from models.runtime.packing import Packed
 
 _LAYER = r"^(?:encoder\.layers?|layers)\.(\d+)\."
 HF_NAMES: list[tuple[str, str]] = [
@@ -136,11 +135,6 @@ class RotaryBertModel(nn.Module):
         self.config = config
         self.embeddings = RotaryBertEmbeddings(config)
         self.layers = nn.ModuleList(RotaryBertLayer(config) for _ in range(config.num_layers))
-
-    def forward(self, input_ids: Tensor, packed: Packed, adapter: int | None = None, backend: str = "auto") -> Tensor:
-        """input_ids: (T,) long, the batch's sequences end to end as `packed` lays them out;
-        adapter: index into config.adapters (None: base weights) -> last hidden states (T, C)."""
-        return run_pass(self, self.begin(input_ids, packed, backend, adapter))
 
     def begin(self, input_ids: Tensor, packed: Packed, backend: str = "auto", adapter: int | None = None) -> Pass:
         return Pass(self.embeddings(input_ids, adapter), packed, backend, adapter)

@@ -11,11 +11,10 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from kernels import AttentionSpec, attention
-
-from .config import ACTIVATIONS, EncoderConfig
-from .forward import Pass, run_pass
-from .packing import Packed
-from .rows import by_rows
+from models.config import ACTIVATIONS, EncoderConfig
+from models.networks.rows import by_rows
+from models.runtime.forward import Pass
+from models.runtime.packing import Packed
 
 # (HF name pattern, our name) for the base model, after the loader strips the checkpoint's
 # prefix ("bert.", "roberta.", ...) and maps legacy LayerNorm gamma/beta to weight/bias.
@@ -110,12 +109,6 @@ class BertModel(nn.Module):
         self.config = config
         self.embeddings = BertEmbeddings(config)
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_layers))
-
-    def forward(self, input_ids: Tensor, packed: Packed, backend: str = "auto") -> Tensor:
-        """input_ids: (T,) long, the batch's sequences end to end as `packed` lays them out
-        -> last hidden states (T, C). backend: `kernels.attention`'s, for every layer; each
-        sequence attends by its group's spec."""
-        return run_pass(self, self.begin(input_ids, packed, backend))
 
     def begin(self, input_ids: Tensor, packed: Packed, backend: str = "auto", adapter: int | None = None) -> Pass:
         return Pass(self.embeddings(input_ids, packed), packed, backend)

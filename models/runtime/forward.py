@@ -4,7 +4,7 @@ Every encoder model splits its forward into `begin` (the embeddings), `advance` 
 and `end` (the final norm, if any), over one `Pass`: the packed batch's hidden states and
 what the layers share. `tables` builds, into `Pass.cache`, whatever the layers compute from
 the layout beyond its groups and padding mask (rotary angles); `advance` reads the layout
-only through those, so a CUDA graph of a layer (models.graphs) can be handed another layout
+only through those, so a CUDA graph of a layer (models.runtime.graphs) can be handed another layout
 of the same shape. `run_pass` chains them; `Pass.keep` drops sequences between layers, so
 the inputs of a cancelled request leave a running batch and the rest go on unchanged.
 """
@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 
 from torch import Tensor
 
-from .packing import Packed
+from models.runtime.packing import Packed
 
 
 @dataclass

@@ -4,7 +4,7 @@
       -> prompt and task adapter    the one named, else the checkpoint's default (UnknownPrompt,
                                     UnknownAdapter)
       -> tokens                     prompt prepended, tokenized, checked, truncated or refused
-                                    (models.inputs' typed errors)
+                                    (models.planning.inputs' typed errors)
       -> attention per input        `kernels.resolve_auto` by the input's own length, with the
                                     encoder's calibration table for a target fidelity, and the
                                     exact-by-knobs shortcut
@@ -23,15 +23,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from kernels import AttentionSpec, FieldError, Resolved, resolve_auto
-
-from .calibration import Calibration
-from .pooling import PoolingConfig
-from .prompts import NO_PROMPT, Prompts, UnknownPrompt
-from .tokenization import TextTokenizer
+from models.planning.calibration import Calibration
+from models.pooling import PoolingConfig
+from models.prompts import NO_PROMPT, Prompts, UnknownPrompt
+from models.tokenization import TextTokenizer
 
 
 class Encoder(Protocol):
-    """What planning reads of an encoder (models.encoder.Encoder is one); a protocol, so that
+    """What planning reads of an encoder (models.runtime.encoder.Encoder is one); a protocol, so that
     planning does not import the runtime that calls it."""
 
     tokenizer: TextTokenizer
@@ -163,7 +162,7 @@ def plan(
 ) -> Plan:
     """Plan a call (see the module docstring). `spec` may be "auto": with `target_fidelity` it
     picks from `encoder.calibration` (the length threshold where the encoder has no table),
-    without one by `spec.auto_threshold`. Raises the typed errors of models.inputs,
+    without one by `spec.auto_threshold`. Raises the typed errors of models.planning.inputs,
     UnknownPrompt, UnknownAdapter, or ValueError naming a bad argument."""
     check_attention(spec, target_fidelity)
     chosen_prompt, chosen_adapter = choose_prompt_and_adapter(encoder, inputs, prompt_name, adapter)

@@ -12,12 +12,11 @@ import torch
 from torch import Tensor, nn
 
 from kernels import AttentionSpec, attention
-
-from .config import ACTIVATIONS, EncoderConfig
-from .forward import Pass, run_pass
-from .packing import Packed
-from .rotary import apply_rotary, packed_rotary
-from .rows import by_rows
+from models.config import ACTIVATIONS, EncoderConfig
+from models.networks.rotary import apply_rotary, packed_rotary
+from models.networks.rows import by_rows
+from models.runtime.forward import Pass
+from models.runtime.packing import Packed
 
 HF_NAMES: list[tuple[str, str]] = []
 HF_IGNORED = (r"inv_freq$",)
@@ -100,11 +99,6 @@ class EuroBertModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(EuroBertLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-
-    def forward(self, input_ids: Tensor, packed: Packed, backend: str = "auto") -> Tensor:
-        """input_ids: (T,) long, the batch's sequences end to end as `packed` lays them out
-        -> last hidden states (T, C)."""
-        return run_pass(self, self.begin(input_ids, packed, backend))
 
     def begin(self, input_ids: Tensor, packed: Packed, backend: str = "auto", adapter: int | None = None) -> Pass:
         return Pass(self.embed_tokens(input_ids), packed, backend)

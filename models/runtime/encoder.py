@@ -1,21 +1,21 @@
 """Encoder: a loaded checkpoint with its tokenizer and pooling; texts or token ids in, vectors out.
 
 Two levels:
-- `Encoder.embed(inputs, spec)`: the Python API. Plans the call (models.plan: prompt, tokens,
+- `Encoder.embed(inputs, spec)`: the Python API. Plans the call (models.planning.plan: prompt, tokens,
   limits, each input's attention by its own length), runs the plan's packed batches and
   returns the vectors in input order.
 - `Encoder.run(sequences, specs)`: one packed forward pass over prepared token ids, as given
-  (models.packing: the token-wise layers on real tokens only, attention per sequence by its
+  (models.runtime.packing: the token-wise layers on real tokens only, attention per sequence by its
   own spec), pooled; `finish` cuts and normalises what it returns.
 - `Encoder.start(sequences, specs)`: the same pass as a `Forward`, stepped a layer at a time,
   read out pooled or as each sequence's own output (models.pooling.Output: pooled, the mean
   over token spans, or every token). The service's scheduler, which forms its own batches,
   uses this one.
 - `Encoder.embed_chunks(texts, spec, chunking)`: chunk vectors, naive or late
-  (models.chunking), with their character and token spans.
+  (models.planning.chunking), with their character and token spans.
 On CUDA (`graphs`), a batch whose inputs are at most `graphs.max_length` tokens long is
 padded to length buckets instead, and its layers are replayed from CUDA graphs
-(models.graphs); its vectors are the unpadded ones within rounding.
+(models.runtime.graphs); its vectors are the unpadded ones within rounding.
 Build one with `models.load_encoder`.
 """
 
@@ -30,26 +30,25 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels import BACKENDS, AttentionSpec, FieldError
+from models.planning.calibration import Calibration
+from models.planning.chunk_plan import Chunk, ChunkPlan, plan_chunks
+from models.planning.chunking import ChunkingSpec
+from models.planning.cost import CostModel
+from models.planning.inputs import is_int, prepare_inputs
+from models.planning.plan import UnknownAdapter, plan
+from models.pooling import Output, PoolingConfig, pool, pool_each
+from models.prompts import NO_PROMPT, Prompts
+from models.runtime.forward import Pass
+from models.runtime.graphs import LayerGraphs
+from models.runtime.packing import bucket_length, pack
+from models.tokenization import TextTokenizer, Tokens
 
-from .calibration import Calibration
-from .chunk_plan import Chunk, ChunkPlan, plan_chunks
-from .chunking import ChunkingSpec
-from .cost import CostModel
-from .forward import Pass
-from .graphs import LayerGraphs
-from .inputs import InputTooLong, is_int, prepare_inputs
-from .packing import bucket_length, pack
-from .plan import UnknownAdapter, plan
-from .pooling import Output, PoolingConfig, pool, pool_each
-from .prompts import NO_PROMPT, Prompts
-from .tokenization import TextTokenizer, Tokens
-
-__all__ = ["Chunked", "Encoder", "InputTooLong", "finish"]
+__all__ = ["Chunked", "Encoder", "finish"]
 
 
 class Chunked(NamedTuple):
     """One input's chunks: vectors (chunks, dimensions or dim) float32 on the CPU, and each
-    chunk's character and token spans (models.chunk_plan.Chunk), in order."""
+    chunk's character and token spans (models.planning.chunk_plan.Chunk), in order."""
 
     vectors: Tensor
     chunks: tuple[Chunk, ...]
@@ -64,7 +63,7 @@ class Encoder:
     checkpoint folder it was loaded from; backend: the `kernels.attention` backend every
     attention layer is called with; calibration: the table "auto" picks from for a target
     fidelity (None: auto goes by its length threshold); cost: what an input's work is
-    estimated from (models.cost); graphs: the CUDA graphs its layers replay (models.graphs;
+    estimated from (models.planning.cost); graphs: the CUDA graphs its layers replay (models.runtime.graphs;
     None: every layer runs eagerly, on unpadded batches).
     """
 
@@ -137,7 +136,7 @@ class Encoder:
         self, inputs: Sequence[str] | Sequence[Sequence[int]], truncate: bool = False,
         truncation_direction: str = "right", prompt_name: str | None = None,
     ) -> list[list[int]]:
-        """Token ids per input, within `max_input_tokens` (see `models.inputs.prepare_inputs`;
+        """Token ids per input, within `max_input_tokens` (see `models.planning.inputs.prepare_inputs`;
         raises its EmptyInput, InvalidTokenIds, InputTooLong). Texts get the prompt
         `prompt_name` (None: the checkpoint's default prompt, if any; NO_PROMPT: none)
         prepended; its tokens count toward the limit. Naming a prompt for token-id inputs is a
@@ -177,7 +176,7 @@ class Encoder:
             lists, used exactly as given: no special tokens are added to raw ids, as the
             OpenAI API expects ids to be the model's input.
         spec: the attention method for every layer that attends globally. "auto" is resolved
-            per input by its own length (`models.plan`).
+            per input by its own length (`models.planning.plan`).
         target_fidelity: with spec "auto", the least calibrated cosine to exact attention: the
             fastest configuration of `calibration` that keeps it at each input's length.
         truncate: cut inputs longer than `max_input_tokens` (texts keep their special
@@ -216,7 +215,7 @@ class Encoder:
         truncation_direction: str = "right", max_batch_tokens: int = 16384, adapter: str | None = None,
         prompt_name: str | None = None, target_fidelity: float | None = None,
     ) -> list[Chunked]:
-        """Chunk each text and embed its chunks (models.chunking; None: ChunkingSpec's
+        """Chunk each text and embed its chunks (models.planning.chunking; None: ChunkingSpec's
         defaults, late chunking) -> per text its `Chunked` (vectors and spans). The other
         arguments are `embed`'s; `truncate` cuts a text longer than `max_input_tokens` before
         it is chunked. A late chunk vector is the mean of the token states over the chunk's
@@ -330,7 +329,7 @@ class Forward:
 
     A scheduler steps it, can drop sequences between steps (`keep`), and reads the pooled
     vectors or the token states once `finished`. With `graphs` (a padded layout), each step
-    goes through them (models.graphs: replayed once captured for the batch's signature).
+    goes through them (models.runtime.graphs: replayed once captured for the batch's signature).
     """
 
     def __init__(self, model: nn.Module, state: Pass, pooling: str, graphs: LayerGraphs | None = None):

@@ -1,7 +1,7 @@
 """The plan of a chunked call: which sequences run, what each returns, and how the returned
 rows become chunk vectors.
 
-    plan_chunks(encoder, texts, spec, chunking)    each text cut into chunks (models.chunking)
+    plan_chunks(encoder, texts, spec, chunking)    each text cut into chunks (models.planning.chunking)
     plan_late_inputs(encoder, texts, spec)         the texts are the consecutive chunks of one
                                                    text (Jina's `late_chunking` form)
 
@@ -11,7 +11,7 @@ and takes its pooled vector, the vector the chunk's tokens get when embedded alo
 chunking runs one sequence per context window and asks each for the mean of its states over
 the parts of the chunks it keeps (`Output` kind "spans"); a chunk that straddles windows is
 the token-weighted mean of its parts, which is the mean over its tokens. Each sequence's
-attention is resolved by its own length, as `models.plan` resolves an input's, so a plan's
+attention is resolved by its own length, as `models.planning.plan` resolves an input's, so a plan's
 `Plan` (its sequences) batches, echoes and runs like any other.
 
 `ChunkPlan.assemble(rows)` takes the per-sequence rows concatenated in sequence order (the
@@ -27,12 +27,11 @@ import torch
 from torch import Tensor
 
 from kernels import AttentionSpec, FieldError, resolve_auto
-
-from .chunking import CHUNKING, ChunkingSpec, chunk_spans, unit_starts, window_sizes, windows
-from .inputs import InputTooLong, NoTokens
-from .plan import Encoder, Plan, PlannedInput, check_attention, choose_prompt_and_adapter
-from .pooling import POOLED, Output
-from .tokenization import TRUNCATION_DIRECTIONS, Tokens
+from models.planning.chunking import CHUNKING, ChunkingSpec, chunk_spans, unit_starts, window_sizes, windows
+from models.planning.inputs import InputTooLong, NoTokens
+from models.planning.plan import Encoder, Plan, PlannedInput, check_attention, choose_prompt_and_adapter
+from models.pooling import POOLED, Output
+from models.tokenization import TRUNCATION_DIRECTIONS, Tokens
 
 
 @dataclass(frozen=True)
@@ -106,9 +105,9 @@ def plan_chunks(
     `encoder.max_input_tokens` (prompt and special tokens included) to it first ("right" keeps
     its start, "left" its end). Raises
     kernels.FieldError naming a ChunkingSpec field that does not fit the model (`within`
-    "chunking") or "chunking" for token-id inputs, and models.plan's errors."""
+    "chunking") or "chunking" for token-id inputs, and models.planning.plan's errors."""
     if not isinstance(chunking, ChunkingSpec):
-        raise FieldError("chunking", f"must be a models.chunking.ChunkingSpec, got {type(chunking).__name__}")
+        raise FieldError("chunking", f"must be a models.planning.chunking.ChunkingSpec, got {type(chunking).__name__}")
     if truncation_direction not in TRUNCATION_DIRECTIONS:
         raise FieldError(
             "truncation_direction", f"must be one of {', '.join(TRUNCATION_DIRECTIONS)}, got {truncation_direction!r}"
@@ -173,7 +172,7 @@ def _prompt(
     encoder: Encoder, texts: Sequence[str], spec: AttentionSpec, target_fidelity: float | None,
     prompt_name: str | None, adapter: str | None, late: bool,
 ) -> tuple[list[int], str | None, str | None]:
-    """The prompt's tokens (no special tokens), the prompt's name and the adapter (models.plan),
+    """The prompt's tokens (no special tokens), the prompt's name and the adapter (models.planning.plan),
     after checking the attention and that the inputs are texts."""
     check_attention(spec, target_fidelity)
     if isinstance(texts, str) or not texts or not all(isinstance(text, str) for text in texts):

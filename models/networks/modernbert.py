@@ -14,12 +14,11 @@ from torch import Tensor, nn
 
 from kernels import AttentionSpec, attention
 from kernels.local import local_attention
-
-from .config import ACTIVATIONS, EncoderConfig
-from .forward import Pass, run_pass
-from .packing import Packed
-from .rotary import apply_rotary, packed_rotary
-from .rows import by_rows
+from models.config import ACTIVATIONS, EncoderConfig
+from models.networks.rotary import apply_rotary, packed_rotary
+from models.networks.rows import by_rows
+from models.runtime.forward import Pass
+from models.runtime.packing import Packed
 
 HF_NAMES: list[tuple[str, str]] = []
 HF_IGNORED: tuple[str, ...] = ()
@@ -100,11 +99,6 @@ class ModernBertModel(nn.Module):
         self.embeddings = ModernBertEmbeddings(config)
         self.layers = nn.ModuleList(ModernBertLayer(config, i) for i in range(config.num_layers))
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
-
-    def forward(self, input_ids: Tensor, packed: Packed, backend: str = "auto") -> Tensor:
-        """input_ids: (T,) long, the batch's sequences end to end as `packed` lays them out
-        -> last hidden states (T, C). backend: `kernels.attention`'s, for the global layers."""
-        return run_pass(self, self.begin(input_ids, packed, backend))
 
     def begin(self, input_ids: Tensor, packed: Packed, backend: str = "auto", adapter: int | None = None) -> Pass:
         return Pass(self.embeddings(input_ids), packed, backend)

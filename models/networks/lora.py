@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import EncoderConfig
+from models.config import EncoderConfig
 
 
 class AdaptedLinear(nn.Linear):

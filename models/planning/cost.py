@@ -55,8 +55,7 @@ from typing import Callable, Sequence
 from torch import nn
 
 from kernels import KNOB_RANGES, METHOD_KNOBS, AttentionSpec
-
-from .config import EncoderConfig
+from models.config import EncoderConfig
 
 # Work units per operation of each step, by the dtype an encoder computes in on a CPU (see the
 # module docstring); one unit is one operation of float32 dense layers.
