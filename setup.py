@@ -1,5 +1,5 @@
-"""Builds the native CPU loops (kernels/native.c) with the package: one shared library per
-x86-64 level, so that one install runs on any x86-64 CPU and kernels/native.py loads the best
+"""Builds the native CPU loops (kernels/native/native.c) with the package: one shared library per
+x86-64 level, so that one install runs on any x86-64 CPU and kernels/native/__init__.py loads the best
 level the CPU has at run time. Everything else is declared in pyproject.toml.
 
 The libraries are optional: where no C compiler is found the install goes on without them,
@@ -26,8 +26,8 @@ def native_extensions() -> list[Extension]:
         levels = {"generic": []}
     return [
         Extension(
-            f"kernels._native_{name}",
-            sources=["kernels/native.c"],
+            f"kernels.native._native_{name}",
+            sources=["kernels/native/native.c"],
             extra_compile_args=COMPILE + flags,
             libraries=["m"],  # glibc's vector expf
             optional=True,  # no compiler: install anyway, the reference runs

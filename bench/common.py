@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from kernels import AttentionSpec
-from kernels.full import full_attention
+from kernels.reference.full import full_attention
 
 LICENSE_DIR = Path("/usr/share/common-licenses")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

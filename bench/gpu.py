@@ -383,7 +383,7 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     if args.dry_run:
         defaults.update(DRY_RUN)
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton first decorates a kernel
-        if os.environ["TRITON_INTERPRET"] != "1" or "kernels.clustered_triton" in sys.modules:
+        if os.environ["TRITON_INTERPRET"] != "1" or "kernels.triton.clustered" in sys.modules:
             raise SystemExit("--dry-run needs TRITON_INTERPRET=1 before the kernels are imported")
         device = torch.device("cpu")
     elif not torch.cuda.is_available():

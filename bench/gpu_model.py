@@ -6,7 +6,7 @@ per launch and per call, and its ratio to exact attention (FlashAttention-2 and 
 Every figure is an estimate. Per launch (recorded by bench.gpu_static, compiled for sm_90):
 programs and waves on 132 SMs; occupancy from registers, shared memory and warps (CTAs per SM);
 the instructions the slowest program issues (SASS per loop x trip counts: bench.sass,
-bench.trip_counts, the kernels' LOOP_BOUNDS giving the slowest program's data-dependent bounds)
+bench.trip_counts, bench.loop_bounds giving the slowest program's data-dependent bounds)
 priced by the unit that runs them (bench.warp_cost); HBM and L2 bytes by working set; then
 
     est_us = launch + max(issue-bound, latency-bound, bandwidth-bound)

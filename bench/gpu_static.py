@@ -101,7 +101,7 @@ def record_spec(spec, n: int, head_dim: int, dtype: torch.dtype, heads: int = HE
     """`record_call` for any AttentionSpec of an approximate method, on (1, heads, n, head_dim).
     With `ops`, the call's torch ops are appended as (name, bytes read, bytes written)."""
     from kernels.dispatch import clustered_stages, smyrf_stages
-    from kernels.hashing import clear_device_constants
+    from kernels.reference.hashing import clear_device_constants
     from kernels.stages import run_clustered, run_smyrf
 
     from .timing import counting_launches
@@ -109,9 +109,9 @@ def record_spec(spec, n: int, head_dim: int, dtype: torch.dtype, heads: int = HE
     def pipeline(*args):
         if spec.method == "smyrf":
             return run_smyrf(smyrf_stages("triton"), *args)
-        if spec.method == "banded":  # a local band plus a pooled far field (kernels/banded.py)
-            from kernels.banded import run_banded
+        if spec.method == "banded":  # a local band plus a pooled far field (kernels/reference/banded.py)
             from kernels.dispatch import banded_stages
+            from kernels.reference.banded import run_banded
 
             return run_banded(banded_stages("triton"), *args)
         return run_clustered(clustered_stages("triton"), *args)

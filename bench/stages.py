@@ -21,7 +21,7 @@ from torch import Tensor
 
 from kernels import AttentionSpec
 from kernels.dispatch import clustered_stages, smyrf_stages
-from kernels.full import full_attention
+from kernels.reference.full import full_attention
 from kernels.stages import run_clustered, run_smyrf
 
 

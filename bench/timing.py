@@ -135,7 +135,8 @@ def _counted_run(kernel, counts: dict[str, int], mode: _OpCounter, launch):
 
 def triton_kernels() -> list:
     """Every Triton kernel of the kernels package: the module-level `*_kernel` functions of
-    each of its modules (found by walking the package, so a new kernel module is counted too)."""
+    each of its modules and subpackages' modules (found by walking the package, so a new kernel
+    module is counted too)."""
     import importlib
     import pkgutil
 
@@ -144,10 +145,10 @@ def triton_kernels() -> list:
     import kernels
 
     found: dict[int, object] = {}
-    for info in pkgutil.iter_modules(kernels.__path__):
-        if info.name.startswith("_"):  # the native loops' shared libraries
+    for info in pkgutil.walk_packages(kernels.__path__, "kernels."):
+        if info.name.rpartition(".")[2].startswith("_"):  # the native loops' shared libraries
             continue
-        module = importlib.import_module(f"kernels.{info.name}")
+        module = importlib.import_module(info.name)
         for name, value in vars(module).items():
             if name.endswith("_kernel") and isinstance(value, triton.runtime.KernelInterface):
                 found.setdefault(id(value), value)

@@ -7,9 +7,9 @@ and the chain of helper calls above it; the bounds are evaluated with the launch
 `for start in range(0, N, BLOCK_N)` needs nothing but the launch.
 
 A bound that the arguments do not give (a local computed from program ids or from data, such
-as a split's first key or the number of empty clusters) comes from the kernel module's
-`LOOP_BOUNDS` table: kernel name -> a function of the launch's arguments (by parameter name)
-returning {name: value}, the value one program sees on average. A loop whose bound is in
+as a split's first key or the number of empty clusters) comes from bench.loop_bounds'
+`LOOP_BOUNDS` table: kernel module and name -> a function of the launch's arguments (by
+parameter name) returning {name: value}, as the slowest program sees them. A loop whose bound is in
 neither is an error that names the kernel, the line and the missing name.
 """
 
@@ -19,13 +19,14 @@ import ast
 import functools
 import inspect
 import math
-import sys
 import textwrap
 from pathlib import Path
 
+from bench.loop_bounds import LOOP_BOUNDS
+
 
 class UnknownBound(LookupError):
-    """A loop bound that neither the launch's arguments nor the module's LOOP_BOUNDS give."""
+    """A loop bound that neither the launch's arguments nor bench.loop_bounds give."""
 
 
 def bound_arguments(kernel, args: tuple, kwargs: dict) -> dict:
@@ -38,9 +39,8 @@ def bound_arguments(kernel, args: tuple, kwargs: dict) -> dict:
 
 
 def declared_bounds(kernel, arguments: dict) -> dict:
-    """The kernel module's LOOP_BOUNDS entry for this launch ({} when it has none)."""
-    table = getattr(sys.modules[kernel.fn.__module__], "LOOP_BOUNDS", {})
-    entry = table.get(kernel.fn.__name__)
+    """bench.loop_bounds' entry for this launch ({} when it has none)."""
+    entry = LOOP_BOUNDS.get(kernel.fn.__module__, {}).get(kernel.fn.__name__)
     return dict(entry(arguments)) if entry else {}
 
 
@@ -152,7 +152,7 @@ def _eval(node: ast.expr, env: dict, declared: dict, fn, where: str):
         if isinstance(constant, (int, float)) and not isinstance(constant, bool):
             return constant
         raise UnknownBound(f"{where}: loop bound `{node.id}` is not an argument of the launch; "
-                           f"give it in LOOP_BOUNDS of {fn.__module__}")
+                           f"give it in bench.loop_bounds' LOOP_BOUNDS[{fn.__module__!r}]")
     if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
         return _OPERATORS[type(node.op)](_eval(node.left, env, declared, fn, where),
                                          _eval(node.right, env, declared, fn, where))

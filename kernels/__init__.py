@@ -6,8 +6,17 @@ the CPU and Triton kernels for the GPU (dispatch.py says which runs where).
     out = attention(q, k, v, AttentionSpec(method="i-clustered"))   # (B, H, N, D) in and out
 """
 
-from .dispatch import BACKENDS, attention, backend_for
-from .spec import APPROXIMATE_METHODS, KNOB_RANGES, METHOD_KNOBS, METHODS, AttentionSpec, FieldError, Resolved, resolve_auto
+from kernels.dispatch import BACKENDS, attention, backend_for
+from kernels.spec import (
+    APPROXIMATE_METHODS,
+    KNOB_RANGES,
+    METHOD_KNOBS,
+    METHODS,
+    AttentionSpec,
+    FieldError,
+    Resolved,
+    resolve_auto,
+)
 
 __all__ = [
     "APPROXIMATE_METHODS",

@@ -1,15 +1,13 @@
 """The public entry point: `attention(q, k, v, spec)` checks its inputs, picks the backend with
 `backend_for` (the one place that choice is made) and runs the method's stages on it.
 
-    backend     runs                                         where
-    reference   kernels/clustered.py, smyrf.py, banded.py     any device, any float dtype; computes in
-                                                              float32 (float64 for float64 inputs)
-    native      kernels/clustered_native.py, smyrf_native.py, CPU; reads float32 and bfloat16 q, k, v as
-                banded_native.py (C loops)                    they are (float16 converted to float32),
-                                                              accumulates in float32
-    triton      kernels/clustered_triton.py, smyrf_triton.py, CUDA (CPU only under TRITON_INTERPRET=1);
-                banded_triton.py                              reads float32, float16, bfloat16,
-                                                              accumulates in float32
+    backend     runs (kernels/<backend>/)            where
+    reference   clustered.py, smyrf.py, banded.py    any device, any float dtype; computes in float32
+                                                     (float64 for float64 inputs)
+    native      clustered.py, smyrf.py, banded.py    CPU; reads float32 and bfloat16 q, k, v as they are
+                (C loops of native.c)                (float16 converted to float32), accumulates in float32
+    triton      clustered.py, smyrf.py, banded.py    CUDA (CPU only under TRITON_INTERPRET=1); reads
+                                                     float32, float16, bfloat16, accumulates in float32
     auto        triton on CUDA, native on a CPU where it is built (bfloat16 included), the reference
                 otherwise; float64 always runs the reference (the kernels and loops accumulate in float32)
 
@@ -26,11 +24,11 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from . import native
-from .banded import BandedStages, run_banded
-from .full import full_attention
-from .spec import AttentionSpec, resolve_auto
-from .stages import ClusteredStages, Observe, SmyrfStages, call, run_clustered, run_smyrf
+from kernels import native
+from kernels.reference.banded import BandedStages, run_banded
+from kernels.reference.full import full_attention
+from kernels.spec import AttentionSpec, resolve_auto
+from kernels.stages import ClusteredStages, Observe, SmyrfStages, call, run_clustered, run_smyrf
 
 BACKENDS = ("auto", "reference", "native", "triton")
 # What the triton and native backends take; other dtypes (float64) need the reference.
@@ -74,31 +72,25 @@ def backend_for(device: torch.device | str, dtype: torch.dtype, requested: str =
     return requested
 
 
-# Where each backend's stage tables live: imported on demand, so triton stays optional.
-_STAGE_TABLES = {
-    "reference": (".clustered", ".smyrf", "REFERENCE"),
-    "native": (".clustered_native", ".smyrf_native", "NATIVE"),
-    "triton": (".clustered_triton", ".smyrf_triton", "TRITON"),
-}
-_BANDED_TABLES = {"reference": ".banded", "native": ".banded_native", "triton": ".banded_triton"}
+# Each backend's stage tables: kernels.<backend>.<method>.<BACKEND>, imported on demand, so
+# triton stays optional.
+def _stages(backend: str, method: str) -> Any:
+    return getattr(importlib.import_module(f"kernels.{backend}.{method}"), backend.upper())
 
 
 def clustered_stages(backend: str) -> ClusteredStages:
     """The clustered pipeline of a concrete backend."""
-    module, _, table = _STAGE_TABLES[backend]
-    return getattr(importlib.import_module(module, __package__), table)
+    return _stages(backend, "clustered")
 
 
 def smyrf_stages(backend: str) -> SmyrfStages:
     """The SMYRF pipeline of a concrete backend."""
-    _, module, table = _STAGE_TABLES[backend]
-    return getattr(importlib.import_module(module, __package__), table)
+    return _stages(backend, "smyrf")
 
 
 def banded_stages(backend: str) -> BandedStages:
     """The banded pipeline of a concrete backend."""
-    table = "REFERENCE" if backend == "reference" else backend.upper()
-    return getattr(importlib.import_module(_BANDED_TABLES[backend], __package__), table)
+    return _stages(backend, "banded")
 
 
 def attention(

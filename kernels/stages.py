@@ -29,9 +29,9 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from .kmeans import one_query_per_cluster
-from .masks import token_masks
-from .spec import AttentionSpec
+from kernels.reference.kmeans import one_query_per_cluster
+from kernels.reference.masks import token_masks
+from kernels.spec import AttentionSpec
 
 CLUSTERED_STAGES = ("hash", "cluster", "refine", "centroids", "centroid_attention", "sparse", "broadcast")
 SMYRF_STAGES = ("hash", "sort", "cluster_attention")

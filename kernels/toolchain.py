@@ -21,7 +21,7 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from . import native
+from kernels import native
 
 # A Python extension as small as Triton's launcher is simple: it includes Python.h.
 _LAUNCHER_PROBE = '#include <Python.h>\nstatic PyObject *probe(PyObject *self, PyObject *args) { Py_RETURN_NONE; }\n'
@@ -48,7 +48,7 @@ def problems() -> list[str]:
             if result.returncode != 0:
                 found.append(f"{compiler} cannot build a Python extension as Triton's launcher: {result.stderr.strip()[-300:]}")
     if not native.available():
-        found.append("the native CPU loops were not built with the package (kernels/_native_*.so)")
+        found.append("the native CPU loops were not built with the package (kernels/native/_native_*.so)")
     return found
 
 

@@ -4,7 +4,7 @@ Rotary positions with one theta for the global layers and another for the local 
 `global_attn_every_n_layers`-th layer attends over the whole sequence and the rest over a
 sliding window of `local_attention` tokens; a GeGLU MLP; LayerNorms without bias; a final
 norm. The spec's attention method replaces the global layers only: local layers stay exact
-windowed attention (`kernels.local`), already linear in N.
+windowed attention (`kernels.reference.local`), already linear in N.
 Parameter names are HF's own, so `HF_NAMES` is empty.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from kernels import AttentionSpec, attention
-from kernels.local import local_attention
+from kernels.reference.local import local_attention
 from models.config import ACTIVATIONS, EncoderConfig
 from models.networks.rotary import apply_rotary, packed_rotary
 from models.networks.rows import by_rows

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from kernels import AttentionSpec
-from kernels.hashing import holding_device_constants
+from kernels.reference.hashing import holding_device_constants
 from models.runtime.forward import LayeredModel, Pass
 from models.runtime.packing import Packed
 
@@ -107,7 +107,7 @@ class _Captured:
     static: Pass  # the buffers the graphs read and write
     pool: Any
     replays: list[Callable[[], None] | None]  # per layer, once captured
-    held: list[Tensor] = field(default_factory=list)  # device constants the graphs read (kernels.hashing)
+    held: list[Tensor] = field(default_factory=list)  # device constants the graphs read (kernels.reference.hashing)
     layout: Packed | None = None  # the layout whose positions, mask and tables are in `static`
 
 

@@ -66,7 +66,7 @@ def test_copied_sources_exist_and_are_not_dockerignored(commands):
 
 @pytest.mark.parametrize("path", [".venv/bin/python", ".git/HEAD", "tests/deploy/conftest.py", "bench/cpu.py",
                                   "service/__pycache__/app.cpython-311.pyc",
-                                  "kernels/_native_x86_64.cpython-311-x86_64-linux-gnu.so"])
+                                  "kernels/native/_native_x86_64.cpython-311-x86_64-linux-gnu.so"])
 def test_dockerignore_keeps_the_build_context_small(path):
     assert dockerignored(path)
 

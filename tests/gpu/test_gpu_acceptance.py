@@ -44,9 +44,9 @@ from bench.common import exact_attention, long_text_ids, real_qkv, rel_err
 from bench.cpu import SPECS
 from bench.gpu import dry_run_spec
 from kernels import AttentionSpec, attention
-from kernels.clustered import REFERENCE
-from kernels.masks import token_masks
-from kernels.smyrf import asymmetric_hashes, smyrf_cluster_count, smyrf_projections
+from kernels.reference.clustered import REFERENCE
+from kernels.reference.masks import token_masks
+from kernels.reference.smyrf import asymmetric_hashes, smyrf_cluster_count, smyrf_projections
 from kernels.stages import cluster_queries
 
 pytestmark = pytest.mark.gpu
@@ -125,11 +125,11 @@ def same_clusters(q: Tensor, k: Tensor, spec: AttentionSpec, mask: Tensor | None
     bucket, queries and keys, averaged over rounds)."""
     key_mask, query_mask = token_masks(q, k, mask)
     if spec.method != "smyrf":
-        from kernels.clustered_triton import TRITON
+        from kernels.triton.clustered import TRITON
 
         same = cluster_queries(TRITON, q, query_mask, spec) == cluster_queries(REFERENCE, q.float(), query_mask, spec)
         return same.transpose(0, 1)[:, query_mask].float().mean().item()
-    from kernels.smyrf_triton import smyrf_hashes_triton
+    from kernels.triton.smyrf import smyrf_hashes_triton
 
     projections = smyrf_projections(spec.hash_rounds, q.shape[1], q.shape[-1], spec.seed)
     tri = smyrf_hashes_triton(q, k, mask, projections.to(q.device))

@@ -32,7 +32,10 @@ def several_programs_per_head(monkeypatch):
     """Shrink the row tiles of the Triton kernels that cut a head into chunks to 16 rows, so
     the few dozen tokens of a test give each head several programs: the per-chunk partials
     and the launches that reduce them across programs really run."""
-    from kernels import cluster_layout_triton, hamming_triton, means_triton, smyrf_triton
+    from kernels.triton import cluster_layout as cluster_layout_triton
+    from kernels.triton import hamming as hamming_triton
+    from kernels.triton import means as means_triton
+    from kernels.triton import smyrf as smyrf_triton
 
     for module, name in ((hamming_triton, "BLOCK_N"), (means_triton, "BLOCK_N"), (cluster_layout_triton, "BLOCK_N"),
                          (smyrf_triton, "HASH_TILE")):

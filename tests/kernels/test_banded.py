@@ -1,4 +1,4 @@
-"""Banded attention (kernels/banded.py): the reference against its definition written out key by
+"""Banded attention (kernels/reference/banded.py): the reference against its definition written out key by
 key, every backend against the reference, and exact attention where the band covers the
 sequence. The Triton kernel runs under Triton's interpreter (small shapes)."""
 
@@ -140,8 +140,8 @@ def test_triton_matches_reference(n, block, band, sinks, far, lengths, dtype):
 def test_triton_block_scores_match_the_reference(n, block, lengths, dtype):
     """The scores that choose the far blocks: the Triton kernel against the reference's matrix
     product, -inf where a query block has no real query."""
-    from kernels import banded as reference
-    from kernels import banded_triton
+    from kernels.reference import banded as reference
+    from kernels.triton import banded as banded_triton
 
     q, k, v = qkv(b=2, h=2, n=n, d=16, dtype=dtype, seed=n + 4)
     mask = padding_mask(2, n, lengths)
@@ -197,7 +197,7 @@ def test_self_attention_only():
 def test_no_sequence_by_sequence_tensor(monkeypatch):
     """The reference never builds an N x N tensor: its logits are (blocks, block, band + sinks +
     blocks) per step."""
-    import kernels.banded as module
+    import kernels.reference.banded as module
 
     n = 512
     q, k, v = qkv(b=1, h=1, n=n, d=8)

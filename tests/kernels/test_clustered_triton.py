@@ -26,10 +26,10 @@ from ties import (  # noqa: E402
 )
 
 from kernels import AttentionSpec, attention  # noqa: E402
-from kernels.clustered import REFERENCE, _centroid_attention  # noqa: E402
-from kernels.full import full_attention  # noqa: E402
-from kernels.hashing import hash_codes, hash_planes, hash_signs, pack_codes  # noqa: E402
-from kernels.kmeans import (  # noqa: E402
+from kernels.reference.clustered import REFERENCE, _centroid_attention  # noqa: E402
+from kernels.reference.full import full_attention  # noqa: E402
+from kernels.reference.hashing import hash_codes, hash_planes, hash_signs, pack_codes  # noqa: E402
+from kernels.reference.kmeans import (  # noqa: E402
     _count_members,
     _nearest,
     cluster_means,
@@ -40,15 +40,17 @@ from kernels.kmeans import (  # noqa: E402
 )
 from kernels.stages import CentroidAttention, cluster_queries  # noqa: E402
 
-triton_clustered = pytest.importorskip("kernels.clustered_triton")
-from kernels import centroid_triton, hamming_triton, lloyd_triton  # noqa: E402
-from kernels.cluster_layout_triton import cluster_layout_triton  # noqa: E402
-from kernels.clustered import cluster_tiles  # noqa: E402
-from kernels.hamming_triton import hamming_kmeans_triton  # noqa: E402
-from kernels.hashing_triton import hash_codes_triton  # noqa: E402
-from kernels.lloyd_triton import refine_clusters_triton  # noqa: E402
-from kernels.means_triton import cluster_means_triton  # noqa: E402
-from kernels.triton_helpers import chunking  # noqa: E402
+triton_clustered = pytest.importorskip("kernels.triton.clustered")
+from kernels.reference.clustered import cluster_tiles  # noqa: E402
+from kernels.triton import centroid as centroid_triton  # noqa: E402
+from kernels.triton import hamming as hamming_triton  # noqa: E402
+from kernels.triton import lloyd as lloyd_triton  # noqa: E402
+from kernels.triton.cluster_layout import cluster_layout_triton  # noqa: E402
+from kernels.triton.hamming import hamming_kmeans_triton  # noqa: E402
+from kernels.triton.hashing import hash_codes_triton  # noqa: E402
+from kernels.triton.helpers import chunking  # noqa: E402
+from kernels.triton.lloyd import refine_clusters_triton  # noqa: E402
+from kernels.triton.means import cluster_means_triton  # noqa: E402
 
 METHODS = ("clustered", "i-clustered")
 

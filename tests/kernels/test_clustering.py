@@ -6,9 +6,9 @@ from kernel_inputs import APPROXIMATE, padding_mask, qkv
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import AttentionSpec, attention
-from kernels.clustered import REFERENCE, cluster_tiles
-from kernels.hashing import hash_codes, hash_planes, hash_signs, pack_codes, unpack_bits
-from kernels.kmeans import hamming_kmeans
+from kernels.reference.clustered import REFERENCE, cluster_tiles
+from kernels.reference.hashing import hash_codes, hash_planes, hash_signs, pack_codes, unpack_bits
+from kernels.reference.kmeans import hamming_kmeans
 from kernels.stages import cluster_queries
 
 

@@ -1,10 +1,10 @@
-"""kernels/local.py: chunked sliding-window attention against a dense banded-mask reference."""
+"""kernels/reference/local.py: chunked sliding-window attention against a dense banded-mask reference."""
 
 import pytest
 import torch
 
 from kernels import AttentionSpec, attention
-from kernels.local import local_attention, local_attention_dense
+from kernels.reference.local import local_attention, local_attention_dense
 
 
 @pytest.mark.parametrize("n", [1, 7, 64, 130, 301])

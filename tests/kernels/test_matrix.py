@@ -18,7 +18,7 @@ import torch
 from kernel_inputs import padding_mask, qkv
 
 from kernels import AttentionSpec, attention
-from kernels.full import full_attention
+from kernels.reference.full import full_attention
 from kernels.spec import exact_by_knobs
 
 N = 40

@@ -1,4 +1,4 @@
-"""The native backend (kernels/native.c through clustered_native.py) against the reference."""
+"""The native backend (kernels/native/native.c through native/clustered.py) against the reference."""
 
 import ctypes
 import logging
@@ -14,11 +14,11 @@ from ties import (
 )
 
 from kernels import AttentionSpec, attention, backend_for, native
-from kernels.clustered import REFERENCE, _centroid_attention
-from kernels.clustered_native import NATIVE
-from kernels.hashing import hash_codes, hash_planes, hash_signs
-from kernels.kmeans import hamming_kmeans, initial_centroid_positions, initial_offsets
-from kernels.masks import token_masks
+from kernels.native.clustered import NATIVE
+from kernels.reference.clustered import REFERENCE, _centroid_attention
+from kernels.reference.hashing import hash_codes, hash_planes, hash_signs
+from kernels.reference.kmeans import hamming_kmeans, initial_centroid_positions, initial_offsets
+from kernels.reference.masks import token_masks
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native loops were not built (no C compiler)")
 

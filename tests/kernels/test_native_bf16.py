@@ -20,14 +20,14 @@ from ties import assert_codes_agree, assert_refinement_agrees, assert_topk_agree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import AttentionSpec, attention, native
-from kernels.clustered import REFERENCE, _centroid_attention
-from kernels.clustered_native import NATIVE
-from kernels.full import full_attention
-from kernels.hashing import hash_planes
-from kernels.masks import token_masks
-from kernels.smyrf import REFERENCE as SMYRF_REFERENCE
-from kernels.smyrf import cluster_counts
-from kernels.smyrf_native import NATIVE as SMYRF_NATIVE
+from kernels.native.clustered import NATIVE
+from kernels.native.smyrf import NATIVE as SMYRF_NATIVE
+from kernels.reference.clustered import REFERENCE, _centroid_attention
+from kernels.reference.full import full_attention
+from kernels.reference.hashing import hash_planes
+from kernels.reference.masks import token_masks
+from kernels.reference.smyrf import REFERENCE as SMYRF_REFERENCE
+from kernels.reference.smyrf import cluster_counts
 from kernels.stages import run_clustered, run_smyrf
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native loops were not built (no C compiler)")

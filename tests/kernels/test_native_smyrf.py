@@ -1,4 +1,4 @@
-"""The native SMYRF stages (kernels/native.c through smyrf_native.py) against the reference."""
+"""The native SMYRF stages (kernels/native/native.c through native/smyrf.py) against the reference."""
 
 import math
 
@@ -8,9 +8,9 @@ from kernel_inputs import padding_mask, qkv
 
 from kernels import AttentionSpec, attention, native
 from kernels.dispatch import smyrf_stages
-from kernels.masks import token_masks
-from kernels.smyrf import REFERENCE, _cluster_attention, cluster_counts, cluster_slots, merge_by_mass
-from kernels.smyrf_native import NATIVE
+from kernels.native.smyrf import NATIVE
+from kernels.reference.masks import token_masks
+from kernels.reference.smyrf import REFERENCE, _cluster_attention, cluster_counts, cluster_slots, merge_by_mass
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native loops were not built (no C compiler)")
 

@@ -15,14 +15,14 @@ import torch
 from kernel_inputs import padding_mask, poison_empty, qkv, several_programs_per_head
 
 from kernels import AttentionSpec, attention
-from kernels.smyrf import (
+from kernels.reference.smyrf import (
     _cluster_attention,
     asymmetric_hashes,
     cluster_slots,
     merge_by_mass,
     smyrf_projections,
 )
-from kernels.smyrf_triton import smyrf_cluster_attention_triton, smyrf_hashes_triton
+from kernels.triton.smyrf import smyrf_cluster_attention_triton, smyrf_hashes_triton
 
 FULL = AttentionSpec(method="full")
 

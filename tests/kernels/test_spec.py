@@ -142,7 +142,7 @@ def test_exact_attention_with_a_check_runs_in_query_blocks_to_the_same_result():
     import torch
 
     from kernels import attention
-    from kernels.full import CHECKED_QUERY_BLOCK
+    from kernels.reference.full import CHECKED_QUERY_BLOCK
 
     generator = torch.Generator().manual_seed(1)
     n = 2 * CHECKED_QUERY_BLOCK + 5

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kernels import AttentionSpec
-from kernels.hashing import hash_planes, holding_device_constants, on_device
+from kernels.reference.hashing import hash_planes, holding_device_constants, on_device
 from models.config import EncoderConfig
 from models.networks import bert, eurobert, modernbert, rotary_bert
 from models.pooling import POOLING_MODES, pool

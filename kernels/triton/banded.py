@@ -30,10 +30,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .banded import BandedStages, Pooled, chosen_hits, pool
-from .blocks import pow2_block
-from .spec import AttentionSpec
-from .triton_helpers import dot_split_right, mma, online_softmax_step, rounded, upcast
+from kernels.reference.banded import BandedStages, Pooled, chosen_hits, pool
+from kernels.spec import AttentionSpec
+from kernels.triton.helpers import dot_split_right, mma, online_softmax_step, pow2_block, rounded, upcast
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -219,17 +218,3 @@ def block_scores(q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpe
 TRITON = BandedStages(
     name="triton", compute=lambda dtype: dtype, pool=pool, attend=attend, contiguous=True, scores=block_scores
 )
-
-
-def _band_span(a: dict) -> dict:
-    """The slowest program's loops: the band's, its BLOCK_M rows' blocks plus BAND blocks each
-    side; the chosen blocks', once per query block its rows meet."""
-    size, block_m = a["SIZE"], a["BLOCK_M"]
-    aligned = size % block_m == 0 or block_m % size == 0
-    row_blocks = -(-block_m // size) + (0 if aligned else 1)
-    return {"lo": 0, "hi": min(a["N"], (row_blocks + 2 * a["BAND"]) * size), "first": 0, "last": (row_blocks - 1) * size}
-
-
-# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
-# launch's arguments do not give, as the slowest program sees them.
-LOOP_BOUNDS = {"_banded_kernel": _band_span}

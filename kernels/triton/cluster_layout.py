@@ -22,8 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .blocks import pow2_block
-from .triton_helpers import chunking, slowest_chunk
+from kernels.triton.helpers import chunking, pow2_block
 
 # Queries per tile of a chunk, and clusters per step of the counts and the scatter.
 BLOCK_N = 64
@@ -143,11 +142,3 @@ def cluster_layout_triton(assign: Tensor, clusters: int, tile: int) -> ClusterLa
         assign, offsets, layout.order, n, clusters, chunk, chunks, BLOCK_N=BLOCK_N, BLOCK_C=block_c,
     )
     return layout
-
-
-# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): the rows of the
-# slowest program, which the launch's arguments do not give.
-LOOP_BOUNDS = {
-    "_layout_counts_kernel": lambda a: slowest_chunk(a["N"], a["CHUNK"]),
-    "_layout_scatter_kernel": lambda a: slowest_chunk(a["N"], a["CHUNK"]),
-}

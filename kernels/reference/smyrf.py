@@ -12,7 +12,7 @@ With N real queries and M real keys, L = min(ceil(max(N, M) / cluster_size), N, 
 rank-r query of N falls in cluster floor(r L / N) (keys likewise): clusters differ in size by
 at most one, for any length. One cluster (cluster_size >= max(N, M)) is exact attention.
 This file holds the reference backend's stages (kernels/stages.py runs them); the Triton
-kernels live in smyrf_triton.py.
+kernels live in triton/smyrf.py.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .hashing import seeded_generator
-from .masks import token_masks
-from .spec import AttentionSpec
-from .stages import SmyrfStages, float32_or_64, sort_by_hash
+from kernels.reference.hashing import seeded_generator
+from kernels.reference.masks import token_masks
+from kernels.spec import AttentionSpec
+from kernels.stages import SmyrfStages, float32_or_64, sort_by_hash
 
 
 def smyrf_cluster_count(n_real, m_real, cluster_size: int):

@@ -2,7 +2,7 @@
 bias, sign and packing of the sign bits into one int64 per query, in one pass.
 
 Matches `hashing.hash_codes` (bit b set where projection b, bias included, is positive).
-Half-precision queries meet the float32 planes on tensor cores through triton_helpers (three
+Half-precision queries meet the float32 planes on tensor cores through kernels.triton.helpers (three
 half-precision parts of the planes), which keeps every sign that float32 keeps.
 The planes come from the same seeded CPU generator as the reference; they are copied to the
 device once per (heads, dim, bits, seed, device) and kept, because a blocking host-to-device
@@ -16,8 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .blocks import pow2_block
-from .triton_helpers import dot_split_right, upcast
+from kernels.triton.helpers import dot_split_right, pow2_block, upcast
 
 # Codes are packed into one int64, so at most 63 bits (spec.bits <= 63): the tile is 64 wide.
 BLOCK_BITS = 64

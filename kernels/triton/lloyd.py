@@ -3,7 +3,7 @@ triton backend's refine stage; kmeans.refine_clusters is the reference they matc
 sums and means of each step are means_triton's.
 
 Each head's queries are cut into chunks of whole BLOCK_N tiles, one program a chunk
-(triton_helpers.chunking). Per chunk, cluster sums are one-hot(cluster) @ rows on tensor
+(kernels.triton.helpers.chunking). Per chunk, cluster sums are one-hot(cluster) @ rows on tensor
 cores, written per chunk and summed over the chunks in chunk order by the next launch: the
 result does not depend on which program ran first. A refinement step from assignments A:
 
@@ -30,19 +30,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import means_triton as means
-from .blocks import pow2_block
-from .means_triton import chunk_sums, load_rows
-from .triton_helpers import (
+from kernels.triton import means
+from kernels.triton.helpers import (
     any_set,
     chunking,
     count_real,
     dot_parts,
     dot_split_right,
-    slowest_chunk,
+    pow2_block,
     split_parts,
     upcast,
 )
+from kernels.triton.means import chunk_sums, load_rows
 
 # Means per tile of the nearest-mean search: up to this many, they are read and split into
 # half-precision parts once per program (more: tiles of 128).
@@ -268,14 +267,3 @@ def refine_clusters_triton(
             EXACT_CASE=exact_case, UPCAST=upcast(q), num_warps=4 if nearest_block <= NEAREST_NARROW_C else 8, **flags,
         )
     return out
-
-
-# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
-# launch's arguments do not give, as the slowest program sees them. The refinement's steps
-# on real queries left no cluster empty (the reference on real text): the candidates and donor
-# launches find nothing to do.
-LOOP_BOUNDS = {
-    "_candidates_kernel": lambda a: {"start": 0, "stop": 0},
-    "_donor_kernel": lambda a: {"wanted": 0, "empties": 0},
-    "_nearest_kernel": lambda a: slowest_chunk(a["N"], a["CHUNK"]),
-}

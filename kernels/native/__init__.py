@@ -4,7 +4,7 @@ called by ctypes.
 On a CPU the PyTorch reference spends its time in (N, C) score matrices and their argmax,
 (C, M) softmax and top-k, and tiles of gathered rows; SMYRF's in per-round gathers, (L, S, S)
 logits and scatters. The native backend runs those steps as the loops of native.c on CPU
-tensors (stage tables: clustered_native.py, smyrf_native.py); the tests compare them with the
+tensors (stage tables: native/clustered.py, native/smyrf.py); the tests compare them with the
 reference (same clusters up to ties within float rounding; outputs equal to float32 rounding).
 
 The loops read q, k and v in float32 or bfloat16 (`DTYPES`) and compute in float32: a
@@ -13,7 +13,7 @@ bfloat16 input gives what the float32 loops give on the same values upcast, with
 copy of q, k or v. Outputs come back in the input's dtype.
 
 `pip install` compiles native.c once per x86-64 level (setup.py: baseline, v3 = AVX2 + FMA,
-v4 = AVX-512) into kernels/_native_<level>*.so; `library()` loads the highest level this CPU
+v4 = AVX-512) into kernels/native/_native_<level>*.so; `library()` loads the highest level this CPU
 runs. CLUSTERSERVE_NATIVE_ISA (x86_64, x86_64_v3 or x86_64_v4) caps the level, so that the
 tests can run the loops under another instruction set than the machine's best. Where no
 library was built (no C compiler at install time), `library()` is None and `backend_for`

@@ -14,9 +14,9 @@ they match is clustered.py.
                                  on the cluster's top-k keys, scaled to their centroid mass
                                  m_j, plus the centroid attention on the other keys (eq. 15)
 
-The softmaxes run in base 2 (triton_helpers.online_softmax_step). Sums and softmaxes are
+The softmaxes run in base 2 (kernels.triton.helpers.online_softmax_step). Sums and softmaxes are
 float32; every dot of half-precision inputs runs on tensor cores (the split-precision dots of
-triton_helpers keep float32 accuracy where one side is float32), float32 inputs use input_precision="ieee" (TF32 alone
+kernels.triton.helpers keep float32 accuracy where one side is float32), float32 inputs use input_precision="ieee" (TF32 alone
 would miss the reference by ~1e-3). No host synchronisation: sizes that the reference reads
 from the data (the number of tiles) use their static bound, so a whole forward can be
 captured in a CUDA graph.
@@ -29,19 +29,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .blocks import pow2_block
-from .centroid_triton import centroid_attention_triton
-from .cluster_layout_triton import cluster_layout_triton
-from .clustered import TILE
-from .hamming_triton import hamming_kmeans_triton
-from .hashing import hash_planes, on_device
-from .hashing_triton import hash_codes_triton
-from .kmeans import initial_offsets
-from .lloyd_triton import refine_clusters_triton
-from .means_triton import cluster_means_triton
-from .spec import AttentionSpec
-from .stages import CentroidAttention, ClusteredStages, applied_by_stages
-from .triton_helpers import mma, online_softmax_step, rounded, upcast
+from kernels.reference.clustered import TILE
+from kernels.reference.hashing import hash_planes, on_device
+from kernels.reference.kmeans import initial_offsets
+from kernels.spec import AttentionSpec
+from kernels.stages import CentroidAttention, ClusteredStages, applied_by_stages
+from kernels.triton.centroid import centroid_attention_triton
+from kernels.triton.cluster_layout import cluster_layout_triton
+from kernels.triton.hamming import hamming_kmeans_triton
+from kernels.triton.hashing import hash_codes_triton
+from kernels.triton.helpers import mma, online_softmax_step, pow2_block, rounded, upcast
+from kernels.triton.lloyd import refine_clusters_triton
+from kernels.triton.means import cluster_means_triton
 
 LOG2E = 1.4426950408889634
 # Warps of a sparse tile: 2 (~220 registers) fit four tiles an SM, 4 (~180) two; the tiles are

@@ -2,7 +2,7 @@
 backend's cluster stage; kmeans.hamming_kmeans is the reference it matches).
 
 Each head's queries are cut into chunks of whole BLOCK_N tiles, one program a chunk, enough
-programs per head to fill an H100 at batch 1 (triton_helpers.chunking). One Lloyd iteration
+programs per head to fill an H100 at batch 1 (kernels.triton.helpers.chunking). One Lloyd iteration
 is two launches:
 
     _hamming_assign_kernel  (chunks, B * H)   each query's nearest centroid (Hamming similarity
@@ -32,9 +32,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .blocks import pow2_block
-from .hamming_update_triton import _hamming_update_kernel
-from .triton_helpers import (
+from kernels.triton.hamming_update import _hamming_update_kernel
+from kernels.triton.helpers import (
     any_set,
     chunking,
     cluster_block,
@@ -42,7 +41,7 @@ from .triton_helpers import (
     count_real,
     mma,
     one_hot,
-    slowest_chunk,
+    pow2_block,
     upcast,
 )
 
@@ -320,13 +319,3 @@ def hamming_kmeans_triton(
         FINAL=True, EXACT_CASE=exact_case, **assign_blocks, **common,
     )
     return assign
-
-
-# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
-# launch's arguments do not give, as the slowest program sees them (the update's are
-# hamming_update_triton's).
-LOOP_BOUNDS = {
-    "_hamming_initial_kernel": lambda a: {**slowest_chunk(a["N"], a["CHUNK"]), "c_first": 0,
-                                          "c_last": a["C"] / triton.cdiv(a["N"], a["CHUNK"]) + 3},
-    "_hamming_assign_kernel": lambda a: slowest_chunk(a["N"], a["CHUNK"]),
-}

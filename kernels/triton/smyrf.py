@@ -4,7 +4,7 @@ The triton backend's SMYRF stages (kernels/stages.py runs them); they match the 
 smyrf.py (same seed, same clusters, same output):
 
 1. `_smyrf_norms_kernel`, (chunks of rows, B * H): each chunk's largest squared norm of the
-   real queries and of the real keys (chunks as triton_helpers.chunking cuts them); then
+   real queries and of the real keys (chunks as kernels.triton.helpers.chunking cuts them); then
    `_smyrf_hash_kernel`, (tiles of queries + tiles of keys, B * H): the radius from the
    chunks' maxima (a max is exact in any order) and every round's hash of F(q) and G(k)
    (eq. 4 and 14) as one dot per tile, float32-accurate (split-precision for half inputs);
@@ -18,7 +18,7 @@ smyrf.py (same seed, same clusters, same output):
    block-diagonally and no per-cluster layout, slot size or host-side count is needed.
    The round's output and log-sum-exp are merged by softmax mass (eq. 15) into a float32
    accumulator at the query's original position; the last round writes the output dtype.
-   The softmax is triton_helpers.online_softmax_step, the probabilities rounded to the
+   The softmax is kernels.triton.helpers.online_softmax_step, the probabilities rounded to the
    values' dtype before P @ V, as flash attention does.
 
 No host synchronisation and no torch glue: the kernels count each sequence's real tokens
@@ -39,12 +39,20 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .blocks import pow2_block
-from .hashing import on_device
-from .smyrf import smyrf_cluster_count, smyrf_projections
-from .spec import AttentionSpec
-from .stages import SmyrfStages, sort_by_hash
-from .triton_helpers import chunking, count_real, dot_split_right, mma, online_softmax_step, rounded, slowest_chunk, upcast
+from kernels.reference.hashing import on_device
+from kernels.reference.smyrf import smyrf_cluster_count, smyrf_projections
+from kernels.spec import AttentionSpec
+from kernels.stages import SmyrfStages, sort_by_hash
+from kernels.triton.helpers import (
+    chunking,
+    count_real,
+    dot_split_right,
+    mma,
+    online_softmax_step,
+    pow2_block,
+    rounded,
+    upcast,
+)
 
 # Rows per tile of the norm and hash launches.
 HASH_TILE = 64
@@ -404,20 +412,3 @@ TRITON = SmyrfStages(
     name="triton", compute=lambda dtype: dtype, hash=hash_tokens_triton, sort=sort_by_hash,
     cluster_attention=cluster_attention_triton,
 )
-
-
-def _first_tile_keys(a: dict) -> dict:
-    """The key ranks the first tile of sorted queries streams (all tokens real): those of the
-    clusters its BLOCK_M ranks fall in."""
-    n, m, block_m = a["N"], a["M"], a["BLOCK_M"]
-    clusters = max(1, min(-(-max(n, m) // a["cluster_size"]), n, m))
-    last_cluster = (min(block_m, n) - 1) * clusters // n
-    return {"key_start": 0, "key_stop": -(-(last_cluster + 1) * m // clusters)}
-
-
-# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
-# launch's arguments do not give, as the slowest program sees them.
-LOOP_BOUNDS = {
-    "_smyrf_attention_kernel": _first_tile_keys,
-    "_smyrf_norms_kernel": lambda a: slowest_chunk(max(a["N"], a["M"]), a["CHUNK"]),
-}

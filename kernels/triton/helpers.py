@@ -41,18 +41,6 @@ def chunking(n: int, heads: int, block: int) -> tuple[int, int]:
     return triton.cdiv(tiles, per_program), per_program * block
 
 
-def slowest_chunk(n: int, chunk: int) -> dict:
-    """For the offline cost model's LOOP_BOUNDS: the rows [start, stop) of the slowest program of
-    a head's chunks, the last full one (a count of the rows before it is the longest there)."""
-    start = max(0, n // chunk - 1) * chunk
-    return {"start": start, "stop": min(start + chunk, n)}
-
-
-def cluster_range(clusters: int, per_program: int) -> dict:
-    """For LOOP_BOUNDS: the clusters [first_cluster, last_cluster) of the slowest program, the
-    last full one (the most clusters before it and a full block of its own)."""
-    first = max(0, clusters // per_program - 1) * per_program
-    return {"first_cluster": first, "last_cluster": min(first + per_program, clusters)}
 
 
 def cluster_block(clusters: int) -> int:
@@ -227,3 +215,9 @@ def code_signs(codes, BLOCK_BITS: tl.constexpr):
     bit = tl.arange(0, BLOCK_BITS)
     word = tl.where(bit[None, :] < 32, codes.to(tl.int32)[:, None], (codes >> 32).to(tl.int32)[:, None])
     return (((word >> (bit[None, :] & 31)) & 1) * 2 - 1).to(tl.int8)
+
+
+def pow2_block(size: int, low: int = 16, high: int | None = None) -> int:
+    """The smallest power of two >= size, raised to `low` and capped at `high`."""
+    block = max(low, triton.next_power_of_2(max(size, 1)))
+    return block if high is None else min(high, block)

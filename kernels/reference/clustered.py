@@ -10,8 +10,8 @@ attention on those k keys, scaled to the mass m_j that A^c put on them, and keep
 other keys:  out_i = m_j * softmax(q_i K_top^T) V_top + (V^c_j - A^c_j[top] V_top).
 
 This file holds the reference backend's stages (kernels/stages.py runs them): plain PyTorch,
-the definition the native loops (clustered_native.py) and the Triton kernels
-(clustered_triton.py) are tested against.
+the definition the native loops (native/clustered.py) and the Triton kernels
+(triton/clustered.py) are tested against.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .hashing import hash_codes, hash_planes, unpack_bits
-from .kmeans import cluster_means, hamming_kmeans, initial_offsets, refine_clusters
-from .spec import AttentionSpec
-from .stages import CentroidAttention, ClusteredStages, float32_or_64
+from kernels.reference.hashing import hash_codes, hash_planes, unpack_bits
+from kernels.reference.kmeans import cluster_means, hamming_kmeans, initial_offsets, refine_clusters
+from kernels.spec import AttentionSpec
+from kernels.stages import CentroidAttention, ClusteredStages, float32_or_64
 
 # Members of one cluster are processed in tiles of this many queries (the Triton kernel's
 # BLOCK_M); a tile shares its cluster's top-k keys.

@@ -1,5 +1,5 @@
 """The native backend of banded attention (banded.py): the attend stage as the C loop
-`banded_attention` of native.c (bound in native.py), one (batch, head) slice per call, on
+`banded_attention` of native.c (bound in kernels.native), one (batch, head) slice per call, on
 float32 or bfloat16 CPU tensors (bfloat16 rows widened as they are read). The pool and select
 stages are the reference's (O(N D) means in float32; the far blocks' scores, one matrix
 product).
@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import native
-from .banded import BandedStages, Pooled, pool
-from .spec import AttentionSpec
+from kernels import native
+from kernels.reference.banded import BandedStages, Pooled, pool
+from kernels.spec import AttentionSpec
 
 
 def attend(

@@ -3,7 +3,7 @@
 lloyd_triton; kmeans.cluster_means is the reference they match).
 
 Each head's queries are cut into chunks of whole BLOCK_N tiles, one program a chunk
-(triton_helpers.chunking). Per chunk, cluster sums are one-hot(cluster) @ rows on tensor
+(kernels.triton.helpers.chunking). Per chunk, cluster sums are one-hot(cluster) @ rows on tensor
 cores, written per chunk and summed over the chunks in chunk order by the next launch: the
 result does not depend on which program ran first.
 
@@ -19,16 +19,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .blocks import pow2_block
-from .triton_helpers import (
+from kernels.triton.helpers import (
     any_set,
     chunking,
     cluster_block,
-    cluster_range,
     count_real,
     mma,
     one_hot,
-    slowest_chunk,
+    pow2_block,
     sum_chunks,
     sum_chunks_2d,
     upcast,
@@ -200,11 +198,3 @@ def cluster_means_triton(x: Tensor, assign: Tensor, clusters: int) -> tuple[Tens
     sums(x, assign, None, copy, buffers, clusters, chunk, chunks, exact_case=False)
     means(x, buffers, buffers.moved[1], clusters, chunks)
     return buffers.means.view(b, h, clusters, d), buffers.members.view(b, h, clusters)
-
-
-# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
-# launch's arguments do not give, as the slowest program sees them.
-LOOP_BOUNDS = {
-    "_sums_kernel": lambda a: slowest_chunk(a["N"], a["CHUNK"]),
-    "_means_kernel": lambda a: cluster_range(a["C"], a["PER_PROGRAM"]),
-}

@@ -21,24 +21,21 @@ each cluster's top-k keys of A^c. A^c is never written.
                                 into the top-k, their indices and probabilities
 
 A block of keys costs the top-k a compare per logit and a few steps per candidate, instead of
-a sorting network over every logit. Softmaxes run in base 2 (triton_helpers), the centroids
+a sorting network over every logit. Softmaxes run in base 2 (kernels.triton.helpers), the centroids
 (float32) meet half-precision keys and values as split-precision dots, split once per program.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import fallbacks
-from .blocks import pow2_block
-from .clustered import centroid_attention
-from .stages import CentroidAttention
-from .triton_helpers import TARGET_PROGRAMS, dot_parts_left, online_softmax_step, split_parts, upcast
+from kernels import fallbacks
+from kernels.reference.clustered import centroid_attention
+from kernels.stages import CentroidAttention
+from kernels.triton.helpers import TARGET_PROGRAMS, dot_parts_left, online_softmax_step, pow2_block, split_parts, upcast
 
 LOG2E = 1.4426950408889634
 # The largest top-k (rounded up to a power of two) that the centroid pass selects on chip.
@@ -329,25 +326,3 @@ def centroid_attention_triton(
         BLOCK_C=COMBINE_BLOCK_C, TOP=top,
     )
     return CentroidAttention(values, top_index, top_probs)
-
-
-def _topk_rounds(a: dict) -> dict:
-    """One program's split and its rounds of candidates per block of keys: on real attention a
-    row has about 1.3 TOP keys at or above its threshold, spread over the M keys; a block's
-    rounds are the most any of its rows has (a Poisson maximum)."""
-    per_row = 1.3 * a["TOP"] * a["BLOCK_M"] / max(a["M"], 1)
-    cdf, term, rounds, k = 0.0, math.exp(-per_row), 0.0, 0
-    while cdf < 1 - 1e-9 and k < a["BLOCK_M"]:
-        cdf += term
-        rounds += 1 - cdf ** a["BLOCK_C"]  # P(max > k)
-        k += 1
-        term *= per_row / k
-    return {"first": 0, "stop": min(a["CHUNK"], a["M"]), "candidates": rounds}
-
-
-# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
-# launch's arguments do not give, as the slowest program sees them.
-LOOP_BOUNDS = {
-    "_centroid_attention_kernel": lambda a: {"first": 0, "stop": min(a["CHUNK"], a["M"])},
-    "_centroid_topk_kernel": _topk_rounds,
-}

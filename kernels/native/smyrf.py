@@ -1,5 +1,5 @@
 """The native backend of SMYRF: the reference's stages (smyrf.py) as C loops of native.c
-(bound in native.py), one (batch, head) slice per call, on float32 or bfloat16 CPU tensors
+(bound in kernels.native), one (batch, head) slice per call, on float32 or bfloat16 CPU tensors
 (bfloat16 rows are widened as the loops read them, never copied to float32):
 
     hash                smyrf_hashes: max norms, the asymmetric transform and every round's
@@ -22,11 +22,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import native
-from .masks import token_masks
-from .smyrf import cluster_counts, smyrf_projections
-from .spec import AttentionSpec
-from .stages import SmyrfStages
+from kernels import native
+from kernels.reference.masks import token_masks
+from kernels.reference.smyrf import cluster_counts, smyrf_projections
+from kernels.spec import AttentionSpec
+from kernels.stages import SmyrfStages
 
 
 def hash_tokens(q: Tensor, k: Tensor, key_padding_mask: Tensor | None, spec: AttentionSpec) -> tuple[Tensor, Tensor]:

@@ -1,7 +1,7 @@
 """The native backend of clustered and improved clustered attention: the reference's stages
 with the hashing, the K-means, the refinement, the cluster means, i-clustered's centroid pass
 (A^c V and the top-k in one sweep over the keys) and the per-query sparse part in the C loops
-of native.c (native.py), on float32 or bfloat16 CPU tensors.
+of native.c (kernels.native), on float32 or bfloat16 CPU tensors.
 
 They do the reference's work without its (N, C) score matrices, (C, M) probabilities and
 (T, tile, k) logits, and read bfloat16 q, k, v as they are (the loops widen each row as they
@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import native
-from .clustered import broadcast, gather_rows
-from .full import attend
-from .hashing import hash_planes
-from .kmeans import initial_centroid_positions, initial_offsets
-from .spec import AttentionSpec
-from .stages import CentroidAttention, ClusteredStages
+from kernels import native
+from kernels.reference.clustered import broadcast, gather_rows
+from kernels.reference.full import attend
+from kernels.reference.hashing import hash_planes
+from kernels.reference.kmeans import initial_centroid_positions, initial_offsets
+from kernels.spec import AttentionSpec
+from kernels.stages import CentroidAttention, ClusteredStages
 
 # The centroid pass of clustered attention upcasts k and v in this many parts.
 UPCAST_PARTS = 4

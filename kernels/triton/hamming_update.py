@@ -16,9 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_helpers import (
+from kernels.triton.helpers import (
     any_set,
-    cluster_range,
     code_signs,
     scalar_at,
     sum_chunks,
@@ -112,15 +111,3 @@ def _hamming_update_kernel(
             tl.store(centroid_signs_ptr + (bh * C + cols)[:, None] * BLOCK_BITS + bit[None, :],
                      code_signs(code, BLOCK_BITS), mask=in_block[:, None])
     tl.store(flags_out_ptr + bh * BLOCKS + block, (changed > 0).to(tl.int32))
-
-
-# For the offline cost model (bench/gpu_model.py, bench/trip_counts.py): loop bounds that the
-# launch's arguments do not give, as the slowest program sees them. Empty clusters: about
-# 2 x (C / 100)^2 a head in the first of 10 iterations, almost none after (the reference on real
-# text), the slowest block taking all of a launch's share; a donor is found in one chunk.
-LOOP_BOUNDS = {
-    "_hamming_update_kernel": lambda a: {
-        **cluster_range(a["C"], a["PER_PROGRAM"]), "chunk": 0, "stop": a["CHUNK"],
-        "block_empties": 0.2 * (a["C"] / 100) ** 2,
-    },
-}

@@ -1,0 +1,3 @@
+"""The reference backend: each method's stages in PyTorch (any device, any float dtype), the
+definition the native and Triton backends are tested against; exact attention, local
+attention and the masks and hashing the methods share."""

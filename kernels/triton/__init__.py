@@ -1,0 +1,2 @@
+"""The Triton backend (CUDA tensors; CPU tensors under TRITON_INTERPRET=1 in the tests): each
+method's stages as Triton kernels, and the helpers they share (block sizes, grids)."""
