@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from models.planning.cost import CostModel
 from models.prompts import Prompts
+from models.runtime.encoder import Encoder
 from service.app import create_app
 from service.settings import Settings
 
@@ -122,19 +123,7 @@ class FakeEncoder:
     def tokenize(self, texts: list[str]):
         return self.tokenizer.encode(texts)
 
-    def prepare(self, inputs, truncate=False, truncation_direction="right", prompt_name=None):
-        from models.planning.inputs import prepare_inputs
-
-        self.prompts.text(prompt_name)  # an unknown name raises, as the real encoder's does
-
-        return prepare_inputs(
-            self.tokenizer,
-            inputs,
-            vocab_size=self.vocab_size,
-            limit=self.max_input_tokens,
-            truncate=truncate,
-            truncation_direction=truncation_direction,
-        )
+    prepare = Encoder.prepare  # the real rules: prompts, token-id checks, limits, truncation
 
     def start(self, sequences, specs, adapter=None, check=None):
         """A pass of `layers` steps, recorded in `calls`; waits for the gate, fails on demand."""
