@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from kernels import FieldError
 from models.config import UnsupportedArchitecture
 from models.runtime.packing import Packed
 
@@ -39,6 +40,16 @@ class PoolingConfig:
     mode: str = "mean"  # one of POOLING_MODES
     normalize: bool = False  # the checkpoint ends in a Normalize module
     include_prompt: bool = True  # the prompt's tokens are pooled with the text's
+
+    def check_prompt(self, prompt: str) -> None:
+        """FieldError naming prompt_name when a prompt is given and this pooling would leave its
+        tokens out, which is not implemented."""
+        if prompt and not self.include_prompt:
+            raise FieldError(
+                "prompt_name",
+                "this checkpoint pools without its prompt's tokens (include_prompt: false), "
+                "which is not implemented; embed without a prompt",
+            )
 
 
 @dataclass(frozen=True)

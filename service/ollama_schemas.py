@@ -32,9 +32,12 @@ OPTIONS_DESCRIPTION = "Ollama's model options (num_ctx, num_thread, ...): accept
 KEEP_ALIVE_DESCRIPTION = "accepted and ignored: the model stays loaded for the server's lifetime"
 # Ollama answers a body without a model "model is required" (400): the server checks it itself,
 # so that the words are Ollama's, and the schema says it (a non-empty string, required).
-REQUIRED_MODEL = WithJsonSchema({"type": "string", "minLength": 1, "description": MODEL_DESCRIPTION})
-ModelName = Annotated[Union[str, None], REQUIRED_MODEL]
-OLD_NAME = "the same as model (Ollama's older field)"
+def _name(description: str) -> Any:
+    """An optional string the schema states as a non-empty one."""
+    return Annotated[Union[str, None], WithJsonSchema({"type": "string", "minLength": 1, "description": description})]
+
+
+ModelName = _name(MODEL_DESCRIPTION)
 ATTENTION_DESCRIPTION = "extension: the attention method and knobs, as on every embedding route (echo: x-attention)"
 
 
@@ -86,7 +89,7 @@ class OllamaShowRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"anyOf": [{"required": ["model"]}, {"required": ["name"]}]})
 
     model: ModelName = None
-    name: Annotated[Union[str, None], WithJsonSchema({"type": "string", "minLength": 1, "description": OLD_NAME})] = None
+    name: _name("the same as model (Ollama's older field)") = None  # type: ignore[valid-type]
     verbose: StrictBool = Field(False, description="accepted; the answer is the same")
 
 

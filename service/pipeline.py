@@ -102,17 +102,15 @@ async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Emb
     """Serve one request (see the module docstring); raises ServiceError with the documented status."""
     state = get_state(request)
     settings = state.settings
+    params: list[str] = []
     try:
         spec, target = resolve_request_attention(state.default_spec, options.attention, settings.target_fidelity)
-    except FieldError as exc:
-        raise errors.from_field_error(exc, options.param, [], {}) from None
-    request.scope[METHOD_KEY] = spec.method
-    encoder, batcher = state.require_ready()
-    inputs, params = parse_inputs(raw_inputs, options.param, settings.max_client_batch_size)
-    try:
+        request.scope[METHOD_KEY] = spec.method
+        encoder, batcher = state.require_ready()
+        inputs, params = parse_inputs(raw_inputs, options.param, settings.max_client_batch_size)
         planned = await run_in_threadpool(request_plan, encoder, inputs, spec, target, options, settings)
     except FieldError as exc:
-        renames = {"chunking": "late_chunking"} if options.late_chunking else {}
+        renames = {"chunking": "late_chunking"} if options.late_chunking else {}  # Jina's form names it so
         raise errors.from_field_error(exc, options.param, params, renames) from None
     for limit in planned.limits:
         if limit.count > limit.limit:
@@ -152,14 +150,14 @@ def answer(
     if planned.chunks is not None:
         for method, one in zip(methods, vectors):
             metrics.chunks.labels(method=method).observe(len(one))
-    n = len(rows)
+    sequences = len(rows)
     embedded = Embedded(
         vectors=torch.cat(vectors),
         rows=[len(one) for one in vectors],
         tokens=list(planned.input_tokens),
         attention=planned.sequences.echo(),
         result=result,
-        inference_s=result.run_seconds(list(range(n))) if rerun else result.inference_s,
+        inference_s=result.run_seconds(list(range(sequences))) if rerun else result.inference_s,
         prompt_name=planned.sequences.prompt_name,
         adapter=planned.sequences.adapter,
         model=model,
@@ -169,15 +167,15 @@ def answer(
         return embedded
     exact = [finish(v, options.normalize, options.dimensions) for v in planned.assemble(exact_rows(result.vectors, rows, rerun))]
     cosines: list[float] = []
-    for sequences, method, one, twin in zip(planned.input_sequences, methods, vectors, exact):
-        if any(i in rerun for i in sequences):
+    for which, method, one, twin in zip(planned.input_sequences, methods, vectors, exact):
+        if any(i in rerun for i in which):
             part = torch.nn.functional.cosine_similarity(one, twin, dim=-1).tolist()
             for cosine in part if method != "full" else ():
                 metrics.fidelity.labels(method=method).observe(cosine)
         else:
             part = [1.0] * len(one)
         cosines += part
-    exact_s = result.run_seconds(list(range(n, n + len(rerun)))) if rerun else embedded.inference_s
+    exact_s = result.run_seconds(list(range(sequences, sequences + len(rerun)))) if rerun else embedded.inference_s
     return dataclasses.replace(embedded, fidelity=cosines, exact_s=exact_s)
 
 

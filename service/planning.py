@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from kernels import AttentionSpec, FieldError
+from kernels.spec import ATTENTION
 from models import Encoder
 from models.planning.chunk_plan import Chunk, plan_chunks, plan_late_inputs
 from models.planning.chunking import CHUNKING, ChunkingSpec
@@ -123,14 +124,23 @@ def request_plan(
             )
         tokens = sum(planned.tokens for planned in chunked.plan.inputs)
         advice = "send fewer inputs" if options.late_chunking else "send a larger chunking.size or fewer inputs"
-        return _request_plan(
-            encoder, chunked.plan, chunked.outputs, tuple(one.tokens for one in chunked.inputs),
-            tuple(one.sequences for one in chunked.inputs), chunked.assemble,
-            (Limit(tokens, "tokens", settings.max_request_tokens, "send fewer or shorter inputs"),
-             Limit(chunked.chunks, "chunks", settings.max_request_chunks, advice)),
-            budget_advice=f"{PER_REQUEST}, larger chunks, or less overlap between windows (chunking.window_overlap)",
+        budget_advice = PER_REQUEST
+        if len(chunked.plan.inputs) > len(inputs):  # chunks or windows
+            budget_advice += ", larger chunks, or less overlap between windows (chunking.window_overlap)"
+        return RequestPlan(
+            sequences=chunked.plan,
+            outputs=chunked.outputs,
+            work=_work(encoder, chunked.plan),
+            input_tokens=tuple(one.tokens for one in chunked.inputs),
+            input_sequences=tuple(one.sequences for one in chunked.inputs),
+            assemble=chunked.assemble,
+            limits=(
+                Limit(tokens, "tokens", settings.max_request_tokens, "send fewer or shorter inputs"),
+                Limit(chunked.chunks, "chunks", settings.max_request_chunks, advice),
+            ),
+            budget_advice=budget_advice,
             chunks=tuple(one.chunks for one in chunked.inputs),
-        )  # fmt: skip
+        )
     call = plan(encoder, inputs, spec, truncate=options.truncate, truncation_direction=direction, **common)
     tokens = tuple(planned.tokens for planned in call.inputs)
     if options.every_token:
@@ -138,15 +148,20 @@ def request_plan(
     else:
         limit = Limit(sum(tokens), "tokens", settings.max_request_tokens, "send fewer or shorter inputs")
     output = EVERY_TOKEN if options.every_token else POOLED
-    return _request_plan(
-        encoder, call, (output,) * len(tokens), tokens, tuple(range(i, i + 1) for i in range(len(tokens))),
-        lambda rows: list(rows.split([output.rows(n) for n in tokens])), (limit,),
-    )  # fmt: skip
+    return RequestPlan(
+        sequences=call,
+        outputs=(output,) * len(tokens),
+        work=_work(encoder, call),
+        input_tokens=tokens,
+        input_sequences=tuple(range(i, i + 1) for i in range(len(tokens))),  # one sequence an input
+        assemble=lambda rows: list(rows.split([output.rows(n) for n in tokens])),
+        limits=(limit,),
+    )
 
 
-def _request_plan(encoder: Encoder, sequences: Plan, outputs: tuple[Output, ...], *rest: Any, **named: Any) -> RequestPlan:
-    work = tuple(encoder.cost.work(planned.tokens, planned.spec) for planned in sequences.inputs)
-    return RequestPlan(sequences, outputs, work, *rest, **named)
+def _work(encoder: Encoder, sequences: Plan) -> tuple[float, ...]:
+    """Each sequence's estimated work units (models.planning.cost), by its tokens and resolved spec."""
+    return tuple(encoder.cost.work(planned.tokens, planned.spec) for planned in sequences.inputs)
 
 
 def resolve_request_attention(
@@ -167,14 +182,14 @@ def resolve_request_attention(
             raise FieldError(
                 "target_fidelity",
                 f'applies to method "auto" only, got method {method!r}; leave method out or set it to "auto"',
-                "attention",
+                ATTENTION,
             )
         if named_knobs:
             raise FieldError(
                 named_knobs[0],
                 "is chosen by target_fidelity from the calibration table; leave it out, "
                 "or drop target_fidelity to choose the knobs yourself",
-                "attention",
+                ATTENTION,
             )
     return dataclasses.replace(default, **knobs), target
 

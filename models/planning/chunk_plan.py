@@ -179,12 +179,8 @@ def _prompt(
         raise FieldError("chunking", "applies to a list of texts; token-id inputs cannot be chunked")
     chosen_prompt, chosen_adapter = choose_prompt_and_adapter(encoder, texts, prompt_name, adapter)
     prompt = encoder.prompts.text(chosen_prompt) if chosen_prompt is not None else ""
-    if prompt and not late and not encoder.pooling.include_prompt:
-        raise FieldError(
-            "prompt_name",
-            "this checkpoint pools without its prompt's tokens (include_prompt: false), "
-            "which is not implemented; embed without a prompt",
-        )
+    if not late:  # late chunking pools spans of the text, never the prompt
+        encoder.pooling.check_prompt(prompt)
     prompt_ids = encoder.tokenizer.encode_body([prompt])[0].ids if prompt else []
     return prompt_ids, chosen_prompt, chosen_adapter
 

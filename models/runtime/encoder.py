@@ -142,12 +142,7 @@ class Encoder:
         prepended; its tokens count toward the limit. Naming a prompt for token-id inputs is a
         FieldError."""
         prompt = self.prompts.text(prompt_name)
-        if prompt and not self.pooling.include_prompt:
-            raise FieldError(
-                "prompt_name",
-                "this checkpoint pools without its prompt's tokens (include_prompt: false), "
-                "which is not implemented; embed without a prompt",
-            )
+        self.pooling.check_prompt(prompt)
         is_text = (
             isinstance(inputs, Sequence) and not isinstance(inputs, (str, bytes)) and all(isinstance(x, str) for x in inputs)
         )

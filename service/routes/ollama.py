@@ -64,7 +64,6 @@ class JSONBodyRoute(APIRoute):
 
 
 router = APIRouter(tags=["ollama"], route_class=JSONBodyRoute)
-ERRORS = OLLAMA_ERROR_RESPONSES
 AUTH = [Depends(require_api_key)]
 
 # Ollama's library name for a model this server can serve (Encoder.name -> Ollama's name).
@@ -112,7 +111,7 @@ def _nanoseconds_since_arrival(request: Request) -> int:
     return int((time.monotonic() - request.scope.get(ARRIVAL_KEY, time.monotonic())) * 1e9)
 
 
-@router.post("/api/embed", response_model=OllamaEmbedResponse, responses=ERRORS, dependencies=AUTH)
+@router.post("/api/embed", response_model=OllamaEmbedResponse, responses=OLLAMA_ERROR_RESPONSES, dependencies=AUTH)
 async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> Response:
     encoder = model_for(request, body.model, not_pulled)
     if not body.input:  # Ollama's clients send this to load a model; it is loaded
@@ -136,7 +135,7 @@ async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> Response:
     return await json_response(answer, embedded.headers())
 
 
-@router.post("/api/embeddings", response_model=OllamaEmbeddingsResponse, responses=ERRORS, dependencies=AUTH)
+@router.post("/api/embeddings", response_model=OllamaEmbeddingsResponse, responses=OLLAMA_ERROR_RESPONSES, dependencies=AUTH)
 async def ollama_embeddings(body: OllamaEmbeddingsRequest, request: Request) -> Response:
     model_for(request, body.model, not_pulled)
     if not body.prompt:
@@ -147,7 +146,7 @@ async def ollama_embeddings(body: OllamaEmbeddingsRequest, request: Request) -> 
     return await json_response(lambda: {"embedding": json_rows(embedded.vectors[0])}, embedded.headers())
 
 
-@router.get("/api/tags", response_model=OllamaTagsResponse, responses=ERRORS)
+@router.get("/api/tags", response_model=OllamaTagsResponse, responses=OLLAMA_ERROR_RESPONSES)
 async def ollama_tags(request: Request) -> JSONResponse:
     encoder, _ = get_state(request).require_ready()
     size = sum(p.numel() * p.element_size() for p in encoder.model.parameters())
@@ -157,7 +156,7 @@ async def ollama_tags(request: Request) -> JSONResponse:
     )
 
 
-@router.post("/api/show", response_model=OllamaShowResponse, responses=ERRORS)
+@router.post("/api/show", response_model=OllamaShowResponse, responses=OLLAMA_ERROR_RESPONSES)
 async def ollama_show(body: OllamaShowRequest, request: Request) -> JSONResponse:
     encoder = model_for(request, body.model or body.name, not_found)
     config, arch = encoder.model.config, encoder.architecture

@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from models.planning.cost import CostModel
+from models.pooling import PoolingConfig
 from models.prompts import Prompts
 from models.runtime.encoder import Encoder
 from service.app import create_app
@@ -91,6 +92,7 @@ class FakeEncoder:
     backend = "reference"
     calibration = None
     graphs = None  # no CUDA graphs (models.runtime.graphs)
+    pooling = PoolingConfig()
     cost = CostModel(per_token=1.0, heads=1, head_dim=1, global_layers=1)  # work = tokens + attention
 
     def __init__(
@@ -194,3 +196,23 @@ def fake_app(encoder: FakeEncoder | None = None, **settings: Any):
     encoder = encoder or FakeEncoder()
     values = {"warmup": False, "method": "full", **settings}
     return create_app(Settings(**values), load=lambda _settings: encoder), encoder
+
+
+class ManualClock:
+    """A scheduler clock (`Batcher(clock=...)`) that stands still until a test moves `now`."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def until(condition, what: str = "the condition") -> None:
+    """Poll `condition` until it holds: a state to wait for, not a time; 60 s at most."""
+    try:
+        with anyio.fail_after(60, shield=True):
+            while not condition():
+                await anyio.sleep(0.002)
+    except TimeoutError:
+        raise TimeoutError(f"waited 60 s for {what}") from None

@@ -10,11 +10,10 @@ import asyncio
 import threading
 import time
 
-import anyio
 import httpx
 import pytest
 from server_process import running_server
-from service_helpers import FakeEncoder, fake_app, license_text, running, scrape, value
+from service_helpers import FakeEncoder, ManualClock, fake_app, license_text, running, scrape, until, value
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +40,7 @@ async def test_a_heavy_request_past_its_deadline_stops_and_small_ones_are_served
     app, encoder = fake_app(FakeEncoder(layers=6, layer_gate=gate))
     async with running(app) as http:
         batcher = app.state.service.batcher
-        clock = Clock(time.monotonic())
+        clock = ManualClock(time.monotonic())
         batcher.clock = clock
         body = {"input": "heavy " * 200, "truncate": True}
         heavy = asyncio.ensure_future(http.post("/v1/embeddings", json=body, headers={"x-request-timeout-ms": "60000"}))
@@ -64,22 +63,6 @@ async def test_a_heavy_request_past_its_deadline_stops_and_small_ones_are_served
     heavy_layers = sum(1 for step in encoder.layers_run if len(step[0]) > 32)
     assert heavy_layers == 3  # it stopped at the first layer boundary after its deadline passed
     assert value(families, "clusterserve_stopped_inputs", "clusterserve_stopped_inputs_total", reason="deadline") == 1.0
-
-
-class Clock:
-    """The scheduler's clock, moved by the test."""
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-async def until(condition) -> None:
-    with anyio.fail_after(60):
-        while not condition():
-            await anyio.sleep(0.002)
 
 
 def test_a_request_over_the_work_budget_is_refused_at_once(base):

@@ -7,10 +7,9 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import anyio
 import pytest
 import torch
-from service_helpers import FakeEncoder
+from service_helpers import FakeEncoder, ManualClock, until
 
 from kernels import AttentionSpec
 from models.planning.cost import Throughput
@@ -21,21 +20,11 @@ pytestmark = pytest.mark.anyio
 FULL = AttentionSpec(method="full")
 
 
-class Clock:
-    """A clock that stands still until a test moves it."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_batcher(encoder: FakeEncoder, clock: Clock | None = None) -> Batcher:
+def make_batcher(encoder: FakeEncoder, clock: ManualClock | None = None) -> Batcher:
     # One work unit a second: the jobs' `work` is their estimated seconds.
     batcher = Batcher(
         encoder, Metrics(), max_batch_tokens=1000, max_concurrent_requests=8, throughput=Throughput(1.0),
-        clock=clock or Clock(),
+        clock=clock or ManualClock(),
     )  # fmt: skip
     batcher.start()
     return batcher
@@ -43,12 +32,6 @@ def make_batcher(encoder: FakeEncoder, clock: Clock | None = None) -> Batcher:
 
 def job(name: int, tokens: int, work: float) -> Job:
     return Job(request_id=str(name), runs=[Run([name] * tokens, FULL, work=work)])
-
-
-async def until(condition, what: str) -> None:
-    with anyio.fail_after(60, shield=True):
-        while not condition():
-            await anyio.sleep(0.002)
 
 
 def layers_of(encoder: FakeEncoder) -> list[int]:
@@ -79,7 +62,7 @@ async def test_a_short_request_waits_for_at_most_one_layer_of_a_long_one():
 async def test_a_long_request_still_advances_once_it_has_waited_its_remaining_work():
     gate = threading.Semaphore(0)
     encoder = FakeEncoder(layers=2, layer_gate=gate)
-    clock = Clock()
+    clock = ManualClock()
     batcher = make_batcher(encoder, clock)
     try:
         # Remaining work 0.01 s: ageing lets it run before a short request that has just come.
@@ -122,7 +105,7 @@ async def test_a_cancelled_request_stops_within_one_layer_and_the_next_is_unchan
 async def test_a_request_past_its_deadline_leaves_its_batch_and_the_others_go_on():
     gate = threading.Semaphore(0)
     encoder = FakeEncoder(layers=4, layer_gate=gate)
-    clock = Clock()
+    clock = ManualClock()
     batcher = make_batcher(encoder, clock)
     try:
         blocker = asyncio.ensure_future(batcher.submit(job(1, 2, work=1e-6)))
