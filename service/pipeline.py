@@ -1,21 +1,21 @@
 """The one serving path: every embedding route's request in, one `Embedded` out.
 
     embed(request, raw inputs, options)
+      -> require_ready              503 while loading, after a failed load, or draining
       -> resolve_request_attention  the request's knobs over the server defaults (service.planning)
       -> parse_inputs               the HTTP shape of `input(s)`: one or several, empty (400), too many (413)
       -> request_plan               service.planning, off the loop: each sequence's ids, attention,
-                                    output and work, and how its rows become the inputs' rows
-      -> limits, budget             413 over a per-request bound, 422 over the work budget
+                                    output and work as the job's runs, how its rows become the
+                                    inputs' rows; 413 over a per-request bound, 422 over the budget
       -> submit_unless_disconnected one Job on the scheduler (service.batching), which batches and runs it
       -> answer                     per input its rows (cut and normalised), timings, and with
                                     "fidelity": true each row's cosine to its exact twin
-    Embedded.headers() is the response's `x-*` headers, built from that one result.
+    Embedded.headers is the response's `x-*` headers, built from that one result.
 
 Pooled vectors, chunks, late-chunking windows and token states differ only in the plan; a
 failure anywhere is a ServiceError with its status (service.errors), the planners' typed
 errors answered by one table there.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -32,20 +32,16 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from torch import Tensor
 
-from kernels import AttentionSpec, FieldError
-from models import Encoder
-from models.planning.calibration import EXACT
+from kernels import FieldError
 from models.planning.chunk_plan import Chunk
-from models.planning.cost import over_budget
-from models.planning.plan import Plan
 from models.runtime.encoder import finish
 
 from . import errors
-from .batching import Batcher, Job, JobResult, Run
+from .batching import Batcher, Job, JobResult
 from .metrics import Metrics, dominant_method
 from .middleware import ARRIVAL_KEY, METHOD_KEY, REQUEST_ID_KEY
 from .planning import EmbedOptions, RequestPlan, parse_inputs, request_plan, resolve_request_attention
-from .state import ServiceState, get_state
+from .state import get_state
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
 # What "fidelity": true compares against, whatever dtype the server runs in.
@@ -73,6 +69,7 @@ class Embedded:
         """Per input, its (rows, dim) vectors."""
         return list(self.vectors.split(self.rows))
 
+    @property
     def headers(self) -> dict[str, str]:
         headers = {
             "x-queue-time-ms": f"{self.result.queue_s * 1e3:.3f}",
@@ -101,46 +98,34 @@ def _header_safe(name: str) -> str:
 async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Embedded:
     """Serve one request (see the module docstring); raises ServiceError with the documented status."""
     state = get_state(request)
-    settings = state.settings
+    encoder, batcher = state.require_ready()
     params: list[str] = []
     try:
-        spec, target = resolve_request_attention(state.default_spec, options.attention, settings.target_fidelity)
+        spec, target = resolve_request_attention(state.default_spec, options.attention, state.settings.target_fidelity)
         request.scope[METHOD_KEY] = spec.method
-        encoder, batcher = state.require_ready()
-        inputs, params = parse_inputs(raw_inputs, options.param, settings.max_client_batch_size)
-        planned = await run_in_threadpool(request_plan, encoder, inputs, spec, target, options, settings)
+        inputs, params = parse_inputs(raw_inputs, options.param, state.settings.max_client_batch_size)
+        planned = await run_in_threadpool(request_plan, encoder, state, inputs, params, spec, target, options)
     except FieldError as exc:
         renames = {"chunking": "late_chunking"} if options.late_chunking else {}  # Jina's form names it so
         raise errors.from_field_error(exc, options.param, params, renames) from None
-    for limit in planned.limits:
-        if limit.count > limit.limit:
-            raise errors.request_too_large(options.param, limit.count, limit.what, limit.limit, limit.advice)
-    rerun = fidelity_reruns(encoder, planned.sequences, options.fidelity)
-    sequences = planned.sequences.inputs
-    runs = [(p.tokens, p.spec) for p in sequences] + [(sequences[i].tokens, EXACT) for i in rerun]
-    check_budget(encoder, runs, state, options.param, params, planned.budget_advice)
-    timeout = request_timeout_s(request, settings.request_timeout_s)
+    timeout = request_timeout_s(request, state.settings.request_timeout_s)
     job = Job(
         request_id=request.scope.get(REQUEST_ID_KEY, ""),
-        runs=[Run(p.ids, p.spec, output, work) for p, output, work in zip(sequences, planned.outputs, planned.work)]
-        + [Run(sequences[i].ids, EXACT, planned.outputs[i], encoder.cost.work(sequences[i].tokens, EXACT), True)
-           for i in rerun],
+        runs=list(planned.runs),
         adapter=planned.sequences.adapter,
         deadline=request.scope.get(ARRIVAL_KEY, time.monotonic()) + timeout,
         timeout_s=timeout,
-    )  # fmt: skip
+    )
     result = await submit_unless_disconnected(request, batcher, job)
-    return answer(planned, result, rerun, options, state.metrics, encoder.name)
+    return answer(planned, result, options, state.metrics, encoder.name)
 
 
-def answer(
-    planned: RequestPlan, result: JobResult, rerun: list[int], options: EmbedOptions, metrics: Metrics, model: str
-) -> Embedded:
+def answer(planned: RequestPlan, result: JobResult, options: EmbedOptions, metrics: Metrics, model: str) -> Embedded:
     """The job's rows as the request's answer: per input its rows, finished (cut to
     `dimensions`, normalised as asked); chunk counts observed; with "fidelity": true each row's
     cosine to the same row with exact attention in float32 (1.0 for an input that ran exact
     attention in float32 throughout: its own reference), observed per method."""
-    rows = planned.rows()
+    rows, rerun = list(planned.rows), planned.rerun
     own = result.vectors[: sum(rows)]
     vectors = [finish(v, options.normalize, options.dimensions) for v in planned.assemble(own)]
     methods = [
@@ -155,7 +140,7 @@ def answer(
         vectors=torch.cat(vectors),
         rows=[len(one) for one in vectors],
         tokens=list(planned.input_tokens),
-        attention=planned.sequences.echo(),
+        attention=planned.attention,
         result=result,
         inference_s=result.run_seconds(list(range(sequences))) if rerun else result.inference_s,
         prompt_name=planned.sequences.prompt_name,
@@ -179,7 +164,7 @@ def answer(
     return dataclasses.replace(embedded, fidelity=cosines, exact_s=exact_s)
 
 
-def exact_rows(vectors: Tensor, rows: list[int], rerun: list[int]) -> Tensor:
+def exact_rows(vectors: Tensor, rows: list[int], rerun: tuple[int, ...]) -> Tensor:
     """The rows every sequence gives with exact attention: its own where it ran exact, its
     re-run's (after the first sum(rows) rows of `vectors`, in `rerun` order) where it did not."""
     starts = [0]
@@ -191,42 +176,6 @@ def exact_rows(vectors: Tensor, rows: list[int], rerun: list[int]) -> Tensor:
         exact[starts[i] : starts[i + 1]] = vectors[at : at + rows[i]]
         at += rows[i]
     return exact
-
-
-def fidelity_reruns(encoder: Encoder, sequences: Plan, fidelity: bool) -> list[int]:
-    """The sequences that "fidelity": true runs a second time, with exact attention in float32,
-    in the same job (one admission, one deadline; the scheduler never batches the two
-    together): all of them, except in float32 those that ran exact attention (their own
-    reference)."""
-    if not fidelity:
-        return []
-    in_float32 = encoder.dtype == torch.float32
-    return [i for i, planned in enumerate(sequences.inputs) if planned.spec.method != "full" or not in_float32]
-
-
-def check_budget(
-    encoder: Encoder, runs: list[tuple[int, AttentionSpec]], state: ServiceState, param: str, params: list[str],
-    advice: str = "send fewer or shorter inputs per request",
-) -> None:
-    """422 (reason over_budget) when the request's estimated work, (tokens, resolved spec) per
-    forward pass, is over the server's budget: naming the knob that drives it with the largest
-    value that fits at these lengths, or, where no knob can, the inputs (and `advice`)."""
-    throughput = state.throughput
-    over = over_budget(encoder.cost, runs, state.work_budget, state.default_spec)
-    if over is None:
-        return
-    work = f"{throughput.seconds(over.work):.0f} s of this server's time (estimated), over its budget of " \
-        f"{throughput.seconds(over.budget):.0f} s per request"
-    if over.knob is None:
-        tokens = sum(n for n, _ in runs)
-        passes = f", run as {len(runs)} sequences," if len(runs) > len(params) else ""
-        raise errors.over_budget(param, f"{len(params)} input(s){passes} of {tokens} tokens in all would take {work}; {advice}")
-    longest = max(n for n, _ in runs)
-    also = "".join(f", with {name} at most {value}" for name, value in over.others.items())
-    raise errors.over_budget(
-        f"attention.{over.knob}",
-        f"this request would take {work}; at {longest} tokens, {over.knob} can be at most {over.largest}{also}",
-    )
 
 
 def request_timeout_s(request: Request, server_timeout_s: float) -> float:

@@ -1,14 +1,15 @@
-"""What one embedding request runs, decided before anything runs: a `RequestPlan`.
+"""What one embedding request runs, decided and checked before anything runs: a `RequestPlan`.
 
-    request_plan(encoder, inputs, spec, target, options)
-      -> models.planning.plan              one sequence per input, returning its pooled vector, or
-                                  every token's state (/embed_all)
-      -> models.planning.chunk_plan        with `chunking`: one sequence per naive chunk or per late-
-                                  chunking window (or Jina's `late_chunking` form: the inputs
-                                  are one text's chunks)
-    -> RequestPlan                each sequence's ids, resolved attention, output and work;
-                                  how the rows it returns become each input's rows; the
-                                  per-request limits it must keep
+    request_plan(encoder, state, inputs, params, spec, target, options)
+      -> models.planning.plan       one sequence per input, returning its pooled vector, or
+                                    every token's state (/embed_all)
+      -> models.planning.chunk_plan with `chunking`: one sequence per naive chunk or per late-
+                                    chunking window (or Jina's `late_chunking` form: the inputs
+                                    are one text's chunks)
+      -> runs                       each sequence as the scheduler runs it (ids, attention,
+                                    output, work), and with "fidelity": true its exact re-run
+      -> limits, budget             413 over a per-request bound, 422 over the work budget
+    -> RequestPlan                  the job, and how the rows it returns become each input's rows
 
 The service's one serving path (service.pipeline) serves any plan the same way. The request's
 own fields are read here too: its attention knobs over the server's defaults
@@ -16,7 +17,6 @@ own fields are read here too: its attention knobs over the server's defaults
 (`chunking_spec`). Bad values raise kernels.FieldError (or models.planning.inputs' typed errors),
 which service.errors answers.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -29,14 +29,18 @@ from torch import Tensor
 from kernels import AttentionSpec, FieldError
 from kernels.spec import ATTENTION
 from models import Encoder
+from models.planning.calibration import EXACT
 from models.planning.chunk_plan import Chunk, plan_chunks, plan_late_inputs
 from models.planning.chunking import CHUNKING, ChunkingSpec
+from models.planning.cost import over_budget
 from models.planning.plan import Plan, plan
 from models.pooling import EVERY_TOKEN, POOLED, Output
 
 from . import errors
+from .batching import Run
 from .schemas import CALIBRATED_KNOBS, AttentionRequest, ChunkingRequest
 from .settings import Settings
+from .state import ServiceState
 
 LATE_INPUTS_FIELDS = ("window", "window_overlap")  # what `chunking` may set beside late_chunking
 PER_REQUEST = "send fewer or shorter inputs per request"
@@ -81,15 +85,20 @@ class Limit:
 
 @dataclass(frozen=True)
 class RequestPlan:
-    """sequences: what runs, each sequence's ids and resolved attention (a models Plan, so it
-    echoes and batches as any); outputs and work: per sequence; input_tokens: per input (what
-    `usage` counts); input_sequences: per input, its range of sequences; assemble: the
-    sequences' rows, concatenated in order -> per input its rows, not normalised; chunks: per
-    input its chunks' spans (None: not chunked)."""
+    """sequences: what runs, each sequence's ids and resolved attention (a models Plan);
+    runs: the job, each sequence as a scheduler Run (ids, spec, output, work), then with
+    "fidelity": true the exact re-runs of the sequences in `rerun`; rows: per sequence, the
+    rows it returns; attention: the response's echo of the resolved spec(s); input_tokens: per
+    input (what `usage` counts); input_sequences: per input, its range of sequences; assemble:
+    the sequences' rows, concatenated in order -> per input its rows, not normalised; limits
+    and budget_advice: the per-request bounds the plan is checked against; chunks: per input its
+    chunks' spans (None: not chunked)."""
 
     sequences: Plan
-    outputs: tuple[Output, ...]
-    work: tuple[float, ...]
+    runs: tuple[Run, ...]
+    rerun: tuple[int, ...]
+    rows: tuple[int, ...]
+    attention: dict[str, Any]
     input_tokens: tuple[int, ...]
     input_sequences: tuple[range, ...]
     assemble: Callable[[Tensor], list[Tensor]]
@@ -97,71 +106,139 @@ class RequestPlan:
     budget_advice: str = PER_REQUEST
     chunks: tuple[tuple[Chunk, ...], ...] | None = None
 
-    def rows(self) -> list[int]:
-        """Per sequence, the rows it returns."""
-        return [output.rows(planned.tokens) for output, planned in zip(self.outputs, self.sequences.inputs)]
-
 
 def request_plan(
-    encoder: Encoder, inputs: list[Any], spec: AttentionSpec, target: float | None, options: EmbedOptions,
-    settings: Settings,
+    encoder: Encoder, state: ServiceState, inputs: list[Any], params: list[str], spec: AttentionSpec,
+    target: float | None, options: EmbedOptions,
 ) -> RequestPlan:
-    """Plan a request (see the module docstring); runs off the event loop (tokenizing a
-    30k-token text takes milliseconds). Raises FieldError and models.planning.inputs' errors."""
+    """Plan a request (see the module docstring) and check it against the server's bounds:
+    413 over a per-request limit, 422 over the work budget. Runs off the event loop
+    (tokenizing a 30k-token text takes milliseconds). Raises FieldError, models.planning.inputs'
+    errors and ServiceError."""
+    settings = state.settings
     if options.dimensions is not None and options.dimensions > encoder.dim:
         raise FieldError("dimensions", f"must be in [1, {encoder.dim}], got {options.dimensions}")
     if options.fidelity and encoder.dtype != torch.float32 and settings.fidelity_reference == "off":
         raise FieldError("fidelity", "this server runs without its float32 reference model (fidelity_reference=off)")
-    common = dict(target_fidelity=target, prompt_name=options.prompt_name, adapter=options.adapter)
-    direction = options.truncation_direction.lower()
     if options.chunking is not None or options.late_chunking:
-        asked = chunking_spec(options.chunking, options.late_chunking)
-        if options.late_chunking:
-            chunked = plan_late_inputs(encoder, inputs, spec, window=asked.window, window_overlap=asked.window_overlap, **common)
-        else:
-            chunked = plan_chunks(
-                encoder, inputs, spec, asked, truncate=options.truncate, truncation_direction=direction, **common
-            )
-        tokens = sum(planned.tokens for planned in chunked.plan.inputs)
-        advice = "send fewer inputs" if options.late_chunking else "send a larger chunking.size or fewer inputs"
-        budget_advice = PER_REQUEST
-        if len(chunked.plan.inputs) > len(inputs):  # chunks or windows
-            budget_advice += ", larger chunks, or less overlap between windows (chunking.window_overlap)"
-        return RequestPlan(
-            sequences=chunked.plan,
-            outputs=chunked.outputs,
-            work=_work(encoder, chunked.plan),
-            input_tokens=tuple(one.tokens for one in chunked.inputs),
-            input_sequences=tuple(one.sequences for one in chunked.inputs),
-            assemble=chunked.assemble,
-            limits=(
-                Limit(tokens, "tokens", settings.max_request_tokens, "send fewer or shorter inputs"),
-                Limit(chunked.chunks, "chunks", settings.max_request_chunks, advice),
-            ),
-            budget_advice=budget_advice,
-            chunks=tuple(one.chunks for one in chunked.inputs),
-        )
-    call = plan(encoder, inputs, spec, truncate=options.truncate, truncation_direction=direction, **common)
+        planned = _chunked_plan(encoder, inputs, spec, target, options, settings)
+    else:
+        planned = _inputs_plan(encoder, inputs, spec, target, options, settings)
+    for limit in planned.limits:
+        if limit.count > limit.limit:
+            raise errors.request_too_large(options.param, limit.count, limit.what, limit.limit, limit.advice)
+    _check_budget(encoder, planned, state, options.param, params)
+    return planned
+
+
+def _inputs_plan(
+    encoder: Encoder, inputs: list[Any], spec: AttentionSpec, target: float | None, options: EmbedOptions,
+    settings: Settings,
+) -> RequestPlan:
+    """One sequence per input: its pooled vector, or every token's state (/embed_all)."""
+    call = plan(
+        encoder, inputs, spec, target_fidelity=target, prompt_name=options.prompt_name, adapter=options.adapter,
+        truncate=options.truncate, truncation_direction=options.truncation_direction.lower(),
+    )
     tokens = tuple(planned.tokens for planned in call.inputs)
     if options.every_token:
         limit = Limit(sum(tokens), "token vectors", settings.max_embed_all_tokens, "send fewer or shorter inputs, or truncate")
     else:
         limit = Limit(sum(tokens), "tokens", settings.max_request_tokens, "send fewer or shorter inputs")
     output = EVERY_TOKEN if options.every_token else POOLED
-    return RequestPlan(
-        sequences=call,
-        outputs=(output,) * len(tokens),
-        work=_work(encoder, call),
+    return _request_plan(
+        encoder, call, (output,) * len(tokens), options.fidelity,
         input_tokens=tokens,
         input_sequences=tuple(range(i, i + 1) for i in range(len(tokens))),  # one sequence an input
         assemble=lambda rows: list(rows.split([output.rows(n) for n in tokens])),
         limits=(limit,),
+    )  # fmt: skip
+
+
+def _chunked_plan(
+    encoder: Encoder, inputs: list[Any], spec: AttentionSpec, target: float | None, options: EmbedOptions,
+    settings: Settings,
+) -> RequestPlan:
+    """One sequence per naive chunk or late-chunking window; with Jina's `late_chunking` form
+    the inputs are one text's chunks."""
+    asked = chunking_spec(options.chunking, options.late_chunking)
+    common = dict(target_fidelity=target, prompt_name=options.prompt_name, adapter=options.adapter)
+    if options.late_chunking:
+        chunked = plan_late_inputs(encoder, inputs, spec, window=asked.window, window_overlap=asked.window_overlap, **common)
+    else:
+        chunked = plan_chunks(
+            encoder, inputs, spec, asked, truncate=options.truncate,
+            truncation_direction=options.truncation_direction.lower(), **common,
+        )  # fmt: skip
+    tokens = sum(planned.tokens for planned in chunked.plan.inputs)
+    advice = "send fewer inputs" if options.late_chunking else "send a larger chunking.size or fewer inputs"
+    budget_advice = PER_REQUEST
+    if len(chunked.plan.inputs) > len(inputs):  # chunks or windows
+        budget_advice += ", larger chunks, or less overlap between windows (chunking.window_overlap)"
+    return _request_plan(
+        encoder, chunked.plan, chunked.outputs, options.fidelity,
+        input_tokens=tuple(one.tokens for one in chunked.inputs),
+        input_sequences=tuple(one.sequences for one in chunked.inputs),
+        assemble=chunked.assemble,
+        limits=(
+            Limit(tokens, "tokens", settings.max_request_tokens, "send fewer or shorter inputs"),
+            Limit(chunked.chunks, "chunks", settings.max_request_chunks, advice),
+        ),
+        budget_advice=budget_advice,
+        chunks=tuple(one.chunks for one in chunked.inputs),
+    )  # fmt: skip
+
+
+def _request_plan(
+    encoder: Encoder, sequences: Plan, outputs: tuple[Output, ...], fidelity: bool, **fields: Any
+) -> RequestPlan:
+    """The plan of `sequences`, each returning its `outputs`, as the job's runs with their
+    estimated work (models.planning.cost). With "fidelity": true every sequence runs a second
+    time, with exact attention in float32, in the same job (one admission, one deadline; the
+    scheduler never batches the two together), except in float32 those that ran exact
+    attention (their own reference)."""
+    in_float32 = encoder.dtype == torch.float32
+    rerun = tuple(
+        i for i, planned in enumerate(sequences.inputs) if fidelity and (planned.spec.method != "full" or not in_float32)
+    )
+    own = [
+        Run(planned.ids, planned.spec, output, encoder.cost.work(planned.tokens, planned.spec))
+        for planned, output in zip(sequences.inputs, outputs)
+    ]
+    exact = [Run(own[i].ids, EXACT, own[i].output, encoder.cost.work(len(own[i].ids), EXACT), True) for i in rerun]
+    return RequestPlan(
+        sequences=sequences,
+        runs=tuple(own + exact),
+        rerun=rerun,
+        rows=tuple(output.rows(planned.tokens) for output, planned in zip(outputs, sequences.inputs)),
+        attention=sequences.echo(),
+        **fields,
     )
 
 
-def _work(encoder: Encoder, sequences: Plan) -> tuple[float, ...]:
-    """Each sequence's estimated work units (models.planning.cost), by its tokens and resolved spec."""
-    return tuple(encoder.cost.work(planned.tokens, planned.spec) for planned in sequences.inputs)
+def _check_budget(encoder: Encoder, planned: RequestPlan, state: ServiceState, param: str, params: list[str]) -> None:
+    """422 (reason over_budget) when the plan's estimated work, every run's (tokens, resolved
+    spec), is over the server's budget: naming the knob that drives it with the largest value
+    that fits at these lengths, or, where no knob can, the inputs (and the plan's advice)."""
+    runs = [(len(run.ids), run.spec) for run in planned.runs]
+    over = over_budget(encoder.cost, runs, state.work_budget, state.default_spec)
+    if over is None:
+        return
+    throughput = state.throughput
+    work = f"{throughput.seconds(over.work):.0f} s of this server's time (estimated), over its budget of " \
+        f"{throughput.seconds(over.budget):.0f} s per request"
+    if over.knob is None:
+        tokens = sum(n for n, _ in runs)
+        passes = f", run as {len(runs)} sequences," if len(runs) > len(params) else ""
+        raise errors.over_budget(
+            param, f"{len(params)} input(s){passes} of {tokens} tokens in all would take {work}; {planned.budget_advice}"
+        )
+    longest = max(n for n, _ in runs)
+    also = "".join(f", with {name} at most {value}" for name, value in over.others.items())
+    raise errors.over_budget(
+        f"attention.{over.knob}",
+        f"this request would take {work}; at {longest} tokens, {over.knob} can be at most {over.largest}{also}",
+    )
 
 
 def resolve_request_attention(

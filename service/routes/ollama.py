@@ -132,7 +132,7 @@ async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> Response:
             "prompt_eval_count": sum(embedded.tokens),
         }
 
-    return await json_response(answer, embedded.headers())
+    return await json_response(answer, embedded.headers)
 
 
 @router.post("/api/embeddings", response_model=OllamaEmbeddingsResponse, responses=OLLAMA_ERROR_RESPONSES, dependencies=AUTH)
@@ -143,7 +143,7 @@ async def ollama_embeddings(body: OllamaEmbeddingsRequest, request: Request) -> 
     # Ollama's legacy route truncates and returns the pooled vector without normalising it.
     options = EmbedOptions.of(body, "prompt", truncate=True, normalize=False, prompt_name=NO_PROMPT)
     embedded = await embed(request, body.prompt, options)
-    return await json_response(lambda: {"embedding": json_rows(embedded.vectors[0])}, embedded.headers())
+    return await json_response(lambda: {"embedding": json_rows(embedded.vectors[0])}, embedded.headers)
 
 
 @router.get("/api/tags", response_model=OllamaTagsResponse, responses=OLLAMA_ERROR_RESPONSES)

@@ -71,4 +71,4 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
             content["fidelity_reference"] = FIDELITY_REFERENCE
         return content
 
-    return await json_response(answer, embedded.headers())
+    return await json_response(answer, embedded.headers)

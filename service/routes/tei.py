@@ -37,7 +37,7 @@ EMBEDDINGS = list[list[float]] | list[list[ChunkEmbedding]]
 async def tei_embed(body: EmbedRequest, request: Request) -> Response:
     embedded = await embed(request, body.inputs, EmbedOptions.of(body, "inputs"))
     if embedded.chunks is None:
-        return await json_response(lambda: json_rows(embedded.vectors), embedded.headers())
+        return await json_response(lambda: json_rows(embedded.vectors), embedded.headers)
 
     def answer() -> list:
         return [
@@ -48,11 +48,11 @@ async def tei_embed(body: EmbedRequest, request: Request) -> Response:
             for chunks, vectors in zip(embedded.chunks, embedded.per_input())
         ]
 
-    return await json_response(answer, embedded.headers())
+    return await json_response(answer, embedded.headers)
 
 
 @router.post("/embed_all", response_model=list[list[list[float]]])
 async def tei_embed_all(body: EmbedAllRequest, request: Request) -> Response:
     embedded = await embed(request, body.inputs, EmbedOptions.of(body, "inputs", every_token=True, normalize=False))
     # Per input its (tokens, dim) rows: `[[[float]]]`.
-    return await json_response(lambda: [json_rows(part) for part in embedded.per_input()], embedded.headers())
+    return await json_response(lambda: [json_rows(part) for part in embedded.per_input()], embedded.headers)
