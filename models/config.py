@@ -6,6 +6,8 @@ not use keep their defaults. Both the configs transformers writes and those the 
 remote-code checkpoints ship are read (nomic's n_embd / rotary_emb_base, GTE's model_type "new",
 Jina v3's "xlm-roberta" with rotary positions and LoRA adaptations). Anything we cannot reproduce exactly raises
 `UnsupportedArchitecture` naming it, rather than loading into a subtly wrong model.
+`ARCHITECTURES` is the one table of the model types implemented here: each one's network
+(a module of models.networks) and how its config.json reads.
 """
 
 from __future__ import annotations
@@ -18,12 +20,8 @@ from typing import Any, Callable
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.networks.rotary import ROPE_TYPES
-
-BERT_FAMILY = ("bert", "roberta", "xlm-roberta")
-# Post-norm BERTs with rotary positions and no position table.
-ROTARY_BERT_FAMILY = ("nomic-bert", "gte", "jina-embeddings-v3")
-SUPPORTED_MODEL_TYPES = BERT_FAMILY + ("modernbert",) + ROTARY_BERT_FAMILY + ("eurobert",)
+# Rotary position schedules (models.networks.rotary).
+ROPE_TYPES = ("default", "linear", "dynamic", "ntk")
 
 # HF activation names -> functions. "gelu" is the exact erf GELU; the tanh variants agree
 # with HF's "gelu_new" to ~1e-7.
@@ -42,8 +40,7 @@ class UnsupportedArchitecture(ValueError):
 
     def __init__(self, what: str):
         super().__init__(
-            f"unsupported architecture: {what}; supported model types are "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"unsupported architecture: {what}; supported model types are {', '.join(ARCHITECTURES)}"
         )
         self.what = what
 
@@ -52,7 +49,7 @@ class UnsupportedArchitecture(ValueError):
 class EncoderConfig:
     """Architecture of an encoder checkpoint (names follow HF's config.json where they can)."""
 
-    model_type: str  # one of SUPPORTED_MODEL_TYPES
+    model_type: str  # a key of ARCHITECTURES
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -100,8 +97,13 @@ class EncoderConfig:
         return self.max_position_embeddings - self.position_offset
 
     @property
+    def network(self) -> str:
+        """The module of models.networks that runs this architecture."""
+        return ARCHITECTURES[self.model_type].network
+
+    @property
     def uses_rope(self) -> bool:
-        return self.model_type not in BERT_FAMILY
+        return self.network != "bert"
 
     def is_global_layer(self, index: int) -> bool:
         """True when layer `index` attends over the whole sequence (always for the BERT family)."""
@@ -117,16 +119,9 @@ class EncoderConfig:
             model_type = "gte"
         if model_type == "xlm-roberta" and raw.get("position_embedding_type") == "rotary":
             model_type = "jina-embeddings-v3"  # Jina's remote-code XLM-R with rotary positions
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in ARCHITECTURES:
             raise UnsupportedArchitecture(f"model_type {raw.get('model_type')!r}")
-        if model_type == "modernbert":
-            config = _modernbert_config(raw)
-        elif model_type in ROTARY_BERT_FAMILY:
-            config = _rotary_bert_config(raw, model_type)
-        elif model_type == "eurobert":
-            config = _eurobert_config(raw)
-        else:
-            config = _bert_config(raw, model_type)
+        config = ARCHITECTURES[model_type].read(raw, model_type)
         if config.activation not in ACTIVATIONS:
             raise UnsupportedArchitecture(f"activation {config.activation!r} in {model_type}")
         if config.hidden_size % config.num_heads or config.num_heads % (config.num_kv_heads or config.num_heads):
@@ -173,7 +168,7 @@ def _bert_config(raw: dict[str, Any], model_type: str) -> EncoderConfig:
     )
 
 
-def _modernbert_config(raw: dict[str, Any]) -> EncoderConfig:
+def _modernbert_config(raw: dict[str, Any], model_type: str) -> EncoderConfig:
     num_layers = int(raw["num_hidden_layers"])
     every_n = int(raw.get("global_attn_every_n_layers", 3))
     layer_types = raw.get("layer_types") or [
@@ -318,7 +313,7 @@ def _nomic_remote_config(raw: dict[str, Any]) -> EncoderConfig:
     )
 
 
-def _eurobert_config(raw: dict[str, Any]) -> EncoderConfig:
+def _eurobert_config(raw: dict[str, Any], model_type: str) -> EncoderConfig:
     if raw.get("head_dim") not in (None, int(raw["hidden_size"]) // int(raw["num_attention_heads"])):
         raise UnsupportedArchitecture(f"eurobert head_dim {raw['head_dim']} != hidden_size / heads")
     positions = int(raw.get("max_position_embeddings", 8192))
@@ -343,3 +338,27 @@ def _eurobert_config(raw: dict[str, Any]) -> EncoderConfig:
         mlp_gated=True,
         **_rope(raw, "eurobert", 250_000.0, positions),
     )
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One model type: the module of models.networks that runs it, and how its config.json
+    reads (raw dict, model type -> EncoderConfig)."""
+
+    network: str
+    read: Callable[[dict[str, Any], str], EncoderConfig]
+
+
+# model_type (config.json's, "_" read as "-") -> its architecture: the one table of what this
+# package implements. Post-norm BERTs with rotary positions and no position table share
+# models.networks.rotary_bert.
+ARCHITECTURES: dict[str, Architecture] = {
+    "bert": Architecture("bert", _bert_config),
+    "roberta": Architecture("bert", _bert_config),
+    "xlm-roberta": Architecture("bert", _bert_config),
+    "modernbert": Architecture("modernbert", _modernbert_config),
+    "nomic-bert": Architecture("rotary_bert", _rotary_bert_config),
+    "gte": Architecture("rotary_bert", _rotary_bert_config),
+    "jina-embeddings-v3": Architecture("rotary_bert", _rotary_bert_config),
+    "eurobert": Architecture("eurobert", _eurobert_config),
+}

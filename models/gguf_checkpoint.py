@@ -3,9 +3,9 @@ read from one file, for the encoder architectures llama.cpp names "bert" and "no
 
 A GGUF file carries what a HuggingFace folder spreads over config.json, *.safetensors,
 tokenizer.json and the sentence-transformers files. `read_gguf` turns it into those same
-pieces: a config dict in the names `EncoderConfig.from_dict` reads, a state dict in the
-checkpoint names the architecture module maps (so the one name table of models.networks.bert and
-models.networks.rotary_bert applies to both formats), a WordPiece tokenizer built from the file's own
+pieces: a config dict in the names `EncoderConfig.from_dict` reads, a state dict in our
+networks' parameter names (llama.cpp names a tensor the same in every architecture, so one
+table, `TENSOR_NAMES`, maps them all), a WordPiece tokenizer built from the file's own
 vocabulary and special-token ids, and the pooling the file declares, with normalisation (what
 llama.cpp and Ollama return). `ARCHITECTURES` is the one table of what differs per
 architecture; nothing else branches on it.
@@ -49,15 +49,13 @@ class GgufArchitecture:
     """What one GGUF architecture needs to become a checkpoint this project loads.
 
     model_type: EncoderConfig's model type. config: GGUF metadata key (after "<arch>.") ->
-    config.json key. fixed: config.json keys the file does not carry. tensors: (GGUF name
-    pattern, checkpoint name) in the names models.networks.bert / models.networks.rotary_bert map.
-    prompts, default_prompt: the model family's published prompts.
+    config.json key. fixed: config.json keys the file does not carry. prompts,
+    default_prompt: the model family's published prompts.
     """
 
     model_type: str
     config: dict[str, str]
     fixed: dict[str, Any]
-    tensors: tuple[tuple[str, str], ...]
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt: str | None = None
     published_context_factor: int = 1  # positions published beyond the trained context_length
@@ -71,27 +69,32 @@ _SIZES = {
     "attention.layer_norm_epsilon": "layer_norm_eps",
     "context_length": "max_position_embeddings",
 }
-_BLOCK = r"^blk\.(\d+)\."
+# GGUF tensor name (before ".weight" / ".bias"; "blk.<i>." for layer i) -> our parameter name
+# (models.networks.bert, models.networks.rotary_bert). A fused attn_qkv is split by the loader;
+# an MLP without ffn_gate is not gated, and its ffn_up is our mlp_in.
+TENSOR_NAMES = {
+    "token_embd": "embeddings.word",
+    "position_embd": "embeddings.position",
+    "token_types": "embeddings.token_type",
+    "token_embd_norm": "embeddings.norm",
+    "attn_q": "attn.q",
+    "attn_k": "attn.k",
+    "attn_v": "attn.v",
+    "attn_qkv": "attn.qkv",
+    "attn_output": "attn.out",
+    "attn_output_norm": "attn_norm",
+    "ffn_up": "mlp_up",
+    "ffn_gate": "mlp_gate",
+    "ffn_down": "mlp_out",
+    "layer_output_norm": "mlp_norm",
+}
+_TENSOR = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)$")
 
 ARCHITECTURES: dict[str, GgufArchitecture] = {
     "bert": GgufArchitecture(
         model_type="bert",
         config=_SIZES,
         fixed={"hidden_act": "gelu"},
-        tensors=(
-            (r"^token_embd\.", "embeddings.word_embeddings."),
-            (r"^position_embd\.", "embeddings.position_embeddings."),
-            (r"^token_types\.", "embeddings.token_type_embeddings."),
-            (r"^token_embd_norm\.", "embeddings.LayerNorm."),
-            (_BLOCK + r"attn_q\.", r"encoder.layer.\1.attention.self.query."),
-            (_BLOCK + r"attn_k\.", r"encoder.layer.\1.attention.self.key."),
-            (_BLOCK + r"attn_v\.", r"encoder.layer.\1.attention.self.value."),
-            (_BLOCK + r"attn_output\.", r"encoder.layer.\1.attention.output.dense."),
-            (_BLOCK + r"attn_output_norm\.", r"encoder.layer.\1.attention.output.LayerNorm."),
-            (_BLOCK + r"ffn_up\.", r"encoder.layer.\1.intermediate.dense."),
-            (_BLOCK + r"ffn_down\.", r"encoder.layer.\1.output.dense."),
-            (_BLOCK + r"layer_output_norm\.", r"encoder.layer.\1.output.LayerNorm."),
-        ),
     ),
     # nomic-embed-text is trained on 2,048 positions (the file's context_length) and published
     # for 8,192 with dynamic NTK scaling of factor 2 past the trained length (its model card's
@@ -108,18 +111,6 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
             "rope.freq_base": "rotary_emb_base",
         },
         fixed={"activation_function": "swiglu", "rotary_scaling_factor": 2.0},
-        tensors=(
-            (r"^token_embd\.", "embeddings.word_embeddings."),
-            (r"^token_types\.", "embeddings.token_type_embeddings."),
-            (r"^token_embd_norm\.", "emb_ln."),
-            (_BLOCK + r"attn_qkv\.", r"encoder.layers.\1.attn.Wqkv."),
-            (_BLOCK + r"attn_output\.", r"encoder.layers.\1.attn.out_proj."),
-            (_BLOCK + r"attn_output_norm\.", r"encoder.layers.\1.norm1."),
-            (_BLOCK + r"ffn_up\.", r"encoder.layers.\1.mlp.fc11."),
-            (_BLOCK + r"ffn_gate\.", r"encoder.layers.\1.mlp.fc12."),
-            (_BLOCK + r"ffn_down\.", r"encoder.layers.\1.mlp.fc2."),
-            (_BLOCK + r"layer_output_norm\.", r"encoder.layers.\1.norm2."),
-        ),
         prompts=NOMIC_PROMPTS,
         default_prompt="document",
         published_context_factor=4,
@@ -164,7 +155,7 @@ def read_gguf(path: str | Path) -> GgufCheckpoint:
         raise UnsupportedArchitecture(f"GGUF architecture {arch_name!r} (GGUF supports: {', '.join(ARCHITECTURES)})")
     vocabulary = _strings(reader.fields["tokenizer.ggml.tokens"])
     state = _state(reader, arch)
-    types = state.get("embeddings.token_type_embeddings.weight")
+    types = state.get("embeddings.token_type.weight")
     config = _config(arch_name, arch, meta, len(vocabulary), 0 if types is None else types.shape[0])
     return GgufCheckpoint(
         name=str(meta.get("general.name") or path.stem),
@@ -207,6 +198,7 @@ def _config(
 
 
 def _state(reader, arch: GgufArchitecture) -> dict[str, Tensor]:
+    """The file's tensors under our parameter names (`TENSOR_NAMES`), as stored."""
     state = {}
     for tensor in reader.tensors:
         dtype = _FLOAT_TYPES.get(int(tensor.tensor_type))
@@ -215,9 +207,11 @@ def _state(reader, arch: GgufArchitecture) -> dict[str, Tensor]:
                 f"GGUF tensor {tensor.name} is {tensor.tensor_type.name}, a quantised type; load an F32, "
                 "F16 or BF16 file (quantised weights are not served)"
             )
-        name = next((re.sub(p, r, tensor.name) for p, r in arch.tensors if re.match(p, tensor.name)), None)
-        if name is None:
+        match = _TENSOR.match(tensor.name)
+        if match is None or match[2] not in TENSOR_NAMES:
             raise ValueError(f"GGUF tensor {tensor.name} has no place in a {arch.model_type} model")
+        layer, name, kind = match.groups()
+        name = f"{TENSOR_NAMES[name]}.{kind}" if layer is None else f"layers.{layer}.{TENSOR_NAMES[name]}.{kind}"
         # GGUF lists dimensions innermost first; numpy's array is already (outer, ..., inner).
         shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
         data = np.ascontiguousarray(tensor.data)
@@ -226,6 +220,8 @@ def _state(reader, arch: GgufArchitecture) -> dict[str, Tensor]:
         else:
             values = torch.from_numpy(data.copy())
         state[name] = values.reshape(shape)
+    if not any(".mlp_gate." in name for name in state):  # not gated: the one input projection
+        state = {name.replace(".mlp_up.", ".mlp_in."): values for name, values in state.items()}
     return state
 
 

@@ -23,10 +23,11 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from kernels import backend_for
-from models.config import BERT_FAMILY, ROTARY_BERT_FAMILY, EncoderConfig
+from models.config import EncoderConfig
 from models.fetch import default_model_path
 from models.gguf_checkpoint import read_gguf
-from models.networks import bert, eurobert, modernbert, rotary_bert
+from models.networks import NETWORKS
+from models.networks.network import Network
 from models.planning.calibration import CalibrationError, find_calibration, load_calibration
 from models.pooling import PoolingConfig, read_pooling
 from models.prompts import Prompts, read_prompts
@@ -198,7 +199,7 @@ def _read_checkpoint(
     if source.path.is_file():
         checkpoint = read_gguf(source.path)
         config = EncoderConfig.from_dict(checkpoint.config)
-        state = map_checkpoint_names(checkpoint.state, _architecture(config))
+        state = split_fused(checkpoint.state, network_of(config).fused)  # GGUF names are ours already
         tokenizer = TextTokenizer(checkpoint.tokenizer)
         return source.name or checkpoint.name, config, tokenizer, state, checkpoint.pooling, checkpoint.prompts
     folder = source.path
@@ -234,13 +235,9 @@ def extend_positions(table: Tensor, offset: int, native: int, target: int) -> Te
     return torch.cat([table[:offset], tiled])
 
 
-def _architecture(config: EncoderConfig):
-    """The module that defines the config's network and its checkpoint names."""
-    if config.model_type in BERT_FAMILY:
-        return bert
-    if config.model_type in ROTARY_BERT_FAMILY:
-        return rotary_bert
-    return eurobert if config.model_type == "eurobert" else modernbert
+def network_of(config: EncoderConfig) -> Network:
+    """The config's network and its checkpoint names (models.networks.NETWORKS)."""
+    return NETWORKS[config.network]
 
 
 def _read_state_dict(folder: Path, config: EncoderConfig) -> dict[str, Tensor]:
@@ -253,10 +250,10 @@ def _read_state_dict(folder: Path, config: EncoderConfig) -> dict[str, Tensor]:
     raw: dict[str, Tensor] = {}
     for file in files:
         raw.update(load_file(str(file)))
-    return map_checkpoint_names(raw, _architecture(config))
+    return map_checkpoint_names(raw, network_of(config))
 
 
-def map_checkpoint_names(raw: dict[str, Tensor], arch) -> dict[str, Tensor]:
+def map_checkpoint_names(raw: dict[str, Tensor], network: Network) -> dict[str, Tensor]:
     """Checkpoint tensors -> our module's state dict.
 
     The prefix is whatever precedes the architecture's word-embedding name ("bert.",
@@ -270,10 +267,10 @@ def map_checkpoint_names(raw: dict[str, Tensor], arch) -> dict[str, Tensor]:
             key = re.sub(pattern, replacement, key)
         renamed[key] = tensor
     raw = renamed
-    anchors = [key[: -len(arch.HF_ANCHOR)] for key in raw if key.endswith(arch.HF_ANCHOR)]
+    anchors = [key[: -len(network.anchor)] for key in raw if key.endswith(network.anchor)]
     if not anchors:
         raise ValueError(
-            f"checkpoint has no tensor named *{arch.HF_ANCHOR}; it does not hold the model its "
+            f"checkpoint has no tensor named *{network.anchor}; it does not hold the model its "
             "config.json describes"
         )
     prefix = min(anchors, key=len)
@@ -284,17 +281,17 @@ def map_checkpoint_names(raw: dict[str, Tensor], arch) -> dict[str, Tensor]:
         name = key[len(prefix) :]
         for pattern, replacement in _LEGACY_NAMES:
             name = re.sub(pattern, replacement, name)
-        if any(re.search(pattern, name) for pattern in arch.HF_IGNORED):
+        if any(re.search(pattern, name) for pattern in network.ignored):
             continue
-        for pattern, replacement in arch.HF_NAMES:
+        for pattern, replacement in network.names:
             name, hits = re.subn(pattern, replacement, name)
             if hits:
                 break
         state[name] = tensor
-    return _split_fused(state, arch.HF_FUSED)
+    return split_fused(state, network.fused)
 
 
-def _split_fused(state: dict[str, Tensor], fused: tuple[tuple[str, tuple[str, ...]], ...]) -> dict[str, Tensor]:
+def split_fused(state: dict[str, Tensor], fused: tuple[tuple[str, tuple[str, ...]], ...]) -> dict[str, Tensor]:
     """Split fused projections (q|k|v stacked along the output dimension) into their parts.
 
     Weights and biases split along dim 0; a LoRA lora_B (T, out, r) along its output dim 1;
@@ -320,18 +317,10 @@ def _split_fused(state: dict[str, Tensor], fused: tuple[tuple[str, tuple[str, ..
     return result
 
 
-_MODELS = {
-    bert: bert.BertModel,
-    modernbert: modernbert.ModernBertModel,
-    rotary_bert: rotary_bert.RotaryBertModel,
-    eurobert: eurobert.EuroBertModel,
-}
-
-
 def _build_model(config: EncoderConfig, state: dict[str, Tensor], device: torch.device, dtype) -> nn.Module:
     # Build on the meta device: no time spent initialising weights we are about to replace.
     with torch.device("meta"):
-        model: nn.Module = _MODELS[_architecture(config)](config)
+        model: nn.Module = network_of(config).model(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:

@@ -3,7 +3,7 @@
 Learned absolute positions, post-norm layers, a GELU MLP. RoBERTa and XLM-RoBERTa are the same
 network with positions numbered from padding_idx + 1 (`EncoderConfig.position_offset`).
 Attention goes through `kernels.attention`, so any `AttentionSpec` method can replace the
-exact softmax. `HF_NAMES` maps HuggingFace checkpoint names onto this module's parameters.
+exact softmax.
 """
 
 from __future__ import annotations
@@ -15,28 +15,6 @@ from models.config import ACTIVATIONS, EncoderConfig
 from models.networks.rows import by_rows
 from models.runtime.forward import Pass
 from models.runtime.packing import Packed
-
-# (HF name pattern, our name) for the base model, after the loader strips the checkpoint's
-# prefix ("bert.", "roberta.", ...) and maps legacy LayerNorm gamma/beta to weight/bias.
-HF_NAMES: list[tuple[str, str]] = [
-    (r"^embeddings\.word_embeddings\.", "embeddings.word."),
-    (r"^embeddings\.position_embeddings\.", "embeddings.position."),
-    (r"^embeddings\.token_type_embeddings\.", "embeddings.token_type."),
-    (r"^embeddings\.LayerNorm\.", "embeddings.norm."),
-    (r"^encoder\.layer\.(\d+)\.attention\.self\.query\.", r"layers.\1.attn.q."),
-    (r"^encoder\.layer\.(\d+)\.attention\.self\.key\.", r"layers.\1.attn.k."),
-    (r"^encoder\.layer\.(\d+)\.attention\.self\.value\.", r"layers.\1.attn.v."),
-    (r"^encoder\.layer\.(\d+)\.attention\.output\.dense\.", r"layers.\1.attn.out."),
-    (r"^encoder\.layer\.(\d+)\.attention\.output\.LayerNorm\.", r"layers.\1.attn_norm."),
-    (r"^encoder\.layer\.(\d+)\.intermediate\.dense\.", r"layers.\1.mlp_in."),
-    (r"^encoder\.layer\.(\d+)\.output\.dense\.", r"layers.\1.mlp_out."),
-    (r"^encoder\.layer\.(\d+)\.output\.LayerNorm\.", r"layers.\1.mlp_norm."),
-]
-# Base-model tensors we do not need: buffers saved by old versions and the NSP pooler.
-HF_IGNORED = (r"^embeddings\.position_ids$", r"^embeddings\.token_type_ids$", r"^pooler\.")
-HF_FUSED: tuple[tuple[str, tuple[str, ...]], ...] = ()
-# The word embedding, by which the loader finds the checkpoint's name prefix.
-HF_ANCHOR = "embeddings.word_embeddings.weight"
 
 
 class BertEmbeddings(nn.Module):

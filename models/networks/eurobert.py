@@ -3,7 +3,7 @@
 Pre-norm layers with RMSNorm, rotary positions, grouped-query attention (key / value heads
 shared by num_heads / num_kv_heads query heads), a SwiGLU MLP and a final RMSNorm. Every layer
 attends globally, so the spec's method replaces all of them. Parameter names are those of the
-published checkpoints and of transformers (both Llama's), so `HF_NAMES` is empty.
+published checkpoints and of transformers (both Llama's).
 """
 
 from __future__ import annotations
@@ -17,11 +17,6 @@ from models.networks.rotary import apply_rotary, packed_rotary
 from models.networks.rows import by_rows
 from models.runtime.forward import Pass
 from models.runtime.packing import Packed
-
-HF_NAMES: list[tuple[str, str]] = []
-HF_IGNORED = (r"inv_freq$",)
-HF_ANCHOR = "embed_tokens.weight"
-HF_FUSED: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 class RMSNorm(nn.Module):

@@ -5,7 +5,7 @@ Rotary positions with one theta for the global layers and another for the local 
 sliding window of `local_attention` tokens; a GeGLU MLP; LayerNorms without bias; a final
 norm. The spec's attention method replaces the global layers only: local layers stay exact
 windowed attention (`kernels.reference.local`), already linear in N.
-Parameter names are HF's own, so `HF_NAMES` is empty.
+Parameter names are HF's own.
 """
 
 from __future__ import annotations
@@ -19,11 +19,6 @@ from models.networks.rotary import apply_rotary, packed_rotary
 from models.networks.rows import by_rows
 from models.runtime.forward import Pass
 from models.runtime.packing import Packed
-
-HF_NAMES: list[tuple[str, str]] = []
-HF_IGNORED: tuple[str, ...] = ()
-HF_FUSED: tuple[tuple[str, tuple[str, ...]], ...] = ()
-HF_ANCHOR = "embeddings.tok_embeddings.weight"
 
 
 class ModernBertEmbeddings(nn.Module):

@@ -19,9 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from models.config import ROPE_TYPES
 from models.runtime.packing import Packed
-
-ROPE_TYPES = ("default", "linear", "dynamic", "ntk")
 
 
 def rotary_base(n: int, head_dim: int, theta: float, rope_type: str = "default", factor: float = 1.0, original: int = 0) -> float:

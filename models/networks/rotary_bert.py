@@ -9,10 +9,8 @@ differ in biases, the MLP (NomicBERT and GTE: gated, act(gate(x)) * up(x); Jina:
 the rotary schedule, all read from config.json. Every layer attends globally, so the spec's
 method replaces all of them.
 
-`HF_NAMES` maps both transformers' names (self_attn.q_proj, mlp.gate_proj, ...) and those of
-the published remote-code checkpoints (nomic's attn.Wqkv / fc11 / fc12, GTE's qkv_proj /
-up_gate_proj, Jina's mixer.Wqkv with torch parametrizations) onto this module; fused
-projections are named in `HF_FUSED` and split by the loader.
+Both the names transformers saves and those of the published remote-code checkpoints load
+(models.networks.NETWORKS); fused projections are split by the loader.
 """
 
 from __future__ import annotations
@@ -27,30 +25,6 @@ from models.networks.rotary import apply_rotary, packed_rotary
 from models.networks.rows import by_rows
 from models.runtime.forward import Pass
 from models.runtime.packing import Packed
-
-_LAYER = r"^(?:encoder\.layers?|layers)\.(\d+)\."
-HF_NAMES: list[tuple[str, str]] = [
-    (r"^embeddings\.word_embeddings\.", "embeddings.word."),
-    (r"^embeddings\.token_type_embeddings\.", "embeddings.token_type."),
-    (r"^(?:embeddings\.LayerNorm|emb_ln)\.", "embeddings.norm."),
-    (_LAYER + r"self_attn\.([qkv])_proj\.", r"layers.\1.attn.\2."),
-    (_LAYER + r"(?:attn\.Wqkv|mixer\.Wqkv|attention\.qkv_proj)\.", r"layers.\1.attn.qkv."),
-    (_LAYER + r"(?:self_attn\.o_proj|attn\.out_proj|mixer\.out_proj|attention\.o_proj)\.", r"layers.\1.attn.out."),
-    (_LAYER + r"(?:post_attention_layernorm|norm1|attn_ln)\.", r"layers.\1.attn_norm."),
-    (_LAYER + r"(?:post_mlp_layernorm|norm2|mlp_ln)\.", r"layers.\1.mlp_norm."),
-    (_LAYER + r"mlp\.fc1\.", r"layers.\1.mlp_in."),
-    (_LAYER + r"mlp\.(?:gate_proj|fc12)\.", r"layers.\1.mlp_gate."),
-    (_LAYER + r"mlp\.(?:up_proj|fc11)\.", r"layers.\1.mlp_up."),
-    (_LAYER + r"mlp\.up_gate_proj\.", r"layers.\1.mlp_up_gate."),
-    (_LAYER + r"mlp\.(?:down_proj|fc2)\.", r"layers.\1.mlp_out."),
-]
-HF_IGNORED = (r"^embeddings\.position_ids$", r"^embeddings\.token_type_ids$", r"^pooler\.", r"inv_freq$")
-HF_ANCHOR = "embeddings.word_embeddings.weight"
-# Fused projection -> its parts, in the order they are stacked along the output dimension.
-HF_FUSED: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attn.qkv.", ("attn.q.", "attn.k.", "attn.v.")),
-    ("mlp_up_gate.", ("mlp_up.", "mlp_gate.")),
-)
 
 
 class RotaryBertEmbeddings(nn.Module):

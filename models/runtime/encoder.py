@@ -22,6 +22,7 @@ Build one with `models.load_encoder`.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -54,6 +55,7 @@ class Chunked(NamedTuple):
     chunks: tuple[Chunk, ...]
 
 
+@dataclass(eq=False, repr=False)
 class Encoder:
     """An embedding model ready to run. Attributes:
 
@@ -64,41 +66,42 @@ class Encoder:
     attention layer is called with; calibration: the table "auto" picks from for a target
     fidelity (None: auto goes by its length threshold); cost: what an input's work is
     estimated from (models.planning.cost); graphs: the CUDA graphs its layers replay (models.runtime.graphs;
-    None: every layer runs eagerly, on unpadded batches).
+    None: every layer runs eagerly, on unpadded batches); reload: load_encoder bound to this
+    checkpoint's arguments but the dtype (what `float32()` loads).
     """
 
-    def __init__(
-        self, model: nn.Module, tokenizer: TextTokenizer, pooling: PoolingConfig, *, name: str, architecture: str,
-        native_positions: int, max_input_tokens: int, position_extension: str | None, pad_token_id: int,
-        vocab_size: int, folder: Path | None = None, adapters: tuple[str, ...] = (), prompts: Prompts | None = None,
-        backend: str = "auto", calibration: Calibration | None = None, reload: Callable[..., Encoder] | None = None,
-        graphs: LayerGraphs | None = None,
-    ):
-        if backend not in BACKENDS:
-            raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        self.model = model
-        self.tokenizer = tokenizer
-        self.pooling = pooling
-        self.name = name
-        self.architecture = architecture
-        self.native_positions = native_positions
-        self.max_input_tokens = max_input_tokens
-        self.position_extension = position_extension
-        self.pad_token_id = pad_token_id
-        self.vocab_size = vocab_size
-        self.folder = folder
-        self.adapters = adapters
-        self.prompts = prompts or Prompts()
-        self.backend = backend
-        self.calibration = calibration
-        self.graphs = graphs
-        self._reload = reload  # load_encoder bound to this checkpoint's arguments but dtype
-        self._float32: Encoder | None = None
-        first = next(model.parameters())
+    model: nn.Module
+    tokenizer: TextTokenizer
+    pooling: PoolingConfig
+    _: KW_ONLY
+    name: str
+    architecture: str
+    native_positions: int
+    max_input_tokens: int
+    position_extension: str | None
+    pad_token_id: int
+    vocab_size: int
+    folder: Path | None = None
+    adapters: tuple[str, ...] = ()
+    prompts: Prompts = field(default_factory=Prompts)
+    backend: str = "auto"
+    calibration: Calibration | None = None
+    reload: Callable[..., Encoder] | None = None  # load_encoder bound to this checkpoint's arguments but dtype
+    graphs: LayerGraphs | None = None
+    device: torch.device = field(init=False)
+    dtype: torch.dtype = field(init=False)
+    dim: int = field(init=False)
+    cost: CostModel = field(init=False)
+    _float32: Encoder | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        first = next(self.model.parameters())
         self.device = first.device
         self.dtype = first.dtype
-        self.dim = model.config.hidden_size
-        self.cost = CostModel.of(model.config, model)
+        self.dim = self.model.config.hidden_size
+        self.cost = CostModel.of(self.model.config, self.model)
 
     def info(self) -> dict[str, Any]:
         """What the model is, for /info and logs."""
@@ -298,9 +301,9 @@ class Encoder:
         if self.dtype == torch.float32:
             return self
         if self._float32 is None:
-            if self._reload is None:
+            if self.reload is None:
                 raise ValueError("float32: this encoder was not built by load_encoder; load a float32 one")
-            self._float32 = self._reload(dtype=torch.float32)
+            self._float32 = self.reload(dtype=torch.float32)
             if self.graphs is not None and self._float32.graphs is not None:
                 self._float32.graphs.on_event = self.graphs.on_event  # counted with this encoder's
         return self._float32
