@@ -149,14 +149,14 @@ def _auto_by_rows(
     q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, key_padding_mask: Tensor | None, scale: float, backend: str,
     check: Callable[[], None] | None,
 ) -> Tensor:
-    """"auto" decided per batch row by that row's own real keys (`resolve_auto`, no table), so
+    """"auto" decided per batch row by that row's own real keys (`resolve_auto` with no table), so
     that a row's output never depends on how long the rows padded beside it are; rows that
     resolve alike run together."""
     b, m = k.shape[0], k.shape[2]
     real_keys = [m] * b if key_padding_mask is None else key_padding_mask.sum(dim=1).tolist()
     rows_by_spec: dict[AttentionSpec, list[int]] = {}
     for row, keys in enumerate(real_keys):
-        rows_by_spec.setdefault(resolve_auto(spec, int(keys), shortcut_exact=False).spec, []).append(row)
+        rows_by_spec.setdefault(resolve_auto(spec, int(keys)).spec, []).append(row)
     if len(rows_by_spec) == 1:
         return attention(q, k, v, next(iter(rows_by_spec)), key_padding_mask, scale, backend, check)
     out = q.new_empty(*q.shape[:3], v.shape[-1])

@@ -159,39 +159,46 @@ def resolve_auto(
     tokens: int,
     table: AutoTable | None = None,
     target: float | None = None,
-    shortcut_exact: bool = True,
     chunks: bool = False,
 ) -> Resolved:
-    """The one place "auto" is decided, for an input of `tokens` tokens.
+    """The one place "auto" is decided, for an input of `tokens` tokens: what `choose_auto`
+    chooses, except that an approximate spec that is exact by its knobs at this length
+    (`exact_by_knobs`) runs exact attention directly, the cheaper way to the same result, and
+    the echo says so (`"method": "full"`, `"exact_by_knobs"`: what was asked).
+    `kernels.attention` decides "auto" here too, with no table, per batch row; a concrete
+    method it runs as given, so that the methods' exact cases stay testable through it."""
+    return _exact_if_exact(choose_auto(spec, tokens, table, target, chunks), tokens)
+
+
+def choose_auto(
+    spec: AttentionSpec,
+    tokens: int,
+    table: AutoTable | None = None,
+    target: float | None = None,
+    chunks: bool = False,
+) -> Resolved:
+    """What "auto" chooses for an input of `tokens` tokens (before `resolve_auto`'s shortcut
+    to exact attention).
 
     A concrete method stays as it is. "auto" with a `target` fidelity and a `table` runs what
     the table chooses (the fastest configuration measured to meet the target at that length);
     otherwise "full" below `spec.auto_threshold` tokens and `spec.auto_method` from there on.
     A target without a table falls back to the threshold, and the echo says so
     (`"calibrated_fidelity": null`). chunks: the input is a late-chunking window, and the
-    table judges its choice by the chunk vectors (`AutoTable.choose`). Whatever was chosen, an
-    approximate spec that is exact by its knobs at this length (`exact_by_knobs`) runs exact
-    attention directly, the cheaper way to the same result, and the echo says so (`"method":
-    "full"`, `"exact_by_knobs"`: what was asked). `kernels.attention` calls this with no table
-    and without that shortcut: it runs the method it is given, so that the methods' exact cases
-    stay testable through it.
+    table judges its choice by the chunk vectors (`AutoTable.choose`).
     """
     if spec.method != "auto":
         if target is not None:
             raise FieldError("target", f'applies to method "auto" only, got method {spec.method!r}')
-        resolved = Resolved(spec, spec.used_knobs())
-    elif target is not None and table is not None:
+        return Resolved(spec, spec.used_knobs())
+    if target is not None and table is not None:
         choice = table.choose(tokens, target, seed=spec.seed, chunks=chunks)
-        resolved = Resolved(choice.spec, choice.echo(target))
-    else:
-        concrete = dataclasses.replace(spec, method="full" if tokens < spec.auto_threshold else spec.auto_method)
-        echo = concrete.used_knobs()
-        if target is not None:
-            echo = {**echo, "target_fidelity": target, "calibrated_fidelity": None}
-        resolved = Resolved(concrete, echo)
-    if not shortcut_exact:
-        return resolved
-    return _exact_if_exact(resolved, tokens)
+        return Resolved(choice.spec, choice.echo(target))
+    concrete = dataclasses.replace(spec, method="full" if tokens < spec.auto_threshold else spec.auto_method)
+    echo = concrete.used_knobs()
+    if target is not None:
+        echo = {**echo, "target_fidelity": target, "calibrated_fidelity": None}
+    return Resolved(concrete, echo)
 
 
 def _exact_if_exact(resolved: Resolved, tokens: int) -> Resolved:

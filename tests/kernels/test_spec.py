@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from kernels import KNOB_RANGES, METHODS, AttentionSpec, resolve_auto
+from kernels.spec import choose_auto
 
 
 @pytest.mark.parametrize("name", sorted(KNOB_RANGES))
@@ -58,7 +59,7 @@ def test_auto_resolves_by_length():
 )
 def test_a_method_exact_by_its_knobs_runs_exact_attention_and_the_echo_says_what_was_asked(spec, tokens, exact):
     resolved = resolve_auto(spec, tokens)
-    asked = resolve_auto(spec, tokens, shortcut_exact=False)
+    asked = choose_auto(spec, tokens)
     if not exact:
         assert resolved == asked and resolved.spec.method != "full"
         return
@@ -88,7 +89,7 @@ class OneChoiceTable:
 def test_auto_with_a_target_runs_what_the_table_chooses():
     table = OneChoiceTable(AttentionSpec(method="smyrf", hash_rounds=2))
     spec = AttentionSpec(method="auto", auto_threshold=10, seed=5)
-    resolved = resolve_auto(spec, 3, table=table, target=0.95, shortcut_exact=False)  # below the threshold too
+    resolved = choose_auto(spec, 3, table=table, target=0.95)  # below the threshold too
     assert table.asked == [(3, 0.95, 5, False)]
     assert resolved.spec.method == "smyrf" and resolved.spec.seed == 5
     assert resolved.echo["target_fidelity"] == 0.95 and resolved.echo["calibrated_fidelity"] == 0.97
@@ -164,3 +165,16 @@ def test_exact_attention_with_a_check_runs_in_query_blocks_to_the_same_result():
 
     with pytest.raises(Stop):
         attention(q, k, v, AttentionSpec(method="full"), mask, check=stop_second)
+
+
+def test_kernels_attention_decides_auto_by_the_one_rule_exact_by_knobs_included():
+    import torch
+
+    from kernels import attention
+
+    generator = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=generator) for _ in range(3))
+    spec = AttentionSpec(method="auto", auto_threshold=10, auto_method="clustered", clusters=64)  # >= 40 keys
+    assert resolve_auto(spec, 40).spec.method == "full"
+    out = attention(q, k, v, spec, backend="reference")
+    torch.testing.assert_close(out, attention(q, k, v, AttentionSpec(method="full"), backend="reference"), rtol=0, atol=0)
