@@ -8,7 +8,7 @@ PORT   ?= 8000
 # a name (minilm, nomic), a checkpoint folder or a GGUF file.
 MODEL  ?=
 
-.PHONY: venv install install-test model serve test bench lint clean
+.PHONY: venv install install-test model serve test bench lint fuzz clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,9 +52,18 @@ bench: install-test
 	$(PY) -m bench.cpu
 	$(PY) -m bench.fidelity
 
+# Schema fuzzing of a running server (`make serve` in another shell): schemathesis, every check,
+# with the relations between fields that the schema cannot state given as hooks
+# (tests/fuzz/cross_field.py). Installed in a venv of its own.
+URL ?= http://$(HOST):$(PORT)
+fuzz:
+	@test -x .venv-fuzz/bin/schemathesis || ($(PYTHON) -m venv .venv-fuzz && .venv-fuzz/bin/pip install --quiet schemathesis)
+	SCHEMATHESIS_HOOKS=tests.fuzz.cross_field .venv-fuzz/bin/schemathesis run $(URL)/openapi.json \
+		--checks all --generation-deterministic --max-examples 60
+
 lint: install-test
 	$(PY) -m pip install --quiet ruff
 	$(PY) -m ruff check kernels models service bench tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-fuzz build *.egg-info

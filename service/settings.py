@@ -39,17 +39,14 @@ class Settings(BaseSettings):
     device: str = Field("auto", description='torch device for the model: "auto" (cuda if available), "cpu", "cuda:0", ...')
     dtype: Literal[DTYPE_SETTINGS] = Field(  # type: ignore[valid-type]
         "auto",
-        description='precision of the weights and activations: "auto" (bfloat16 on CUDA and on CPUs with '
-        "fast bf16 matrix instructions, AVX512-BF16 or AMX, confirmed by a measurement at start-up; float32 "
-        'elsewhere), "float32", "bfloat16" or "float16"; /info, clusterserve_build_info and the log name the one '
-        "that runs",
+        description='precision of the weights and activations: "float32", "bfloat16", "float16" or "auto": bfloat16 on '
+        "CUDA and on CPUs whose bf16 matrix instructions (AVX512-BF16, AMX) a start-up measurement finds fast, float32 "
+        "elsewhere; /info, clusterserve_build_info and the log name the one that runs",
     )
     backend: Literal[BACKENDS] = Field(  # type: ignore[valid-type]
-        "auto",
-        description='attention kernels: "auto" (triton on CUDA, the native C loops on a CPU where they '
-        'build, the PyTorch reference otherwise), "reference", "native" or "triton"; resolved once at '
-        "start-up for the model's device and dtype (/info shows the result); one that cannot run there "
-        "fails start-up",
+        "auto", description='attention kernels: "reference", "native", "triton" or "auto": triton on CUDA, the native C '
+        "loops on a CPU where they build, the reference otherwise; resolved once at start-up (/info shows it); one "
+        "that cannot run on the model's device and dtype fails start-up",
     )
 
     # Default attention for requests that leave a knob out (AttentionSpec's fields).
