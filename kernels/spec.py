@@ -189,7 +189,8 @@ def choose_auto(
     """
     if spec.method != "auto":
         if target is not None:
-            raise FieldError("target", f'applies to method "auto" only, got method {spec.method!r}')
+            detail = f'applies to method "auto" only, got method {spec.method!r}; set method to "auto" or leave it out'
+            raise FieldError("target_fidelity", detail, ATTENTION)
         return Resolved(spec, spec.used_knobs())
     if target is not None and table is not None:
         choice = table.choose(tokens, target, seed=spec.seed, chunks=chunks)

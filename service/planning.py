@@ -246,22 +246,16 @@ def resolve_request_attention(
 ) -> tuple[AttentionSpec, float | None]:
     """The request's knobs over the server defaults, validated as an AttentionSpec (FieldError
     naming the knob), and the target fidelity "auto" aims at: the request's, else the server's
-    `default_target` when the request runs "auto" and names no knob a calibration sets. The
-    one place that checks a target's rules: "auto" only, and no knob it chooses."""
+    `default_target` when the request runs "auto" and names no knob a calibration sets. A
+    target with no method runs "auto", and names no knob it chooses (that it goes with "auto"
+    only is kernels.resolve_auto's rule, met when the plan resolves each input)."""
     knobs = requested.model_dump(exclude_none=True) if requested is not None else {}
     target = knobs.pop("target_fidelity", None)
     named_knobs = [name for name in CALIBRATED_KNOBS if name in knobs]
     if target is None and knobs.get("method", default.method) == "auto" and not named_knobs:
         target = default_target
     elif target is not None:
-        method = knobs.setdefault("method", "auto")
-        if method != "auto":
-            raise FieldError(
-                "target_fidelity",
-                f'applies to method "auto" only, got method {method!r}; leave method out or set it to "auto"',
-                ATTENTION,
-            )
-        if named_knobs:
+        if knobs.setdefault("method", "auto") == "auto" and named_knobs:
             raise FieldError(
                 named_knobs[0],
                 "is chosen by target_fidelity from the calibration table; leave it out, "

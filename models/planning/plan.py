@@ -145,12 +145,11 @@ def choose_prompt_and_adapter(
 
 
 def check_attention(spec: AttentionSpec, target_fidelity: float | None) -> None:
-    """FieldError naming `spec` or `target_fidelity` unless they make a request."""
+    """FieldError naming `spec` or `target_fidelity` unless they make a request (that a target
+    goes with "auto" only is kernels.resolve_auto's rule)."""
     if not isinstance(spec, AttentionSpec):
         raise FieldError("spec", f"must be a kernels.AttentionSpec, got {type(spec).__name__}")
     if target_fidelity is not None:
-        if spec.method != "auto":
-            raise FieldError("target_fidelity", f'applies to method "auto" only, got method {spec.method!r}')
         if isinstance(target_fidelity, bool) or not isinstance(target_fidelity, (int, float)) or not 0 < target_fidelity <= 1:
             raise FieldError("target_fidelity", f"must be a number in (0, 1], got {target_fidelity!r}")
 

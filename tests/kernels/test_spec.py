@@ -108,7 +108,7 @@ def test_a_target_without_a_table_falls_back_to_the_threshold_and_says_so():
 
 
 def test_a_target_with_a_concrete_method_is_refused():
-    with pytest.raises(ValueError, match="^target:"):
+    with pytest.raises(ValueError, match='^target_fidelity: applies to method "auto" only'):
         resolve_auto(AttentionSpec(method="full"), 10, target=0.9)
 
 
