@@ -155,11 +155,7 @@ def exact_by_knobs(spec: AttentionSpec, tokens: int) -> bool:
 
 
 def resolve_auto(
-    spec: AttentionSpec,
-    tokens: int,
-    table: AutoTable | None = None,
-    target: float | None = None,
-    chunks: bool = False,
+    spec: AttentionSpec, tokens: int, table: AutoTable | None = None, target: float | None = None, chunks: bool = False
 ) -> Resolved:
     """The one place "auto" is decided, for an input of `tokens` tokens: what `choose_auto`
     chooses, except that an approximate spec that is exact by its knobs at this length

@@ -16,6 +16,7 @@ Pooled vectors, chunks, late-chunking windows and token states differ only in th
 failure anywhere is a ServiceError with its status (service.errors), the planners' typed
 errors answered by one table there.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -17,6 +17,7 @@ own fields are read here too: its attention knobs over the server's defaults
 (`chunking_spec`). Bad values raise kernels.FieldError (or models.planning.inputs' typed errors),
 which service.errors answers.
 """
+
 from __future__ import annotations
 
 import dataclasses
