@@ -4,8 +4,8 @@ sentence-transformers pooling and prompts.
 
     from kernels import AttentionSpec
     from models import load_encoder
-    enc = load_encoder(None)                                   # embedded all-MiniLM-L6-v2
-    vectors = enc.embed(["a long document ..."], AttentionSpec(method="full"))  # (1, 384)
+    enc = load_encoder(None)                                   # nomic-embed-text-v1.5 (python -m models.fetch)
+    vectors = enc.embed(["a long document ..."], AttentionSpec(method="full"))  # (1, 768)
 """
 
 from models.config import EncoderConfig, UnsupportedArchitecture
