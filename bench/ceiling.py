@@ -19,11 +19,10 @@ import argparse
 
 from kernels import AttentionSpec
 from models import load_encoder
+from models.planning.calibration import EXACT
 from models.runtime.precision import DTYPE_SETTINGS
 
 from .common import long_text_ids, print_table, run_conditions, timed_rounds, write_results
-
-EXACT = AttentionSpec(method="full")
 
 
 def block_local(block: int) -> AttentionSpec:
