@@ -30,6 +30,16 @@ CALIBRATION_TEXTS = ("GPL-3", "GPL-2", "LGPL-2.1", "Apache-2.0", "CC0-1.0")
 HELD_BACK_TEXTS = ("MPL-1.1", "MPL-2.0", "GFDL-1.3", "Artistic", "BSD")
 
 
+def nomic_default() -> AttentionSpec:
+    """What `auto` runs for the default model (nomic-embed-text-v1.5) at its 8,192-token context
+    and the server's default target fidelity: the shipped calibration table's choice."""
+    from models.planning.calibration import SHIPPED_DIR, load_calibration, table_name
+    from service.settings import Settings
+
+    table = load_calibration(SHIPPED_DIR / table_name("nomic-embed-text-v1.5", "cpu"))
+    return table.choose(8192, Settings.model_fields["target_fidelity"].default).spec
+
+
 def long_text_ids(encoder, tokens: int, offset: int = 0, texts: tuple[str, ...] | None = None) -> list[int]:
     """Token ids of `tokens` tokens of real English prose (Debian's license texts, all of them
     or the named ones, repeated when more is asked than they hold), starting `offset` tokens

@@ -22,6 +22,7 @@ from .common import (
     capture_qkv,
     device_name,
     long_text_ids,
+    nomic_default,
     peak_memory_during,
     print_table,
     write_results,
@@ -35,6 +36,7 @@ SPECS = {
     "i-clustered (paper)": AttentionSpec(method="i-clustered", clusters=100, topk=32, bits=63, iterations=10, refine=0),
     "i-clustered": AttentionSpec(method="i-clustered", clusters=100, topk=32, bits=63, iterations=10, refine=3),
     "smyrf": AttentionSpec(method="smyrf", hash_rounds=4, cluster_size=64),
+    "banded": nomic_default(),  # what auto serves the default model at 8k
 }
 
 

@@ -1,7 +1,7 @@
 """Offline cost model of the Triton pipelines on an H100 SXM (sm_90), with no GPU: an estimate
 per launch and per call, and its ratio to exact attention (FlashAttention-2 and -3).
 
-    python -m bench.gpu_model [--lengths 4096 16384 65536] [--head-dims 64 32] [--json PATH]
+    python -m bench.gpu_model [--lengths 4096 8192 16384 65536] [--head-dims 64 32] [--json PATH]
 
 Every figure is an estimate. Per launch (recorded by bench.gpu_static, compiled for sm_90):
 programs and waves on 132 SMs; occupancy from registers, shared memory and warps (CTAs per SM);
@@ -44,7 +44,7 @@ from kernels import AttentionSpec
 from kernels.spec import METHODS
 
 from . import sass, warp_cost
-from .common import RESULTS_DIR, print_table
+from .common import RESULTS_DIR, nomic_default, print_table
 from .gpu_static import HEADS, Launch, compile_kernel, ptxas_usage, record_spec, specialisation
 from .trip_counts import UnknownBound, bound_arguments, declared_bounds, loop_trips
 
@@ -111,6 +111,7 @@ SPECS = {
 if "banded" in METHODS:  # a local band, the chosen far blocks and a pooled far field, at its defaults
     SPECS["banded"] = AttentionSpec(method="banded")
     SPECS["banded (pooled)"] = AttentionSpec(method="banded", far_blocks=0)
+SPECS["nomic default"] = nomic_default()
 
 
 @dataclass
@@ -478,7 +479,7 @@ def print_report(report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 65536])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 32])
     parser.add_argument("--methods", nargs="+", default=list(SPECS), choices=list(SPECS))
     parser.add_argument("--json", type=Path, default=RESULTS_DIR / "gpu_model.json")

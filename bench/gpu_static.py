@@ -160,7 +160,7 @@ class _HostOps(TorchDispatchMode):
             return out
         if name.startswith("_local_scalar_dense"):
             self.syncs += 1
-        elif name.startswith("empty"):  # as bench.timing's counter: no kernel
+        elif name.startswith(("empty", "new_empty")):  # as bench.timing's counter: no kernel
             self.allocations += 1
         else:
             self.kernel_shapes.append([tuple(a.shape) for a in args if isinstance(a, torch.Tensor)])

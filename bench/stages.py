@@ -4,6 +4,7 @@ alone on the inputs the pipeline handed it, so that each can be timed and its ke
     clustered / i-clustered: hash -> cluster -> refine -> centroids -> centroid_attention ->
                              broadcast | sparse
     smyrf:                   hash -> sort -> cluster_attention
+    banded:                  pool -> select -> attend
 
 `stage_plan` runs the pipeline once through `kernels.stages.run_*` with an observer that
 records every stage and its arguments; the plan replays them. `StagePlan.output` is what that
@@ -20,7 +21,8 @@ import torch
 from torch import Tensor
 
 from kernels import AttentionSpec
-from kernels.dispatch import clustered_stages, smyrf_stages
+from kernels.dispatch import banded_stages, clustered_stages, smyrf_stages
+from kernels.reference.banded import run_banded
 from kernels.reference.full import full_attention
 from kernels.stages import run_clustered, run_smyrf
 
@@ -54,6 +56,8 @@ def stage_plan(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, scale: floa
 
     if spec.method == "smyrf":
         out = run_smyrf(smyrf_stages(backend), q, k, v, spec, None, scale, observe=record)
+    elif spec.method == "banded":
+        out = run_banded(banded_stages(backend), q, k, v, spec, None, scale, observe=record)
     else:
         out = run_clustered(clustered_stages(backend), q, k, v, spec, None, scale, observe=record)
     return StagePlan(stages, out)

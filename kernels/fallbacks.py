@@ -19,6 +19,10 @@ FALLBACKS: dict[tuple[str, str], str] = {
         "i-clustered's top-k is over what the Triton centroid pass selects on chip; "
         "A^c is computed in float32 with torch and torch.topk picks the keys"
     ),
+    ("banded_triton", "blocks_over_on_chip"): (
+        "banded's far-block choice has more blocks a row than its Triton top-k holds on chip; "
+        "torch.topk and a sort pick them"
+    ),
 }
 
 _lock = threading.Lock()

@@ -54,7 +54,9 @@ class Pooled(NamedTuple):
     (0 where it has none); log_count (B, NB): log of how many there are (-inf for none);
     sinks (B, S) int64 positions of the sink keys, sink_real (B, S) bool; counted (B, N) bool:
     the keys a pooled block stands for (real, not sinks); chosen (B, H, NB, R) int64: the far
-    blocks each query block attends exactly, ascending, -1 for none (R = 0 before `select`)."""
+    blocks each query block attends exactly, ascending, -1 for none (R = 0 before `select`);
+    key_parts: a backend's own form of the mean keys (the Triton pool's split into half parts,
+    kernels/triton/helpers.py), None where it has none."""
 
     keys: Tensor
     values: Tensor
@@ -63,6 +65,7 @@ class Pooled(NamedTuple):
     sink_real: Tensor
     counted: Tensor
     chosen: Tensor
+    key_parts: Tensor | None = None
 
 
 def sink_positions(key_mask: Tensor, sinks: int) -> tuple[Tensor, Tensor]:
@@ -114,10 +117,11 @@ def far_count(spec: AttentionSpec, blocks: int) -> int:
     return max(0, min(spec.far_blocks, blocks - band - 1))
 
 
-def block_scores(q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, scale: float) -> Tensor:
-    """(B, H, NB, NB): for query block t and block c, the largest q . mean key of c * scale over
-    t's real queries (-inf for a block of none), in the pooled keys' dtype. The reference's;
-    the Triton backend has its kernel."""
+def choice_scores(q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, scale: float) -> Tensor:
+    """(B, H, NB, NB) float32 (float64 for float64): how strongly query block t leans on block c,
+    max over t's real queries of q . mean key of c * scale + log count of c; -inf where c is
+    within t's band, holds no counted key, or t has no real query. The reference's; the Triton
+    backend has its kernel."""
     b, h, n, d = q.shape
     blocks = pooled.keys.shape[2]
     size = spec.block
@@ -130,26 +134,23 @@ def block_scores(q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpe
         last = min(blocks, first + _BLOCKS_PER_STEP)
         logits = q_pad[:, :, first:last] @ keys[:, :, None].transpose(-1, -2)  # (B, H, c, size, NB)
         score[:, :, first:last] = logits.masked_fill(~real[:, :, first:last], float("-inf")).amax(dim=3) * scale
-    return score
+    ids = torch.arange(blocks, device=q.device)
+    near = (ids[:, None] - ids[None, :]).abs() <= min(spec.band, blocks - 1)
+    return (score + pooled.log_count.to(score.dtype)[:, None, None, :]).masked_fill(near, float("-inf"))
 
 
 def select(
     q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, scale: float,
-    scores: Callable[..., Tensor] = block_scores,
+    scores: Callable[..., Tensor] = choice_scores,
 ) -> Pooled:
     """The select stage (every backend): per query block, the `far_blocks` blocks outside the
-    band with the highest score max over the block's real queries of q . mean key * scale +
-    log count, among blocks holding a counted key (`scores` gives the first term). q (B, H, N,
-    D) -> pooled with `chosen` (B, H, NB, R) ascending, -1 where fewer blocks qualify."""
-    blocks = pooled.keys.shape[2]
-    r = far_count(spec, blocks)
+    band with the highest `scores` (choice_scores, or a backend's kernel of it), among those
+    with a finite score. q (B, H, N, D) -> pooled with `chosen` (B, H, NB, R) ascending, -1
+    where fewer blocks qualify."""
+    r = far_count(spec, pooled.keys.shape[2])
     if r == 0:
         return pooled
-    bias = pooled.log_count[:, None, None, :]  # (B, 1, 1, NB), -inf for a block of no counted key
-    score = scores(q, pooled, key_mask, spec, scale).to(bias.dtype) + bias
-    ids = torch.arange(blocks, device=q.device)
-    near = (ids[:, None] - ids[None, :]).abs() <= min(spec.band, blocks - 1)
-    top = score.masked_fill(near, float("-inf")).topk(r, dim=-1)
+    top = scores(q, pooled, key_mask, spec, scale).topk(r, dim=-1)
     chosen = torch.where(torch.isfinite(top.values), top.indices, -1).sort(dim=-1).values
     return pooled._replace(chosen=chosen)
 
@@ -247,21 +248,21 @@ def run_banded(
         qc, kc, vc = qc.contiguous(), kc.contiguous(), vc.contiguous()
     key_mask, _ = token_masks(q, k, key_padding_mask)
     pooled = observe("pool", stages.pool, kc, vc, key_mask, spec)
-    pooled = observe("select", select, qc, pooled, key_mask, spec, scale, stages.scores)
+    pooled = observe("select", stages.select, qc, pooled, key_mask, spec, scale)
     return observe("attend", stages.attend, qc, kc, vc, pooled, key_mask, spec, scale, q.dtype)
 
 
 @dataclass(frozen=True)
 class BandedStages:
-    """One backend's banded pipeline: pool and the choice of far blocks are shared (the block
-    scores may be the backend's), attend is the backend's."""
+    """One backend's banded pipeline: pool, the choice of far blocks (the reference's `select`
+    unless the backend has its own) and attend."""
 
     name: str
     compute: Callable[[torch.dtype], torch.dtype]
     pool: Callable[..., Pooled]
     attend: Callable[..., Tensor]
     contiguous: bool = False
-    scores: Callable[..., Tensor] = block_scores
+    select: Callable[..., Pooled] = select
 
 
 REFERENCE = BandedStages(name="reference", compute=float32_or_64, pool=pool, attend=attend)

@@ -1,24 +1,35 @@
-"""The Triton backend of banded attention (banded.py): the attend stage as one kernel, the block
-scores that choose the far blocks as another; the pool stage and the top-k of the choice are
-the reference's (O(N D) means in float32; a top-k over (NB, NB) scores).
+"""The Triton backend of banded attention (banded.py): every stage as Triton kernels, the sink
+positions aside (a few PyTorch ops on the (B, N) mask). No atomics; every output element has
+one writer.
 
-The scores: one program per (batch x head, query block, tile of BLOCK_N pooled blocks) runs
-its block's queries in tiles of BLOCK_M against the tile's pooled keys (float32, split parts
-for half-precision queries) and writes the largest logit of each block over its real queries.
-
-One program per (batch x head, tile of BLOCK_M queries) writes its own rows of the output and
-nothing else (no atomics). Its queries run one online softmax over
-    - the keys of the band: the span from the first row's band to the last row's, in tiles of
-      BLOCK_N keys, each row masked to its own block's band and to real keys,
-    - the sinks (one tile), each row masked to the real sinks outside its band,
-    - the far blocks chosen for each query block the tile meets (one when BLOCK_M divides the
-      block size), R per query block, in tiles of BLOCK_N keys, each row masked to its own
-      block's choice and to counted keys,
-    - the pooled keys and values (float32) in tiles of BLOCK_N blocks, each row masked to the
-      blocks outside its band that hold a counted key and are not chosen for it (a (NB, NB)
-      mask a head, built from the choice), logits raised by their log count.
-q . k and p . v run on tensor cores in the inputs' dtype with float32 accumulation; the float32
-pooled keys and values meet half-precision operands as split parts (float32 accuracy).
+    pool     _pool_kernel: one program per (batch x head, block): the mean key (float32, and for
+             half-precision inputs its split_parts, so no later kernel splits it again), the
+             mean value (rounded to v's dtype) and, from the first head's program, the block's
+             log count and which of its keys count (real, not sinks).
+    select   _choice_scores_kernel: one program per (batch x head, run of query blocks), each
+             tile of BLOCK_N mean keys loaded once for the run; per query block, the largest
+             mean key . q over its real queries (the mean keys' split parts against q, float32
+             accuracy: the top-k decides on it) * scale + log count, -inf within the band.
+             _top_blocks_kernel: one program per (batch x head, query block): the far_blocks
+             highest finite scores, ids ascending as the reference's sort leaves them (ties
+             to the lowest id); rows over TOP_BLOCKS_MAX blocks take torch's topk.
+    attend   _banded_kernel: one program per (batch x head, tile of BLOCK_M queries), one online
+             softmax over
+               - the band: the span from the first row's band to the last row's, in tiles of
+                 BLOCK_N keys masked to real keys,
+               - the sinks (one tile) outside each row's band,
+               - the chosen far blocks' counted keys: one flat loop over (query block, slot,
+                 tile of the block), so that its loads pipeline,
+               - the mean keys and values of the blocks outside the band not chosen, logits
+                 raised by their log count (the mean key's hi and mid split parts against
+                 q: 16 bits of it, not a rounded key's 8).
+             BLOCK_M divides the block size on a GPU (query_tile), so all of a program's rows
+             share one block and its masks are per key (UNIFORM); otherwise (blocks not a
+             multiple of 16, and under the interpreter blocks under 16) each row is masked to
+             its own block's band and choice.
+q . k and p . v run on tensor cores in the inputs' dtype with float32 accumulation; the
+probabilities are rounded to v's dtype before p . v, as flash attention does, and the mean
+values enter in v's dtype, like every other value.
 """
 
 from __future__ import annotations
@@ -30,33 +41,139 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.reference.banded import BandedStages, Pooled, chosen_hits, pool
+from kernels import fallbacks
+from kernels.reference.banded import BandedStages, Pooled, far_count, sink_positions
+from kernels.reference.banded import select as reference_select
 from kernels.spec import AttentionSpec
-from kernels.triton.helpers import dot_split_right, mma, online_softmax_step, pow2_block, rounded, upcast
+from kernels.triton.helpers import (
+    chunking,
+    dot_parts_left,
+    mma,
+    online_softmax_step,
+    pow2_block,
+    rounded,
+    split_parts,
+    upcast,
+)
 
 LOG2E = 1.0 / math.log(2.0)
 
 
 @triton.jit
-def _banded_kernel(
-    q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, plog_ptr, preal_ptr, sink_ptr, sreal_ptr, real_ptr, counted_ptr, chosen_ptr,
-    replaced_ptr, out_ptr, N, H, NB, S, R, SIZE, BAND, scale_log2,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-    FAR: tl.constexpr, UPCAST: tl.constexpr,
+def _pool_kernel(
+    k_ptr, v_ptr, real_ptr, sink_ptr, sreal_ptr, pk_ptr, parts_ptr, pv_ptr, plog_ptr, counted_ptr, N, H, NB, S, SIZE, PLANE,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b = bh // H
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = tl.program_id(1)
+    dims = tl.arange(0, BLOCK_D)
+    vdims = tl.arange(0, BLOCK_DV)
+    slots = tl.arange(0, BLOCK_S)
+    pos = tl.load(sink_ptr + b * S + slots, mask=slots < S, other=-1)
+    pos = tl.where(tl.load(sreal_ptr + b * S + slots, mask=slots < S, other=0) != 0, pos, -1)
+    key_sum = tl.zeros([BLOCK_D], tl.float32)
+    value_sum = tl.zeros([BLOCK_DV], tl.float32)
+    count = tl.zeros([BLOCK_ROWS], tl.float32)
+    steps = tl.arange(0, BLOCK_ROWS)
+    for start in range(0, SIZE, BLOCK_ROWS):
+        rows = t * SIZE + start + steps
+        row_ok = (start + steps < SIZE) & (rows < N)
+        sink = tl.max((rows[:, None] == pos[None, :]).to(tl.int32), axis=1) > 0
+        counted = (tl.load(real_ptr + b * N + rows, mask=row_ok, other=0) != 0) & row_ok & ~sink
+        # the first head's program writes the row's flags (one writer each)
+        tl.store(counted_ptr + b * N + rows, counted.to(tl.uint8), mask=row_ok & (bh % H + steps * 0 == 0))
+        weight = counted.to(tl.float32)
+        keys = tl.load(k_ptr + (bh * N + rows)[:, None] * D + dims[None, :], mask=row_ok[:, None] & (dims < D)[None, :],
+            other=0.0)
+        values = tl.load(v_ptr + (bh * N + rows)[:, None] * DV + vdims[None, :],
+            mask=row_ok[:, None] & (vdims < DV)[None, :], other=0.0)
+        key_sum += tl.sum(keys.to(tl.float32) * weight[:, None], axis=0)
+        value_sum += tl.sum(values.to(tl.float32) * weight[:, None], axis=0)
+        count += weight
+    total = tl.sum(count, axis=0)
+    per = tl.maximum(total, 1.0)
+    mean = key_sum / per
+    tl.store(pk_ptr + (bh * NB + t) * D + dims, mean, mask=dims < D)
+    if k_ptr.dtype.element_ty != tl.float32:  # the mean key's half parts, for the choice scores
+        hi, mid, lo, _ = split_parts(mean, k_ptr.dtype.element_ty)
+        at = parts_ptr + (bh * NB + t) * D + dims  # (3, B, H, NB, D): PLANE apart
+        tl.store(at, hi, mask=dims < D)
+        tl.store(at + PLANE, mid, mask=dims < D)
+        tl.store(at + 2 * PLANE, lo, mask=dims < D)
+    tl.store(pv_ptr + (bh * NB + t) * DV + vdims, rounded(value_sum / per, pv_ptr.dtype.element_ty), mask=vdims < DV)
+    log_count = tl.where(total > 0, tl.log(per), float("-inf")) + tl.zeros([BLOCK_S], tl.float32)
+    tl.store(plog_ptr + b * NB + t + slots * 0, log_count, mask=slots + bh % H == 0)  # slot 0 of the first head
+
+
+def pool(k: Tensor, v: Tensor, key_mask: Tensor, spec: AttentionSpec) -> Pooled:
+    """banded.pool as one Triton kernel (one program per head and block): k (B, H, N, D),
+    v (B, H, N, Dv) in their dtype, key_mask (B, N) -> Pooled: mean keys in float32, mean values
+    rounded to v's dtype (what attend multiplies), counted uint8; for half-precision k, the mean
+    keys also as split_parts (key_parts (3, B, H, NB, D), hi first: the mean key rounded)."""
+    b, h, n, d = k.shape
+    dv = v.shape[-1]
+    size = spec.block
+    blocks = -(-n // size)
+    k, v = k.contiguous(), v.contiguous()
+    sinks, sink_real = sink_positions(key_mask, spec.sinks)
+    keys = k.new_empty(b, h, blocks, d, dtype=torch.float32)
+    half = k.dtype != torch.float32
+    parts = k.new_empty(3, b, h, blocks, d) if half else keys
+    values = v.new_empty(b, h, blocks, dv)
+    log_count = k.new_empty(b, blocks, dtype=torch.float32)
+    counted = key_mask.new_empty(b, n, dtype=torch.uint8)
+    chosen = key_mask.new_zeros(b, h, blocks, 0, dtype=torch.int64)
+    if n:
+        _pool_kernel[(b * h, blocks)](
+            k, v, key_mask.contiguous(), sinks, sink_real, keys, parts, values, log_count, counted, n, h, blocks,
+            sinks.shape[1], size, b * h * blocks * d, D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv),
+            BLOCK_ROWS=pow2_block(size, high=64), BLOCK_S=pow2_block(sinks.shape[1]),
+        )
+    return Pooled(keys, values, log_count, sinks, sink_real, counted, chosen, parts if half else None)
+
+
+@triton.jit
+def _chosen_hit(chosen_ptr, bh, NB, R, t, blocks, BLOCK_R: tl.constexpr):
+    """(len(blocks),) bool: which of `blocks` are chosen for query block t."""
+    slots = tl.arange(0, BLOCK_R)
+    picks = tl.load(chosen_ptr + (bh * NB + t) * R + slots, mask=slots < R, other=-1)
+    return tl.max((blocks[:, None] == picks[None, :]).to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _key_tile(k_ptr, v_ptr, flag_ptr, bh, b, N, cols, col_ok, dims, vdims, D: tl.constexpr, DV: tl.constexpr):
+    """Keys (D, tile) and values (tile, DV) at positions `cols` of head bh, and (1, tile) which
+    count: in range (col_ok) and flagged in row b of the (B, N) flags (real or counted keys)."""
+    keys = tl.load(k_ptr + (bh * N + cols)[None, :] * D + dims[:, None], mask=col_ok[None, :] & (dims < D)[:, None],
+                   other=0.0)
+    values = tl.load(v_ptr + (bh * N + cols)[:, None] * DV + vdims[None, :],
+                     mask=col_ok[:, None] & (vdims < DV)[None, :], other=0.0)
+    ok = ((tl.load(flag_ptr + b * N + cols, mask=col_ok, other=0) != 0) & col_ok)[None, :]
+    return keys, values, ok
+
+
+@triton.jit
+def _banded_kernel(
+    q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, plog_ptr, sink_ptr, sreal_ptr, real_ptr, counted_ptr, chosen_ptr,
+    out_ptr, N, H, NB, S, R, SIZE, BAND, PLANE, scale_log2,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, TILES: tl.constexpr,
+    UNIFORM: tl.constexpr, UPCAST: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = bh // H
+    first = tl.program_id(1) * BLOCK_M
+    last = tl.minimum(first + BLOCK_M, N) - 1
+    rows = first + tl.arange(0, BLOCK_M)
     row_ok = rows < N
     dims = tl.arange(0, BLOCK_D)
     vdims = tl.arange(0, BLOCK_DV)
     q = tl.load(q_ptr + (bh * N + rows)[:, None] * D + dims[None, :], mask=row_ok[:, None] & (dims < D)[None, :], other=0.0)
-    t_row = tl.minimum(rows, N - 1) // SIZE  # each row's block
+    t_row = tl.minimum(rows, N - 1) // SIZE  # each row's block (all one block when UNIFORM)
     lo_row = tl.maximum(t_row - BAND, 0) * SIZE
     hi_row = tl.minimum((t_row + BAND + 1) * SIZE, N)
-    first = tl.program_id(1) * BLOCK_M
-    last = tl.minimum(first + BLOCK_M, N) - 1
     lo = tl.maximum(first // SIZE - BAND, 0) * SIZE
     hi = tl.minimum((last // SIZE + BAND + 1) * SIZE, N)
 
@@ -64,18 +181,15 @@ def _banded_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
 
-    # The band.
+    # The band: [lo, hi) is every row's band when UNIFORM, else each row is masked to its own.
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        keys = tl.load(k_ptr + (bh * N + cols)[None, :] * D + dims[:, None],
-            mask=col_ok[None, :] & (dims < D)[:, None], other=0.0)
-        values = tl.load(v_ptr + (bh * N + cols)[:, None] * DV + vdims[None, :],
-            mask=col_ok[:, None] & (vdims < DV)[None, :], other=0.0)
-        real = tl.load(real_ptr + b * N + cols, mask=col_ok, other=0) != 0
-        ok = (cols[None, :] >= lo_row[:, None]) & (cols[None, :] < hi_row[:, None]) & (real & col_ok)[None, :]
-        logits = tl.where(ok, mma(q, keys, UPCAST) * scale_log2, float("-inf"))
-        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, True, UPCAST)
+        keys, values, ok = _key_tile(k_ptr, v_ptr, real_ptr, bh, b, N, cols, col_ok, dims, vdims, D, DV)
+        if not UNIFORM:
+            ok = ok & (cols[None, :] >= lo_row[:, None]) & (cols[None, :] < hi_row[:, None])
+        dots = tl.where(ok, mma(q, keys, UPCAST), float("-inf"))
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, dots, values, False, UPCAST, scale_log2)
 
     # The sinks outside each row's band.
     slots = tl.arange(0, BLOCK_S)
@@ -86,47 +200,58 @@ def _banded_kernel(
     s_values = tl.load(v_ptr + (bh * N + pos)[:, None] * DV + vdims[None, :],
         mask=s_real[:, None] & (vdims < DV)[None, :], other=0.0)
     s_far = tl.abs((pos // SIZE)[None, :] - t_row[:, None]) > BAND
-    s_logits = tl.where(s_far & s_real[None, :], mma(q, s_keys, UPCAST) * scale_log2, float("-inf"))
-    acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s_logits, s_values, True, UPCAST)
+    s_dots = tl.where(s_far & s_real[None, :], mma(q, s_keys, UPCAST), float("-inf"))
+    acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s_dots, s_values, False, UPCAST, scale_log2)
 
-    # The counted keys of the far blocks chosen for each row's block (their ids read at once).
+    # The counted keys of the far blocks chosen for each row's block: one flat loop over (query
+    # block, slot, tile of the far block), so that its loads pipeline.
     steps = tl.arange(0, BLOCK_N)
-    slots_r = tl.arange(0, BLOCK_R)
-    for t in range(first // SIZE, last // SIZE + 1):
-        mine = t_row == t
-        picks = tl.load(chosen_ptr + (bh * NB + t) * R + slots_r, mask=slots_r < R, other=-1)
-        for r in range(0, R):
-            blk = tl.sum(tl.where(slots_r == r, picks, 0))
-            width = tl.where(blk >= 0, SIZE, 0)  # -1: no block chosen in this slot
-            for start in range(0, SIZE, BLOCK_N):
-                cols = tl.maximum(blk, 0) * SIZE + start + steps
-                col_ok = (start + steps < width) & (cols < N)
-                keys = tl.load(k_ptr + (bh * N + cols)[None, :] * D + dims[:, None],
-                    mask=col_ok[None, :] & (dims < D)[:, None], other=0.0)
-                values = tl.load(v_ptr + (bh * N + cols)[:, None] * DV + vdims[None, :],
-                    mask=col_ok[:, None] & (vdims < DV)[None, :], other=0.0)
-                counted = (tl.load(counted_ptr + b * N + cols, mask=col_ok, other=0) != 0) & col_ok
-                logits = tl.where(mine[:, None] & counted[None, :], mma(q, keys, UPCAST) * scale_log2, float("-inf"))
-                acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, True, UPCAST)
+    t_first = first // SIZE
+    for i in range(0, (last // SIZE + 1 - first // SIZE) * R * TILES):
+        if UNIFORM:  # one query block: no division by R
+            t = t_first
+            slot = i // TILES
+        else:
+            t = t_first + i // (R * TILES)
+            slot = (i // TILES) % R
+        blk = tl.load(chosen_ptr + (bh * NB + t) * R + slot)
+        start = (i % TILES) * BLOCK_N
+        cols = tl.maximum(blk, 0) * SIZE + start + steps
+        width = tl.where(blk >= 0, SIZE, 0)  # -1: no block chosen in this slot
+        col_ok = (start + steps < width) & (cols < N)
+        keys, values, ok = _key_tile(k_ptr, v_ptr, counted_ptr, bh, b, N, cols, col_ok, dims, vdims, D, DV)
+        if not UNIFORM:
+            ok = ok & (t_row == t)[:, None]
+        dots = tl.where(ok, mma(q, keys, UPCAST), float("-inf"))
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, dots, values, False, UPCAST, scale_log2)
 
-    # The pooled blocks outside each row's band and not chosen for it (float32 keys and values).
+    # The pooled blocks outside each row's band and not chosen for it, logits raised by log count.
     for start in range(0, NB, BLOCK_N):
         blocks = start + tl.arange(0, BLOCK_N)
         blk_ok = blocks < NB
-        keys = tl.load(pk_ptr + (bh * NB + blocks)[None, :] * D + dims[:, None],
-            mask=blk_ok[None, :] & (dims < D)[:, None], other=0.0)
+        at = pk_ptr + (bh * NB + blocks)[None, :] * D + dims[:, None]
+        keys = tl.load(at, mask=blk_ok[None, :] & (dims < D)[:, None], other=0.0)  # float32, or the hi part
+        if pk_ptr.dtype.element_ty != tl.float32:  # hi and mid of the split parts: 16 bits of the mean key
+            split = 1.0 if pk_ptr.dtype.element_ty == tl.bfloat16 else 2048.0
+            mid = tl.load(at + PLANE, mask=blk_ok[None, :] & (dims < D)[:, None], other=0.0)
+            dots = mma(q, keys, UPCAST, mma(q, mid, UPCAST) / split)
+        else:
+            dots = mma(q, keys, UPCAST)
         values = tl.load(pv_ptr + (bh * NB + blocks)[:, None] * DV + vdims[None, :],
             mask=blk_ok[:, None] & (vdims < DV)[None, :], other=0.0)
-        counted = (tl.load(preal_ptr + b * NB + blocks, mask=blk_ok, other=0) != 0) & blk_ok
-        log_count = tl.load(plog_ptr + b * NB + blocks, mask=blk_ok, other=0.0)
-        far = tl.abs(blocks[None, :] - t_row[:, None]) > BAND
-        if FAR:  # a chosen block's keys replace its pooled key
-            replaced = tl.load(replaced_ptr + (bh * NB + t_row)[:, None] * NB + blocks[None, :],
-                mask=row_ok[:, None] & blk_ok[None, :], other=0)
-            far = far & (replaced == 0)
-        dots = dot_split_right(q, keys, UPCAST)
-        logits = tl.where(far & counted[None, :], dots * scale_log2 + (log_count * 1.4426950408889634)[None, :], float("-inf"))
-        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, True, UPCAST)
+        log_count = tl.load(plog_ptr + b * NB + blocks, mask=blk_ok, other=float("-inf"))  # -inf: no counted key
+        counted = log_count > float("-inf")
+        if UNIFORM:
+            t = first // SIZE
+            ok = (counted & (tl.abs(blocks - t) > BAND) & ~_chosen_hit(chosen_ptr, bh, NB, R, t, blocks, BLOCK_R))[None, :]
+        else:
+            ok = counted[None, :] & (tl.abs(blocks[None, :] - t_row[:, None]) > BAND)
+            for t in range(first // SIZE, last // SIZE + 1):
+                hit = _chosen_hit(chosen_ptr, bh, NB, R, t, blocks, BLOCK_R)
+                ok = ok & ~((t_row == t)[:, None] & hit[None, :])
+        bias = log_count * (1.4426950408889634 / scale_log2)  # log count, in the dots' units
+        dots = tl.where(ok, dots + bias[None, :], float("-inf"))
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, dots, values, False, UPCAST, scale_log2)
 
     own = tl.load(real_ptr + b * N + rows, mask=row_ok, other=0) != 0
     o = tl.where((own & (row_sum > 0))[:, None], acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None], 0.0)
@@ -146,75 +271,139 @@ def attend(
     dv = v.shape[-1]
     blocks = pooled.keys.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    pk = pooled.keys.to(torch.float32).contiguous()
-    pv = pooled.values.to(torch.float32).contiguous()
-    counted = torch.isfinite(pooled.log_count)
-    plog = torch.where(counted, pooled.log_count, 0.0).to(torch.float32).contiguous()
-    flags = [t.to(torch.uint8).contiguous() for t in (counted, pooled.sink_real, key_mask, pooled.counted)]
-    sinks = pooled.sinks.to(torch.int64).contiguous()
-    chosen = pooled.chosen.to(torch.int64).contiguous()
-    far = chosen.shape[-1] > 0
-    # (B, H, NB, NB) uint8: whether query block t attends block c's keys instead of its pooled key
-    replaced = chosen_hits(chosen, blocks).to(torch.uint8).contiguous() if far else chosen
+    chosen = pooled.chosen.contiguous()
+    # the mean keys: float32, or the pool's split parts for half-precision q; values in v's dtype
+    keys = pooled.keys if q.dtype == torch.float32 else pooled.key_parts
+    if keys is None or keys.dtype != q.dtype or pooled.values.dtype != v.dtype:
+        raise ValueError(f"attend needs the Triton pool's mean keys and values for {q.dtype} q, k, v")
     out = torch.empty(b, h, n, dv, dtype=q.dtype, device=q.device)
     if n == 0:
         return out.to(dtype)
-    block_m = 16 if q.device.type == "cpu" else 64
+    block_m = query_tile(spec.block, q.device.type == "cpu")
+    block_n = 16 if q.device.type == "cpu" else 64
     grid = (b * h, triton.cdiv(n, block_m))
     _banded_kernel[grid](
-        q, k, v, pk, pv, plog, flags[0], sinks, flags[1], flags[2], flags[3], chosen, replaced, out,
-        n, h, blocks, sinks.shape[1], chosen.shape[-1], spec.block, min(spec.band, blocks), scale * LOG2E,
-        D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv), BLOCK_M=block_m,
-        BLOCK_N=pow2_block(0, high=64) if q.device.type == "cpu" else 64,
-        BLOCK_S=pow2_block(sinks.shape[1]), BLOCK_R=pow2_block(chosen.shape[-1]), FAR=far, UPCAST=upcast(q),
+        q, k, v, keys.contiguous(), pooled.values, pooled.log_count, pooled.sinks, pooled.sink_real, key_mask.contiguous(),
+        pooled.counted, chosen, out, n, h, blocks, pooled.sinks.shape[1], chosen.shape[-1], spec.block,
+        min(spec.band, blocks), b * h * blocks * d, scale * LOG2E,
+        D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_S=pow2_block(pooled.sinks.shape[1]), BLOCK_R=pow2_block(chosen.shape[-1]), TILES=triton.cdiv(spec.block, block_n),
+        UNIFORM=spec.block % block_m == 0, UPCAST=upcast(q), num_stages=2,
     )
     return out.to(dtype)
 
 
+def query_tile(block: int, interpreted: bool) -> int:
+    """Queries a program of the attend kernel takes: a power of two that divides the block size
+    where one does (16 to 64 on a GPU), so that all of a program's rows share one block and its
+    masks are per key; 16 under the interpreter (blocks under 16 then take the per-row masks)."""
+    if interpreted:
+        return 16
+    return next((m for m in (64, 32, 16) if block % m == 0), 64)
+
+
 @triton.jit
-def _block_scores_kernel(
-    q_ptr, pk_ptr, real_ptr, out_ptr, N, H, NB, SIZE, scale,
+def _choice_scores_kernel(
+    q_ptr, pk_ptr, plog_ptr, real_ptr, out_ptr, N, H, NB, SIZE, BAND, PLANE, PER, scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b = bh // H
-    t = tl.program_id(1)
-    blocks = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    blk_ok = blocks < NB
     dims = tl.arange(0, BLOCK_D)
-    keys = tl.load(pk_ptr + (bh * NB + blocks)[None, :] * D + dims[:, None],
-        mask=blk_ok[None, :] & (dims < D)[:, None], other=0.0)
-    best = tl.full([BLOCK_N], float("-inf"), tl.float32)
     steps = tl.arange(0, BLOCK_M)
-    for start in range(0, SIZE, BLOCK_M):
-        rows = t * SIZE + start + steps
-        row_ok = (start + steps < SIZE) & (rows < N)
-        real = (tl.load(real_ptr + b * N + rows, mask=row_ok, other=0) != 0) & row_ok
-        q = tl.load(q_ptr + (bh * N + rows)[:, None] * D + dims[None, :], mask=row_ok[:, None] & (dims < D)[None, :],
-            other=0.0)
-        dots = tl.where(real[:, None], dot_split_right(q, keys, UPCAST), float("-inf"))
-        best = tl.maximum(best, tl.max(dots, axis=0))
-    tl.store(out_ptr + (bh * NB + t) * NB + blocks, best * scale, mask=blk_ok)
+    half: tl.constexpr = pk_ptr.dtype.element_ty != tl.float32  # the mean keys' half parts, split by the pool
+    for start in range(0, NB, BLOCK_N):
+        blocks = start + tl.arange(0, BLOCK_N)
+        blk_ok = blocks < NB
+        at = pk_ptr + (bh * NB + blocks)[:, None] * D + dims[None, :]
+        ok = blk_ok[:, None] & (dims < D)[None, :]
+        keys = tl.load(at, mask=ok, other=0.0)  # float32 keys, or the hi part of half ones
+        if half:
+            split = 1.0 if pk_ptr.dtype.element_ty == tl.bfloat16 else 2048.0
+            parts = (keys, tl.load(at + PLANE, mask=ok, other=0.0), tl.load(at + 2 * PLANE, mask=ok, other=0.0), split)
+        log_count = tl.load(plog_ptr + b * NB + blocks, mask=blk_ok, other=float("-inf"))
+        for i in range(0, PER):  # the program's query blocks, each against this tile of keys
+            t = tl.program_id(1) * PER + i
+            best = tl.full([BLOCK_N], float("-inf"), tl.float32)
+            for first in range(0, SIZE, BLOCK_M):  # the block's queries, transposed: a max along rows
+                rows = t * SIZE + first + steps
+                row_ok = (first + steps < SIZE) & (rows < N)
+                real = (tl.load(real_ptr + b * N + rows, mask=row_ok, other=0) != 0) & row_ok
+                q = tl.load(q_ptr + (bh * N + rows)[None, :] * D + dims[:, None],
+                    mask=row_ok[None, :] & (dims < D)[:, None], other=0.0)
+                if half:
+                    dots = dot_parts_left(parts, q, UPCAST)
+                else:
+                    dots = mma(keys, q, UPCAST)
+                best = tl.maximum(best, tl.max(tl.where(real[None, :], dots, float("-inf")), axis=1))
+            score = tl.where(tl.abs(blocks - t) > BAND, best * scale + log_count, float("-inf"))
+            tl.store(out_ptr + (bh * NB + t) * NB + blocks, score, mask=blk_ok & (blocks * 0 + t < NB))
 
 
-def block_scores(q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, scale: float) -> Tensor:
-    """banded.block_scores as one Triton kernel: (B, H, N, D) float32, float16 or bfloat16 ->
-    (B, H, NB, NB) float32."""
+def choice_scores(q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, scale: float) -> Tensor:
+    """banded.choice_scores as one Triton kernel (one program per head and run of query blocks,
+    each tile of mean keys loaded once for the run): (B, H, N, D) float32, or float16 /
+    bfloat16 with the pool's key_parts -> (B, H, NB, NB) float32."""
     b, h, n, d = q.shape
     blocks = pooled.keys.shape[2]
     q = q.contiguous()
-    pk = pooled.keys.to(torch.float32).contiguous()
-    real = key_mask.to(torch.uint8).contiguous()
+    keys = pooled.keys if q.dtype == torch.float32 else pooled.key_parts
+    if keys is None or keys.dtype != q.dtype:
+        raise ValueError(f"{q.dtype} queries need the mean keys split into {q.dtype} parts (the Triton pool's)")
     out = torch.empty(b, h, blocks, blocks, dtype=torch.float32, device=q.device)
     block_n = 16 if q.device.type == "cpu" else 64
-    grid = (b * h, blocks, triton.cdiv(blocks, block_n))
-    _block_scores_kernel[grid](
-        q, pk, real, out, n, h, blocks, spec.block, scale,
-        D=d, BLOCK_D=pow2_block(d), BLOCK_M=16 if q.device.type == "cpu" else 64, BLOCK_N=block_n, UPCAST=upcast(q),
+    programs, per = chunking(blocks, h, 1)
+    _choice_scores_kernel[(b * h, programs)](
+        q, keys.contiguous(), pooled.log_count.contiguous(), key_mask.contiguous(), out, n, h, blocks,
+        spec.block, min(spec.band, blocks - 1), b * h * blocks * d, per, scale,
+        D=d, BLOCK_D=pow2_block(d), BLOCK_M=pow2_block(spec.block, high=block_n), BLOCK_N=block_n, UPCAST=upcast(q),
     )
     return out
 
 
+@triton.jit
+def _top_blocks_kernel(score_ptr, chosen_ptr, NB, R, BLOCK_NB: tl.constexpr, BLOCK_R: tl.constexpr):
+    bh = tl.program_id(0)
+    t = tl.program_id(1)
+    ids = tl.arange(0, BLOCK_NB)
+    slots = tl.arange(0, BLOCK_R)
+    score = tl.load(score_ptr + (bh * NB + t) * NB + ids, mask=ids < NB, other=float("-inf"))
+    hit = ids < 0
+    for _ in range(0, R):  # the highest finite score left, the lowest id among equals
+        best = tl.max(score, axis=0)
+        pick = tl.min(tl.where(score == best, ids, BLOCK_NB), axis=0)
+        taken = (ids == pick) & (score > float("-inf"))
+        hit = hit | taken
+        score = tl.where(taken, float("-inf"), score)
+    # ascending, as a sort would put them: first a -1 for each slot no block took, then the ids
+    count = hit.to(tl.int32)
+    place = tl.cumsum(count, axis=0) - 1 + R - tl.sum(count, axis=0)
+    at = (place[None, :] == slots[:, None]) & hit[None, :]
+    picked = tl.sum(tl.where(at, ids[None, :] + 1, 0), axis=1) - 1
+    tl.store(chosen_ptr + (bh * NB + t) * R + slots, picked.to(tl.int64), mask=slots < R)
+
+
+# The top-k kernel holds a row of scores in registers: longer rows take torch's topk.
+TOP_BLOCKS_MAX = 2048
+
+
+def select(q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, scale: float) -> Pooled:
+    """banded.select with the choice scores and their top far_blocks as Triton kernels (ties to
+    the lowest block id; torch's topk for rows over TOP_BLOCKS_MAX blocks)."""
+    blocks = pooled.keys.shape[2]
+    r = far_count(spec, blocks)
+    if r == 0:
+        return pooled
+    if triton.next_power_of_2(blocks) > TOP_BLOCKS_MAX:
+        fallbacks.record("banded_triton", "blocks_over_on_chip", f"{blocks} blocks > {TOP_BLOCKS_MAX}")
+        return reference_select(q, pooled, key_mask, spec, scale, choice_scores)
+    score = choice_scores(q, pooled, key_mask, spec, scale)
+    b, h = score.shape[:2]
+    chosen = torch.empty(b, h, blocks, r, dtype=torch.int64, device=q.device)
+    _top_blocks_kernel[(b * h, blocks)](score, chosen, blocks, r, BLOCK_NB=pow2_block(blocks), BLOCK_R=pow2_block(r))
+    return pooled._replace(chosen=chosen)
+
+
 TRITON = BandedStages(
-    name="triton", compute=lambda dtype: dtype, pool=pool, attend=attend, contiguous=True, scores=block_scores
+    name="triton", compute=lambda dtype: dtype, pool=pool, attend=attend, contiguous=True, select=select
 )

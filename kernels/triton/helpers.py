@@ -118,16 +118,18 @@ def dot_split_left(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def online_softmax_step(acc, row_max, row_sum, logits, values, SPLIT_PROBS: tl.constexpr, UPCAST: tl.constexpr):
-    """Fold one block of base-2 logits (rows, keys), -inf where a key does not count, and its
-    values (keys, Dv) into a running softmax: acc (rows, Dv) unnormalised, row_max (from
-    -inf) and row_sum, all float32. SPLIT_PROBS: the probabilities meet half-precision values
-    as three half parts (float32 accuracy); else they are rounded to the values' dtype first,
-    as flash attention does."""
-    new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+def online_softmax_step(acc, row_max, row_sum, logits, values, SPLIT_PROBS: tl.constexpr, UPCAST: tl.constexpr,
+                        scale=1.0):
+    """Fold one block of base-2 logits (rows, keys) x scale (> 0), -inf where a key does not
+    count, and its values (keys, Dv) into a running softmax: acc (rows, Dv) unnormalised,
+    row_max (from -inf, scaled) and row_sum, all float32. Passing the scale here lets it fuse
+    with the shift (one FMA an element). SPLIT_PROBS: the probabilities meet half-precision
+    values as three half parts (float32 accuracy); else they are rounded to the values' dtype
+    first, as flash attention does."""
+    new_max = tl.maximum(row_max, tl.max(logits, axis=1) * scale)
     # A row with no key yet keeps max -inf; subtract 0 there so no inf - inf appears.
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-    p = tl.math.exp2(logits - shift[:, None])
+    p = tl.math.exp2(logits * scale - shift[:, None])
     rescale = tl.math.exp2(row_max - shift)
     row_sum = row_sum * rescale + tl.sum(p, axis=1)
     if SPLIT_PROBS:

@@ -9,7 +9,8 @@ smyrf.py (same seed, same clusters, same output):
    chunks' maxima (a max is exact in any order) and every round's hash of F(q) and G(k)
    (eq. 4 and 14) as one dot per tile, float32-accurate (split-precision for half inputs);
    padded tokens hash to +inf so they sort last.
-2. `torch.argsort(stable=True)` of the hashes, on device.
+2. `torch.argsort(stable=True)` of the hashes, on device (queries' and keys' as one batch of
+   rows where they have one length: kernels.stages.sort_by_hash).
 3. `_smyrf_attention_kernel`, once per round: each program takes BLOCK_M consecutive
    sorted query ranks, gathers their rows of Q by index, and streams the contiguous run of
    sorted key ranks that their clusters own (gathering K and V rows by index), with an
@@ -23,7 +24,7 @@ smyrf.py (same seed, same clusters, same output):
 
 No host synchronisation and no torch glue: the kernels count each sequence's real tokens
 from the mask; the grid depends only on shapes. A call is 2 + R launches and the sort
-stage's two argsorts. The hash directions come from the reference's CPU generator and are
+stage's stack and argsort. The hash directions come from the reference's CPU generator and are
 copied without a stream sync; capturing a CUDA graph needs them on the device beforehand,
 since a copy from pageable host memory cannot be captured.
 
@@ -226,7 +227,7 @@ def _smyrf_attention_kernel(
     first = pid_m.to(tl.int64) * BLOCK_M
     ranks = first + tl.arange(0, BLOCK_M)
     rank_valid = ranks < n_real
-    query_cluster = ranks * n_clusters // n_safe
+    query_cluster = (ranks * n_clusters // n_safe).to(tl.int32)  # < N: compared per key in int32
     last = tl.minimum(first + BLOCK_M, n_real) - 1
     first_cluster = first * n_clusters // n_safe
     last_cluster = tl.maximum(last, 0) * n_clusters // n_safe
@@ -256,11 +257,10 @@ def _smyrf_attention_kernel(
                     mask=key_valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
         v = tl.load(v_base + k_pos[:, None] * stride_vm + dims_v[None, :] * stride_vd,
                     mask=key_valid[:, None] & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
-        logits = mma(q, tl.trans(k), UPCAST) * qk_scale
-        key_cluster = key_ranks * n_clusters // m_safe
+        key_cluster = (key_ranks * n_clusters // m_safe).to(tl.int32)
         same_cluster = (query_cluster[:, None] == key_cluster[None, :]) & key_valid[None, :]
-        logits = tl.where(same_cluster, logits, float("-inf"))
-        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, v, False, UPCAST)
+        dots = tl.where(same_cluster, mma(q, tl.trans(k), UPCAST), float("-inf"))
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, dots, v, False, UPCAST, qk_scale)
 
     # A query whose cluster has no key (all keys padded) gets 0 and lse -inf, as in the reference.
     has_mass = row_sum > 0

@@ -14,7 +14,7 @@ from kernels.stages import CLUSTERED_STAGES, SMYRF_STAGES
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = {"method", "seq_len", "batch", "heads", "head_dim", "dtype", "ms", "speedup_vs_full", "peak_bytes",
           "rel_err", "device"}
-METHODS = {"full", "clustered", "i-clustered (paper)", "i-clustered", "smyrf"}
+METHODS = {"full", "clustered", "i-clustered (paper)", "i-clustered", "smyrf", "banded"}
 # The backend's own stage lists (kernels/stages.py), less what a method's knobs skip.
 STAGES = {
     "full": {"sdpa"},
@@ -22,6 +22,7 @@ STAGES = {
     "i-clustered (paper)": set(CLUSTERED_STAGES) - {"refine", "broadcast"},
     "i-clustered": set(CLUSTERED_STAGES) - {"broadcast"},
     "smyrf": set(SMYRF_STAGES),
+    "banded": {"pool", "select", "attend"},
 }
 
 
@@ -83,8 +84,9 @@ def test_gpu_acceptance_module_runs_on_the_interpreter():
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     summary = result.stdout.strip().splitlines()[-1]
-    # acceptance: 2 methods x (plain, padded, N_q != N_k, head dims 32 and 128, exact), 2 x 2
-    # CUDA-only; stages: 2 settings x (Hamming x 2 batches, refinement, the rest x 2 batches),
-    # SMYRF hashes, 3 methods x (same bits, ragged batch), 3 timings CUDA-only; and
-    # test_cuda_graphs.py, which skips whole without CUDA
-    assert summary.startswith("29 passed, 8 skipped"), result.stdout[-4000:]
+    # acceptance: 3 methods x (plain, padded, N_q != N_k, head dims 32 and 128, exact), less
+    # banded's N_q != N_k (self-attention: skipped), 3 x 2 CUDA-only; stages: 2 settings x
+    # (Hamming x 2 batches, refinement, the rest x 2 batches), SMYRF hashes, 3 methods x (same
+    # bits, ragged batch), 3 timings CUDA-only; and test_cuda_graphs.py, which skips whole
+    # without CUDA
+    assert summary.startswith("34 passed, 11 skipped"), result.stdout[-4000:]

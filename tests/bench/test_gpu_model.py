@@ -6,12 +6,13 @@ and the time budgets of the GPU path hold (DESIGN.md, "The GPU path"):
 - every launch at 16k has at least 132 programs or an estimated time of at most 10 us;
 - estimated speed-up over FlashAttention-2 (Triton's published 403 TFLOP/s at 16k) in a CUDA
   graph, as floors under the figures the kernels in this tree reach: i-clustered 100/32 >= 2.7x
-  at 16k and >= 14x at 64k, clustered 200 (its default 10 Hamming iterations) >= 2x at 16k,
-  SMYRF 4x64 >= 5.4x at 16k.
+  at 16k and >= 14x at 64k, clustered 200 (its default 10 Hamming iterations) >= 2x at 16k.
 
-The performance issue's targets (i-clustered 100/32 >= 5x at 16k, >= 25x at 64k, >= 1x at 4k;
-SMYRF >= 6x at 16k) are not met yet: they are strict xfails here, so meeting one fails the test
-until its mark is removed.
+The default model's served attention (bench.common.nomic_default: banded, as the shipped
+nomic calibration chooses at 8k) meets its targets, >= 1.5x at 8k and >= 4x at 16k, and SMYRF
+4x64 meets >= 6x at 16k. i-clustered 100/32's targets (>= 5x at 16k, >= 25x at 64k, >= 1x at
+4k) are not met yet: they are strict xfails here, so meeting one fails the test until its
+mark is removed.
 """
 
 import json
@@ -35,6 +36,20 @@ def model(tmp_path_factory):
     result = subprocess.run(
         [sys.executable, "-m", "bench.gpu_model", "--lengths", "4096", "16384", "65536", "--head-dims", "64",
          "--methods", *BUDGET_METHODS, "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def nomic(tmp_path_factory):
+    """The model on the default model's served attention (bench.gpu_model.nomic_default) at 8k and 16k."""
+    out = tmp_path_factory.mktemp("gpu_model") / "nomic.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_model", "--lengths", "8192", "16384", "--head-dims", "64",
+         "--methods", "nomic default", "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -92,9 +107,10 @@ def test_clustered_200_runs_its_default_iterations(model):
 
 
 def test_smyrf_sorts_priced_as_the_kernels_pytorch_launches(model):
-    # 48 segments of 16k float32 keys: index fill, key copy, 6 radix passes of 6 bits.
+    # One sort of queries' and keys' hashes together, 96 segments of 16k float32 keys (4 rounds
+    # x 12 heads x 2): index fill, key copy, 6 radix passes of 6 bits.
     sorts = [op for op in call(model, "smyrf 4x64", 16384)["torch_ops"] if op["op"] == "sort"]
-    assert len(sorts) == 2 and all(op["kernels"] == 8 for op in sorts)
+    assert len(sorts) == 1 and all(op["kernels"] == 8 for op in sorts)
     assert all(op["us"] > 8 * 2.0 for op in sorts)
 
 
@@ -118,15 +134,30 @@ def test_host_time_in_a_graph_under_a_tenth_at_16k(model):
 
 
 @pytest.mark.parametrize("method, seq_len, floor", [
-    ("i-clustered 100/32", 16384, 2.7), ("i-clustered 100/32", 65536, 14), ("clustered 200", 16384, 2),
-    ("smyrf 4x64", 16384, 5.4)])
+    ("i-clustered 100/32", 16384, 2.7), ("i-clustered 100/32", 65536, 14), ("clustered 200", 16384, 2)])
 def test_speed_up_floors(model, method, seq_len, floor):
     assert call(model, method, seq_len)["est_speedup_fa2"] >= floor
 
 
+def test_smyrf_meets_its_target(model):
+    assert call(model, "smyrf 4x64", 16384)["est_speedup_fa2"] >= 6
+
+
 @pytest.mark.xfail(strict=True, reason="the performance issue's targets are not met by the kernels in this tree")
 @pytest.mark.parametrize("method, seq_len, target", [
-    ("i-clustered 100/32", 4096, 1), ("i-clustered 100/32", 16384, 5), ("i-clustered 100/32", 65536, 25),
-    ("smyrf 4x64", 16384, 6)])
+    ("i-clustered 100/32", 4096, 1), ("i-clustered 100/32", 16384, 5), ("i-clustered 100/32", 65536, 25)])
 def test_issue_targets(model, method, seq_len, target):
     assert call(model, method, seq_len)["est_speedup_fa2"] >= target
+
+
+def test_the_nomic_default_meets_its_targets(nomic):
+    """The attention auto serves for nomic-embed-text-v1.5 at 8k (banded: a band, far blocks
+    chosen by score, a pooled far field): >= 1.5x FlashAttention-2 at 8k and >= 4x at 16k, every
+    launch filling the GPU or negligible, the graph's host share under a tenth."""
+    for seq_len, target in ((8192, 1.5), (16384, 4)):
+        found = call(nomic, "nomic default", seq_len)
+        assert found["spec"]["method"] == "banded" and found["est_speedup_fa2"] >= target, (seq_len, found["est_speedup_fa2"])
+        assert found["graph_host_share"] < 0.1
+        small = [(r["kernel"], r["programs"], round(r["est_us"], 1)) for r in found["launches"]
+                 if r["programs"] < SMS and r["est_us"] > NEGLIGIBLE_US]
+        assert not small, small

@@ -21,7 +21,8 @@ KERNELS = {"_hash_kernel", "_hamming_initial_kernel", "_hamming_assign_kernel", 
            "_centroid_attention_kernel", "_centroid_combine_kernel", "_centroid_topk_kernel",
            "_centroid_topk_combine_kernel", "_layout_counts_kernel", "_layout_offsets_kernel",
            "_layout_scatter_kernel", "_broadcast_kernel", "_improved_tile_kernel", "_smyrf_norms_kernel",
-           "_smyrf_hash_kernel", "_smyrf_attention_kernel"}
+           "_smyrf_hash_kernel", "_smyrf_attention_kernel", "_pool_kernel", "_choice_scores_kernel",
+           "_top_blocks_kernel", "_banded_kernel"}
 
 
 def run_report(out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -58,7 +59,7 @@ def test_every_kernel_compiles_for_sm90(report):
 
 def test_every_call_is_counted(report):
     calls = {c["method"]: c for c in report["calls"]}
-    assert set(calls) == {"clustered", "i-clustered (paper)", "i-clustered", "smyrf"}
+    assert set(calls) == {"clustered", "i-clustered (paper)", "i-clustered", "smyrf", "banded"}
     for call in calls.values():
         assert (call["seq_len"], call["head_dim"], call["dtype"]) == (16384, 64, "bfloat16")
         assert call["triton_launches"] == sum(call["launches_by_kernel"].values()) > 0
@@ -67,6 +68,9 @@ def test_every_call_is_counted(report):
     # iteration (10) and the final assignment; the refinement four per step (3); the sums of
     # the starting assignments twice (refinement, cluster means).
     assert calls["smyrf"]["launches_by_kernel"]["_smyrf_attention_kernel"] == 4
+    # banded: one launch a stage but select's two (the scores, their top far blocks)
+    assert calls["banded"]["launches_by_kernel"] == {"_pool_kernel": 1, "_choice_scores_kernel": 1,
+                                                      "_top_blocks_kernel": 1, "_banded_kernel": 1}
     clustered = calls["clustered"]["launches_by_kernel"]
     assert clustered["_hamming_assign_kernel"] == 11 and clustered["_hamming_update_kernel"] == 10
     assert clustered["_nearest_kernel"] == clustered["_donor_kernel"] == 3 and clustered["_sums_kernel"] == 2

@@ -6,19 +6,20 @@ Every case runs one method both ways on the default model's Q, K, V of real text
 (bench.common.real_qkv) and compares:
 - max |triton - torch| against a tolerance: 1e-4 for float32, and for float16 / bfloat16 two
   units in the last place of the output's largest value (both backends compute in float32;
-  they may round a few outputs to neighbouring half values, and the SMYRF kernel rounds
-  probabilities to the value dtype before P @ V, as flash attention does);
+  they may round a few outputs to neighbouring half values, and the SMYRF and banded kernels
+  round probabilities to the value dtype before P @ V, as flash attention does);
 - the share of queries that the two backends put in the same cluster (SMYRF: the same
-  bucket in every round). At 64k tokens a hash projection or K-means distance within
-  rounding of a tie can go either way, and one moved query moves its cluster's centroid:
-  whole clusters then differ, and the useful comparison is each backend's error to exact
-  float32 attention.
+  bucket in every round; banded: the same far blocks for a query block). At 64k tokens a
+  hash projection or K-means distance within rounding of a tie can go either way, and one
+  moved query moves its cluster's centroid: whole clusters then differ, and the useful
+  comparison is each backend's error to exact float32 attention.
 
 A case passes within tolerance, or when clusters differ and the Triton error to exact is no
 worse than the reference's (x1.05 + 1e-3). Also: exactness cases through the Triton backend
-(one query per cluster, top-k >= N, one SMYRF cluster), padding, queries and keys of
-different lengths, head dims 32 and 128, and on CUDA, per method, host synchronisations
-inside a call and a CUDA-graph capture replayed against the eager output. Each case prints
+(one query per cluster, top-k >= N, one SMYRF cluster, a band over the sequence), padding,
+queries and keys of different lengths (not banded: self-attention only), head dims 32 and
+128, and on CUDA, per method, host synchronisations inside a call and a CUDA-graph capture
+replayed against the eager output. Each case prints
 one line of figures (run with -s to see them).
 
 Without CUDA the module skips. With GPU_TEST_DRY_RUN=1 and TRITON_INTERPRET=1 it runs on CPU
@@ -60,7 +61,7 @@ HEADS = 2 if DRY_RUN else 12
 LENGTHS = [int(n) for n in os.environ.get("GPU_TEST_LENGTHS", "64" if DRY_RUN else "4096 16384 65536").split()]
 MIDDLE = sorted(LENGTHS)[len(LENGTHS) // 2]  # padding, N_q != N_k and other head dims
 DTYPES = [torch.bfloat16] if DRY_RUN else [torch.float32, torch.float16, torch.bfloat16]
-METHODS = ["i-clustered", "smyrf"] if DRY_RUN else [label for label, spec in SPECS.items() if spec.method != "full"]
+METHODS = ["i-clustered", "smyrf", "banded"] if DRY_RUN else [label for label, spec in SPECS.items() if spec.method != "full"]
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 
@@ -124,6 +125,14 @@ def same_clusters(q: Tensor, k: Tensor, spec: AttentionSpec, mask: Tensor | None
     """Share of real queries that both backends put in the same cluster (SMYRF: the same
     bucket, queries and keys, averaged over rounds)."""
     key_mask, query_mask = token_masks(q, k, mask)
+    if spec.method == "banded":
+        from kernels.reference import banded as reference
+        from kernels.triton import banded as triton_banded
+
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        tri = triton_banded.select(q, triton_banded.pool(k, k, key_mask, spec), key_mask, spec, scale).chosen
+        ref = reference.select(q.float(), reference.pool(k.float(), k.float(), key_mask, spec), key_mask, spec, scale)
+        return (tri == ref.chosen).all(dim=-1).float().mean().item()
     if spec.method != "smyrf":
         from kernels.triton.clustered import TRITON
 
@@ -181,6 +190,8 @@ def test_padded_batch_matches_reference(dtype, label):
 @pytest.mark.parametrize("label", METHODS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 def test_fewer_queries_than_keys_matches_reference(dtype, label):
+    if spec_of(label).method == "banded":
+        pytest.skip("banded attention is self-attention: queries and keys share positions")
     q, k, v, mask = padded_batch(dtype)
     short = q[:, :, : MIDDLE // 4]
     compare(f"Nq={MIDDLE // 4} M={MIDDLE} {_name(dtype)} padded {label}", short, k, v, label, mask,
@@ -196,7 +207,7 @@ def test_other_head_dims_match_reference(head_dim, label):
 
 
 EXACT_KNOB = {"clustered": ("clusters", "one query per cluster"), "i-clustered": ("topk", "top-k = N"),
-              "smyrf": ("cluster_size", "one cluster")}
+              "smyrf": ("cluster_size", "one cluster"), "banded": ("band", "a band over the sequence")}
 
 
 @pytest.mark.parametrize("label", METHODS)

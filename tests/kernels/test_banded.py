@@ -136,22 +136,81 @@ def test_triton_matches_reference(n, block, band, sinks, far, lengths, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, block, lengths", [(37, 8, [37, 22]), (70, 32, [70, 50]), (25, 4, [25, 3])])
-def test_triton_block_scores_match_the_reference(n, block, lengths, dtype):
+@pytest.mark.parametrize("n, block, band, lengths", [(37, 8, 0, [37, 22]), (70, 32, 1, [70, 50]), (25, 4, 2, [25, 3])])
+def test_triton_choice_scores_match_the_reference(n, block, band, lengths, dtype):
     """The scores that choose the far blocks: the Triton kernel against the reference's matrix
-    product, -inf where a query block has no real query."""
+    product, -inf within the band, for a block of no counted key and where a query block has
+    no real query."""
     from kernels.reference import banded as reference
     from kernels.triton import banded as banded_triton
 
     q, k, v = qkv(b=2, h=2, n=n, d=16, dtype=dtype, seed=n + 4)
     mask = padding_mask(2, n, lengths)
-    spec = banded(0, block, 2, far_blocks=2)
-    pooled = reference.pool(k, v, mask, spec)
-    expected = reference.block_scores(q, pooled, mask, spec, 0.25)
-    got = banded_triton.block_scores(q, pooled, mask, spec, 0.25)
+    spec = banded(band, block, 2, far_blocks=2)
+    expected = reference.choice_scores(q, reference.pool(k, v, mask, spec), mask, spec, 0.25)
+    got = banded_triton.choice_scores(q, banded_triton.pool(k, v, mask, spec), mask, spec, 0.25)
     assert torch.isinf(expected).any() and torch.equal(torch.isinf(got), torch.isinf(expected))
     finite = torch.isfinite(expected)
-    assert torch.allclose(got[finite], expected[finite], atol=1e-5, rtol=1e-5)
+    assert finite.any() and torch.allclose(got[finite], expected[finite], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, block, band, far, lengths", [(37, 8, 0, 2, [37, 22]), (70, 4, 1, 5, [70, 50]),
+                                                          (25, 4, 2, 8, [25, 3])])
+def test_triton_select_chooses_the_reference_blocks(n, block, band, far, lengths, dtype):
+    """The far blocks each query block attends: the Triton choice scores and top-k kernels against
+    the reference's (ascending ids, -1 where fewer blocks than far_blocks have a finite score)."""
+    from kernels.reference import banded as reference
+    from kernels.triton import banded as banded_triton
+
+    q, k, v = qkv(b=2, h=2, n=n, d=16, dtype=dtype, seed=n + 6)
+    mask = padding_mask(2, n, lengths)
+    spec = banded(band, block, 2, far_blocks=far)
+    expected = reference.select(q, reference.pool(k, v, mask, spec), mask, spec, 0.25).chosen
+    got = banded_triton.select(q, banded_triton.pool(k, v, mask, spec), mask, spec, 0.25).chosen
+    assert got.shape == expected.shape and (expected >= 0).any() and (expected < 0).any()
+    assert torch.equal(got, expected)
+
+
+def test_triton_select_falls_back_to_torch_topk_for_long_rows(monkeypatch):
+    """Rows of more blocks than the top-k kernel holds on chip take torch's topk, counted as a
+    kernel fallback, with the same choice."""
+    from kernels import fallbacks
+    from kernels.reference import banded as reference
+    from kernels.triton import banded as banded_triton
+
+    monkeypatch.setattr(banded_triton, "TOP_BLOCKS_MAX", 4)
+    q, k, v = qkv(b=2, h=1, n=37, d=16, seed=9)
+    mask = padding_mask(2, 37, [37, 22])
+    spec = banded(0, 4, 2, far_blocks=3)
+    key = ("banded_triton", "blocks_over_on_chip")
+    before = fallbacks.counts()[key]
+    got = banded_triton.select(q, banded_triton.pool(k, v, mask, spec), mask, spec, 0.25).chosen
+    assert fallbacks.counts()[key] == before + 1
+    assert torch.equal(got, reference.select(q, reference.pool(k, v, mask, spec), mask, spec, 0.25).chosen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, block, sinks, lengths", [(37, 8, 3, [37, 22]), (70, 32, 1, [70, 50]), (25, 4, 0, [25, 3])])
+def test_triton_pool_matches_the_reference(n, block, sinks, lengths, dtype):
+    """The pooled blocks: mean key and value over each block's real non-sink keys, log count,
+    and which keys count, the Triton kernel against the reference."""
+    from kernels.reference import banded as reference
+    from kernels.triton import banded as banded_triton
+
+    q, k, v = qkv(b=2, h=2, n=n, d=16, dv=8, dtype=dtype, seed=n + 5)
+    mask = padding_mask(2, n, lengths)
+    spec = banded(1, block, sinks)
+    expected = reference.pool(k, v, mask, spec)
+    got = banded_triton.pool(k, v, mask, spec)
+    assert torch.equal(got.counted.bool(), expected.counted) and torch.isinf(expected.log_count).any()
+    assert torch.equal(got.log_count, expected.log_count.float())
+    assert torch.allclose(got.keys, expected.keys.float(), atol=1e-6, rtol=1e-6)
+    tol = 1e-6 if dtype == torch.float32 else 2**-8  # the mean value rounded once to the half dtype
+    assert got.values.dtype == dtype and torch.allclose(got.values.float(), expected.values.float(), atol=tol, rtol=tol)
+    if dtype != torch.float32:  # the keys' half parts add up to the float32 mean
+        assert torch.allclose(got.key_parts.float().sum(0), got.keys, atol=1e-6, rtol=1e-6)
+    assert torch.equal(got.sinks, expected.sinks) and torch.equal(got.sink_real, expected.sink_real)
 
 
 BACKENDS = ["reference", "triton"] + ([] if native_missing() else ["native"])
