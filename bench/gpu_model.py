@@ -41,10 +41,10 @@ from pathlib import Path
 import torch
 
 from kernels import AttentionSpec
-from kernels.spec import METHODS
 
 from . import sass, warp_cost
-from .common import RESULTS_DIR, nomic_default, print_table
+from .common import RESULTS_DIR, print_table
+from .cpu import SPECS as CPU_SPECS
 from .gpu_static import HEADS, Launch, compile_kernel, ptxas_usage, record_spec, specialisation
 from .trip_counts import UnknownBound, bound_arguments, declared_bounds, loop_trips
 
@@ -107,11 +107,11 @@ SPECS = {
     "clustered 1600": AttentionSpec(method="clustered", clusters=1600),
     "i-clustered 200/32": AttentionSpec(method="i-clustered", clusters=200, topk=32),
     "i-clustered 400/64": AttentionSpec(method="i-clustered", clusters=400, topk=64),
+    # a local band, the chosen far blocks and a pooled far field, at its defaults
+    "banded": AttentionSpec(method="banded"),
+    "banded (pooled)": AttentionSpec(method="banded", far_blocks=0),
+    "nomic default": CPU_SPECS["banded"],  # what auto serves the default model at 8k
 }
-if "banded" in METHODS:  # a local band, the chosen far blocks and a pooled far field, at its defaults
-    SPECS["banded"] = AttentionSpec(method="banded")
-    SPECS["banded (pooled)"] = AttentionSpec(method="banded", far_blocks=0)
-SPECS["nomic default"] = nomic_default()
 
 
 @dataclass

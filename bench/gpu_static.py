@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .common import RESULTS_DIR, print_table
 from .cpu import SPECS
+from .timing import ALLOCATIONS
 
 HEADS = 12
 METHODS = {label: spec for label, spec in SPECS.items() if spec.method != "full"}
@@ -160,7 +161,7 @@ class _HostOps(TorchDispatchMode):
             return out
         if name.startswith("_local_scalar_dense"):
             self.syncs += 1
-        elif name.startswith(("empty", "new_empty")):  # as bench.timing's counter: no kernel
+        elif name.startswith(ALLOCATIONS):  # no kernel, as bench.timing counts them
             self.allocations += 1
         else:
             self.kernel_shapes.append([tuple(a.shape) for a in args if isinstance(a, torch.Tensor)])

@@ -86,9 +86,13 @@ def counting_launches(launch: Callable[..., object] | None = None, ops: list | N
                 kernel.run = run
 
 
+# Ops that allocate without a kernel (name prefixes).
+ALLOCATIONS = ("empty", "new_empty")
+
+
 class _OpCounter(TorchDispatchMode):
     # Ops that allocate or alias without a kernel; everything else launches (about) one.
-    _NO_KERNEL = ("empty", "new_empty", "detach", "lift_fresh", "alias", "_local_scalar_dense")
+    _NO_KERNEL = ALLOCATIONS + ("detach", "lift_fresh", "alias", "_local_scalar_dense")
 
     def __init__(self, counts: dict[str, int], ops: list | None = None):
         super().__init__()

@@ -53,6 +53,7 @@ from kernels.triton.helpers import (
     pow2_block,
     rounded,
     split_parts,
+    split_scale,
     upcast,
 )
 
@@ -232,9 +233,8 @@ def _banded_kernel(
         at = pk_ptr + (bh * NB + blocks)[None, :] * D + dims[:, None]
         keys = tl.load(at, mask=blk_ok[None, :] & (dims < D)[:, None], other=0.0)  # float32, or the hi part
         if pk_ptr.dtype.element_ty != tl.float32:  # hi and mid of the split parts: 16 bits of the mean key
-            split = 1.0 if pk_ptr.dtype.element_ty == tl.bfloat16 else 2048.0
             mid = tl.load(at + PLANE, mask=blk_ok[None, :] & (dims < D)[:, None], other=0.0)
-            dots = mma(q, keys, UPCAST, mma(q, mid, UPCAST) / split)
+            dots = mma(q, keys, UPCAST, mma(q, mid, UPCAST) / split_scale(pk_ptr.dtype.element_ty))
         else:
             dots = mma(q, keys, UPCAST)
         values = tl.load(pv_ptr + (bh * NB + blocks)[:, None] * DV + vdims[None, :],
@@ -242,8 +242,8 @@ def _banded_kernel(
         log_count = tl.load(plog_ptr + b * NB + blocks, mask=blk_ok, other=float("-inf"))  # -inf: no counted key
         counted = log_count > float("-inf")
         if UNIFORM:
-            t = first // SIZE
-            ok = (counted & (tl.abs(blocks - t) > BAND) & ~_chosen_hit(chosen_ptr, bh, NB, R, t, blocks, BLOCK_R))[None, :]
+            ok = (counted & (tl.abs(blocks - t_first) > BAND)
+                  & ~_chosen_hit(chosen_ptr, bh, NB, R, t_first, blocks, BLOCK_R))[None, :]
         else:
             ok = counted[None, :] & (tl.abs(blocks[None, :] - t_row[:, None]) > BAND)
             for t in range(first // SIZE, last // SIZE + 1):
@@ -319,8 +319,8 @@ def _choice_scores_kernel(
         ok = blk_ok[:, None] & (dims < D)[None, :]
         keys = tl.load(at, mask=ok, other=0.0)  # float32 keys, or the hi part of half ones
         if half:
-            split = 1.0 if pk_ptr.dtype.element_ty == tl.bfloat16 else 2048.0
-            parts = (keys, tl.load(at + PLANE, mask=ok, other=0.0), tl.load(at + 2 * PLANE, mask=ok, other=0.0), split)
+            parts = (keys, tl.load(at + PLANE, mask=ok, other=0.0), tl.load(at + 2 * PLANE, mask=ok, other=0.0),
+                     split_scale(pk_ptr.dtype.element_ty))
         log_count = tl.load(plog_ptr + b * NB + blocks, mask=blk_ok, other=float("-inf"))
         for i in range(0, PER):  # the program's query blocks, each against this tile of keys
             t = tl.program_id(1) * PER + i

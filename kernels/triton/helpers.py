@@ -60,13 +60,20 @@ def mma(a, b, UPCAST: tl.constexpr, acc=None):
 
 
 @triton.jit
-def split_parts(b, HALF: tl.constexpr):
-    """float32 b as hi + mid / S + lo / S^2 in the half dtype HALF: (hi, mid, lo, S). bfloat16
-    has float32's exponent range, so its parts need no scaling (S = 1); float16's do."""
+def split_scale(HALF: tl.constexpr):
+    """S of split_parts in the half dtype HALF: bfloat16 has float32's exponent range, so its
+    parts need no scaling (S = 1); float16's do (S = 2^11)."""
     if HALF == tl.bfloat16:
         scale = 1.0
     else:
         scale = 2048.0
+    return scale
+
+
+@triton.jit
+def split_parts(b, HALF: tl.constexpr):
+    """float32 b as hi + mid / S + lo / S^2 in the half dtype HALF: (hi, mid, lo, S)."""
+    scale = split_scale(HALF)
     hi = b.to(HALF)
     rest = (b - hi.to(tl.float32)) * scale
     mid = rest.to(HALF)
