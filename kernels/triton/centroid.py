@@ -45,27 +45,28 @@ MAX_TOPK_ON_CHIP = 256
 SOFTMAX_BLOCK_C = 128
 TOPK_BLOCK_C = 64
 COMBINE_BLOCK_C = 8
+# Splits the first merge loads at once.
+COMBINE_SPLITS = 8
 # A logit at the threshold may come out an ulp lower when recomputed by a differently tiled dot:
 # the top-k kernel keeps what is within this relative margin below it too.
 THRESHOLD_MARGIN = 1e-5
 # Key of no key: below every logit's.
 NO_KEY = -(1 << 63)
+# A candidate no longer left in a round (_ordered): below every logit's.
+NOT_LEFT = -(1 << 31)
 
 
 @triton.jit
-def _logit_keys(logits, cols, M):
-    """One int64 per (row, key) that orders like the logit, then the lower key index: the
-    float32 bits made order-preserving as a signed int (negatives flip their magnitude bits),
-    above M - 1 - index. Columns past M get the lowest key."""
+def _ordered(logits):
+    """The float32 bits of logits as signed int32s that order like them (negatives flip their
+    magnitude bits); -inf is above NOT_LEFT."""
     bits = logits.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    key = (ordered.to(tl.int64) << 32) | (M - 1 - cols).to(tl.int64)[None, :]
-    return tl.where(cols[None, :] < M, key, -(1 << 63))
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 @triton.jit
 def _key_logits(keys):
-    """The logits that `_logit_keys` packed."""
+    """The logits of keys (upper half: _ordered, lower: M - 1 - index)."""
     ordered = (keys >> 32).to(tl.int32)
     return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
@@ -138,7 +139,7 @@ def _centroid_attention_kernel(
 def _centroid_combine_kernel(
     part_values_ptr, part_max_ptr, part_sum_ptr, part_lanes_ptr, values_ptr, stats_ptr, threshold_ptr,
     C, DV, SPLITS,
-    BLOCK_C: tl.constexpr, VALUE_DIM: tl.constexpr, LANES: tl.constexpr,
+    BLOCK_C: tl.constexpr, VALUE_DIM: tl.constexpr, LANES: tl.constexpr, SPLIT_GROUP: tl.constexpr,
 ):
     """Merge the splits of a block of centroids: V^c (B * H, C, DV) by their softmax masses;
     stats (B * H, C, 2): each row's max (0 if no key is real) and 1 / sum (0 then); with
@@ -149,22 +150,26 @@ def _centroid_combine_kernel(
     in_rows = rows < C
     row_max = tl.full([BLOCK_C], float("-inf"), tl.float32)
     lanes = tl.full([BLOCK_C, LANES if LANES > 0 else 1], float("-inf"), tl.float32)
-    for split in range(0, SPLITS):
-        part = (bh * SPLITS + split) * C + rows
-        row_max = tl.maximum(row_max, tl.load(part_max_ptr + part, mask=in_rows, other=float("-inf")))
+    slots = tl.arange(0, LANES if LANES > 0 else 1)
+    group = tl.arange(0, SPLIT_GROUP)  # splits a step: their loads are independent
+    for first in range(0, SPLITS, SPLIT_GROUP):
+        part = (bh * SPLITS + first + group)[:, None] * C + rows[None, :]
+        present = (first + group < SPLITS)[:, None] & in_rows[None, :]
+        row_max = tl.maximum(row_max, tl.max(tl.load(part_max_ptr + part, mask=present, other=float("-inf")), axis=0))
         if LANES > 0:
-            slots = tl.arange(0, LANES)
-            lanes = tl.maximum(lanes, tl.load(part_lanes_ptr + part[:, None] * LANES + slots[None, :],
-                                              mask=in_rows[:, None], other=float("-inf")))
+            lanes = tl.maximum(lanes, tl.max(tl.load(part_lanes_ptr + part[:, :, None] * LANES + slots[None, None, :],
+                                                     mask=present[:, :, None], other=float("-inf")), axis=0))
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)  # no real key: no inf - inf
     row_sum = tl.zeros([BLOCK_C], tl.float32)
     acc = tl.zeros([BLOCK_C, VALUE_DIM], tl.float32)
-    for split in range(0, SPLITS):
-        part = (bh * SPLITS + split) * C + rows
-        weight = tl.math.exp2(tl.load(part_max_ptr + part, mask=in_rows, other=float("-inf")) - shift)
-        row_sum += weight * tl.load(part_sum_ptr + part, mask=in_rows, other=0.0)
-        acc += weight[:, None] * tl.load(part_values_ptr + part[:, None] * DV + vdims[None, :],
-                                         mask=in_rows[:, None] & (vdims[None, :] < DV), other=0.0)
+    for first in range(0, SPLITS, SPLIT_GROUP):
+        part = (bh * SPLITS + first + group)[:, None] * C + rows[None, :]
+        present = (first + group < SPLITS)[:, None] & in_rows[None, :]
+        weight = tl.math.exp2(tl.load(part_max_ptr + part, mask=present, other=float("-inf")) - shift[None, :])
+        row_sum += tl.sum(weight * tl.load(part_sum_ptr + part, mask=present, other=0.0), axis=0)
+        values = tl.load(part_values_ptr + part[:, :, None] * DV + vdims[None, None, :],
+                         mask=present[:, :, None] & (vdims[None, None, :] < DV), other=0.0)
+        acc += tl.sum(weight[:, :, None] * values, axis=0)
     inv_sum = 1.0 / tl.where(row_sum > 0, row_sum, float("inf"))  # 0 where no key is real
     tl.store(values_ptr + (bh * C + rows)[:, None] * DV + vdims[None, :], acc * inv_sum[:, None],
              mask=in_rows[:, None] & (vdims[None, :] < DV))
@@ -181,19 +186,22 @@ def _centroid_topk_kernel(
     stride_kb, stride_kh, stride_km, stride_kd,
     H, M, C, D, SPLITS, CHUNK, scale,
     BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, TOP: tl.constexpr,
-    MARGIN: tl.constexpr, NO_KEY: tl.constexpr, UPCAST: tl.constexpr,
+    MARGIN: tl.constexpr, NO_KEY: tl.constexpr, NOT_LEFT: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """A block of centroids against one split of the keys: the TOP largest keys (_logit_keys)
-    of each row among those whose logit is at least its threshold, to part_top (B * H, SPLITS,
-    C, TOP) int64 (unsorted; NO_KEY where fewer). A block's logits are filtered as floats
-    (against the threshold, then the row's smallest kept logit); while a row has a candidate
-    left, its best one replaces the row's smallest kept key if larger, and leaves them."""
+    """A block of centroids against one split of the keys: the TOP largest keys of each row
+    (int64: the logit as _ordered above M - 1 - index, so the lower index wins a tie) among
+    those whose logit is at least its threshold, to part_top (B * H, SPLITS, C, TOP) int64
+    (unsorted; NO_KEY where fewer). A block's logits are filtered as floats (against the
+    threshold, then the row's smallest kept logit); while a row has a candidate left, its
+    best one replaces the row's smallest kept key if larger, and leaves them. The candidates
+    are int32 (_ordered) and only a round's best of each row is packed into a key."""
     split = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
     batch, head = bh // H, bh % H
     rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     dims = tl.arange(0, HEAD_DIM)
     slots = tl.arange(0, TOP)
+    block_cols = tl.arange(0, BLOCK_M)
     in_rows = rows < C
     centroids = tl.load(centroids_ptr + (bh * C + rows)[:, None] * D + dims[None, :],
                         mask=in_rows[:, None] & (dims[None, :] < D), other=0.0)
@@ -202,12 +210,12 @@ def _centroid_topk_kernel(
     threshold = tl.load(threshold_ptr + bh * C + rows, mask=in_rows, other=0.0)
     threshold = tl.where(in_rows, threshold - MARGIN * (tl.abs(threshold) + 1.0), float("inf"))
     top = tl.full([BLOCK_C, TOP], NO_KEY, tl.int64)
-    top_min = tl.full([BLOCK_C], NO_KEY, tl.int64)
+    top_min, min_slot = tl.min(top, axis=1, return_indices=True)  # each row's smallest kept key and its slot
     floor = threshold  # a logit below it cannot enter: the threshold, then the smallest kept logit
     first = split * CHUNK
     stop = tl.minimum(first + CHUNK, M)
     for start in range(first, stop, BLOCK_M):
-        cols = start + tl.arange(0, BLOCK_M)
+        cols = start + block_cols
         in_split = cols < stop
         real = in_split & (tl.load(key_mask_ptr + batch * M + cols, mask=in_split, other=0) != 0)
         keys = tl.load(k_head + cols[:, None] * stride_km + dims[None, :] * stride_kd,
@@ -216,14 +224,21 @@ def _centroid_topk_kernel(
         live = in_split[None, :] & (logits >= floor[:, None])
         candidates = tl.max(tl.sum(live.to(tl.int32), axis=1), axis=0)  # a row takes at most one a round
         if candidates > 0:
-            keyed = tl.where(live, _logit_keys(logits, cols, M), NO_KEY)
+            # Each row's candidates as int32s that order like their logits (NOT_LEFT: none); a
+            # round's best is the largest, the lowest column among equals, and only it is
+            # packed into a key.
+            left = tl.where(live, _ordered(logits), NOT_LEFT)
             for _ in range(0, candidates):
-                if tl.max(tl.max(keyed, axis=1), axis=0) > NO_KEY:  # what is left may all be below the kept
-                    best = tl.max(keyed, axis=1)  # each row's best candidate replaces its smallest kept key
-                    replace = (slots[None, :] == tl.argmin(top, axis=1)[:, None]) & (best > top_min)[:, None]
+                best_ordered = tl.max(left, axis=1)
+                if tl.max(best_ordered, axis=0) > NOT_LEFT:  # what is left may all be below the kept
+                    best_col = tl.min(tl.where(left == best_ordered[:, None], block_cols[None, :], BLOCK_M), axis=1)
+                    best = tl.where(best_ordered > NOT_LEFT,
+                                    (best_ordered.to(tl.int64) << 32) | (M - 1 - start - best_col).to(tl.int64), NO_KEY)
+                    replace = (slots[None, :] == min_slot[:, None]) & (best > top_min)[:, None]
                     top = tl.where(replace, best[:, None], top)
-                    top_min = tl.min(top, axis=1)
-                    keyed = tl.where((keyed != best[:, None]) & (keyed > top_min[:, None]), keyed, NO_KEY)
+                    top_min, min_slot = tl.min(top, axis=1, return_indices=True)
+                    kept = (top_min >> 32).to(tl.int32)  # NOT_LEFT while a row keeps fewer than TOP
+                    left = tl.where((block_cols[None, :] != best_col[:, None]) & (left >= kept[:, None]), left, NOT_LEFT)
             floor = tl.maximum(floor, tl.where(top_min > NO_KEY, _key_logits(top_min), floor))
     part = (bh * SPLITS + split) * C + rows
     tl.store(part_top_ptr + part[:, None] * TOP + slots[None, :], top, mask=in_rows[:, None])
@@ -303,7 +318,7 @@ def centroid_attention_triton(
     _centroid_combine_kernel[(triton.cdiv(c, COMBINE_BLOCK_C), b * h)](
         part_values, part_max, part_sum, part_lanes, values, stats, threshold,
         c, dv, splits,
-        BLOCK_C=COMBINE_BLOCK_C, VALUE_DIM=pow2_block(dv), LANES=2 * top,
+        BLOCK_C=COMBINE_BLOCK_C, VALUE_DIM=pow2_block(dv), LANES=2 * top, SPLIT_GROUP=COMBINE_SPLITS,
     )
     if not topk:
         return CentroidAttention(values)
@@ -316,7 +331,7 @@ def centroid_attention_triton(
         *k.stride(),
         h, m, c, d, top_splits, top_chunk, scale * LOG2E,
         BLOCK_C=topk_block_c, BLOCK_M=block_m, HEAD_DIM=pow2_block(d), TOP=top,
-        MARGIN=THRESHOLD_MARGIN, NO_KEY=NO_KEY, UPCAST=upcast(k),
+        MARGIN=THRESHOLD_MARGIN, NO_KEY=NO_KEY, NOT_LEFT=NOT_LEFT, UPCAST=upcast(k),
     )
     top_index = torch.empty(b, h, c, topk, dtype=torch.int64, device=device)
     top_probs = torch.empty(b, h, c, topk, dtype=torch.float32, device=device)

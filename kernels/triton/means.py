@@ -37,10 +37,11 @@ from kernels.triton.helpers import (
 BLOCK_N = 64
 BLOCK_C = 64
 NUM_WARPS = 8
-# Mask bytes per step of a count of real queries; chunks per load when the means kernel sums
-# the chunks' sums and counts.
+# Mask bytes per step of a count of real queries; chunks per load (at most) when the means
+# kernel sums the chunks' counts (all of a head's 22 at once at batch 1) and their sums.
 COUNT_BLOCK = 4096
-CHUNK_GROUP = 16
+CHUNK_GROUP = 32
+SUMS_GROUP = 8
 
 
 @triton.jit
@@ -105,7 +106,7 @@ def _means_kernel(
     part_sums_ptr, part_counts_ptr, moved_ptr, means_ptr, members_ptr, empty_list_ptr, n_empty_ptr,
     C, D, CHUNKS, PER_PROGRAM,
     BLOCK_C: tl.constexpr, COUNT_C: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
-    CHUNK_GROUP: tl.constexpr,
+    CHUNK_GROUP: tl.constexpr, SUMS_GROUP: tl.constexpr,
 ):
     """Means (B * H, C, D) float32 (0 if empty) and counts (B * H, C) int64 of PER_PROGRAM
     clusters, summed over the chunks in a fixed order; the e-th empty cluster (cluster order)
@@ -131,7 +132,7 @@ def _means_kernel(
             cols = c_start + tl.arange(0, BLOCK_C)
             in_block = cols < last_cluster
             sums = sum_chunks_2d(part_sums_ptr + bh * CHUNKS * C * D, C * D, CHUNKS, cols[:, None] * D + dims[None, :],
-                                 in_block[:, None] & (dims[None, :] < D), CHUNK_GROUP // 2)
+                                 in_block[:, None] & (dims[None, :] < D), SUMS_GROUP)
             members = sum_chunks(counts_head, C, CHUNKS, cols, in_block, CHUNK_GROUP)
             means = tl.math.div_rn(sums, tl.maximum(members, 1).to(tl.float32)[:, None])
             tl.store(means_ptr + (bh * C + cols)[:, None] * D + dims[None, :], means,
@@ -178,11 +179,12 @@ def sums(x: Tensor, assign: Tensor, query_mask: Tensor | None, out: Tensor, buff
 def means(x: Tensor, buffers: Buffers, moved: Tensor, clusters: int, chunks: int) -> None:
     b, h, _, d = x.shape
     per_program = cluster_block(clusters)
+    group = min(CHUNK_GROUP, pow2_block(chunks, 1))
     _means_kernel[(triton.cdiv(clusters, per_program), b * h)](
         buffers.part_sums, buffers.part_counts, moved, buffers.means, buffers.members, buffers.empty_list,
         buffers.n_empty, clusters, d, chunks, per_program,
         BLOCK_C=min(per_program, 16), COUNT_C=pow2_block(clusters, 16, 256), HEAD_DIM=pow2_block(d),
-        CHUNK_BLOCK=pow2_block(chunks, 1), CHUNK_GROUP=CHUNK_GROUP,
+        CHUNK_BLOCK=pow2_block(chunks, 1), CHUNK_GROUP=group, SUMS_GROUP=min(SUMS_GROUP, group),
     )
 
 

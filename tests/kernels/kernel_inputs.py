@@ -31,7 +31,8 @@ def padding_mask(b, m, lengths):
 def several_programs_per_head(monkeypatch):
     """Shrink the row tiles of the Triton kernels that cut a head into chunks to 16 rows, so
     the few dozen tokens of a test give each head several programs: the per-chunk partials
-    and the launches that reduce them across programs really run."""
+    and the launches that reduce them across programs really run; and their sums over the
+    chunks to 2 chunks a load, so those loops take several steps."""
     from kernels.triton import cluster_layout as cluster_layout_triton
     from kernels.triton import hamming as hamming_triton
     from kernels.triton import means as means_triton
@@ -40,6 +41,8 @@ def several_programs_per_head(monkeypatch):
     for module, name in ((hamming_triton, "BLOCK_N"), (means_triton, "BLOCK_N"), (cluster_layout_triton, "BLOCK_N"),
                          (smyrf_triton, "HASH_TILE")):
         monkeypatch.setattr(module, name, 16)
+    for module, name in ((hamming_triton, "CHUNK_GROUP"), (means_triton, "CHUNK_GROUP"), (means_triton, "SUMS_GROUP")):
+        monkeypatch.setattr(module, name, 2)
 
 
 def poison_empty(monkeypatch):
