@@ -82,6 +82,7 @@ LOOP_BOUNDS: dict[str, dict[str, Bounds]] = {
         },
         "_hamming_assign_kernel": _by_rows,
     },
+    "kernels.triton.hashing": {"_hash_kernel": _by_rows},
     "kernels.triton.hamming_update": {
         "_hamming_update_kernel": lambda a: {
             **cluster_range(a["C"], a["PER_PROGRAM"]), "chunk": 0, "stop": a["CHUNK"],

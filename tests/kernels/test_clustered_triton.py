@@ -44,6 +44,7 @@ triton_clustered = pytest.importorskip("kernels.triton.clustered")
 from kernels.reference.clustered import cluster_tiles  # noqa: E402
 from kernels.triton import centroid as centroid_triton  # noqa: E402
 from kernels.triton import hamming as hamming_triton  # noqa: E402
+from kernels.triton import helpers as triton_helpers  # noqa: E402
 from kernels.triton import lloyd as lloyd_triton  # noqa: E402
 from kernels.triton.cluster_layout import cluster_layout_triton  # noqa: E402
 from kernels.triton.hamming import hamming_kmeans_triton  # noqa: E402
@@ -77,7 +78,11 @@ def run(q, k, v, spec, mask=None, backend="triton"):
     [(16, 63, torch.float32), (24, 5, torch.float32), (64, 63, torch.float32), (32, 1, torch.float16),
      (16, 40, torch.bfloat16)],
 )
-def test_hash_codes_equal_the_reference(d, bits, dtype):
+@pytest.mark.parametrize("one_program_a_head", [False, True])
+def test_hash_codes_equal_the_reference(d, bits, dtype, one_program_a_head, monkeypatch):
+    """Each chunk's tiles, several chunks a head or one chunk of several tiles."""
+    if one_program_a_head:
+        monkeypatch.setattr(triton_helpers, "TARGET_PROGRAMS", 2)
     q, _, _ = qkv(n=37, d=d, dtype=dtype, structured=False)
     planes = hash_planes(2, d, bits, seed=3)
     got = hash_codes_triton(q, planes)
