@@ -69,19 +69,18 @@ CHUNK_GROUP = 32
 
 @triton.jit
 def _key_bias(cols, C):
-    """64 x KEY_SCALE + KEY_SCALE - 1 - cluster for the clusters `cols`, far below any key past C."""
-    return tl.where(cols < C, (64 << 13) + 8191 - cols, -(1 << 30))
+    """KEY_SCALE - 1 - cluster for the clusters `cols`, far below any key past C."""
+    return tl.where(cols < C, 8191 - cols, -(1 << 30))
 
 
 @triton.jit
 def _nearest_key(query_signs, centroid_signs, bias, UPCAST: tl.constexpr):
-    """similarity x KEY_SCALE + bias of each query and centroid, one multiply-add (similarity:
-    the +-1 dot product over BLOCK_BITS, bits - 2 x the Hamming distance, exact in int32; bias
-    from _key_bias, so a key is (64 + similarity) x KEY_SCALE + KEY_SCALE - 1 - cluster): the
-    largest key is the nearest centroid, ties to the lowest cluster, in one max. KEY_SCALE =
-    2^13 > any cluster index (spec.clusters <= 4096)."""
+    """(64 + similarity) x KEY_SCALE + bias of each query and centroid (similarity: the +-1
+    dot product over BLOCK_BITS, bits - 2 x the Hamming distance, exact in int32; bias from
+    _key_bias): the largest key is the nearest centroid, ties to the lowest cluster, in one
+    max. KEY_SCALE = 2^13 > any cluster index (spec.clusters <= 4096)."""
     similarity = mma(query_signs, tl.trans(centroid_signs), UPCAST).to(tl.int32)
-    return similarity * 8192 + bias[None, :]
+    return ((64 + similarity) << 13) + bias[None, :]
 
 
 @triton.jit

@@ -176,8 +176,8 @@ def test_cluster_layout_equals_the_reference(n, clusters, lengths, tile, poisone
                                             (16, 16, 600, 4)])
 def test_centroid_attention_equals_the_reference(d, dv, m, topk, poisoned):
     """The keys split across programs (m = 300 makes 5 splits, 600 makes 10: the merge loads
-    them 8 at a time): each split's online softmax and lane maxima, merged, then each row's
-    keys above its threshold kept and merged."""
+    them COMBINE_SPLITS at a time): each split's online softmax and lane maxima, merged, then
+    each row's keys above its threshold kept and merged."""
     _, k, v = qkv(m=m, d=d, dv=dv)
     centroids = torch.randn(2, 2, 5, d, generator=torch.Generator().manual_seed(1))
     mask = padding_mask(2, m, [m - 3, 0])  # row 1 has no real key at all
