@@ -38,7 +38,8 @@ BLOCK_N = 64
 BLOCK_C = 64
 NUM_WARPS = 8
 # Mask bytes per step of a count of real queries; chunks per load (at most) when the means
-# kernel sums the chunks' counts (all of a head's 22 at once at batch 1) and their sums.
+# kernel sums the chunks' member counts (all of a head's 22 at once at batch 1), and when it
+# sums their member sums (a (chunks, clusters, D) float32 load).
 COUNT_BLOCK = 4096
 CHUNK_GROUP = 32
 SUMS_GROUP = 8
