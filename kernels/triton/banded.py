@@ -246,7 +246,7 @@ def _banded_kernel(
                   & ~_chosen_hit(chosen_ptr, bh, NB, R, t_first, blocks, BLOCK_R))[None, :]
         else:
             ok = counted[None, :] & (tl.abs(blocks[None, :] - t_row[:, None]) > BAND)
-            for t in range(first // SIZE, last // SIZE + 1):
+            for t in range(t_first, last // SIZE + 1):
                 hit = _chosen_hit(chosen_ptr, bh, NB, R, t, blocks, BLOCK_R)
                 ok = ok & ~((t_row == t)[:, None] & hit[None, :])
         bias = log_count * (1.4426950408889634 / scale_log2)  # log count, in the dots' units
@@ -272,10 +272,9 @@ def attend(
     blocks = pooled.keys.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     chosen = pooled.chosen.contiguous()
-    # the mean keys: float32, or the pool's split parts for half-precision q; values in v's dtype
-    keys = pooled.keys if q.dtype == torch.float32 else pooled.key_parts
-    if keys is None or keys.dtype != q.dtype or pooled.values.dtype != v.dtype:
-        raise ValueError(f"attend needs the Triton pool's mean keys and values for {q.dtype} q, k, v")
+    keys, plane = _mean_keys(pooled, q.dtype)
+    if pooled.values.dtype != v.dtype:
+        raise ValueError(f"attend needs the Triton pool's mean values, in {v.dtype}")
     out = torch.empty(b, h, n, dv, dtype=q.dtype, device=q.device)
     if n == 0:
         return out.to(dtype)
@@ -283,14 +282,25 @@ def attend(
     block_n = 16 if q.device.type == "cpu" else 64
     grid = (b * h, triton.cdiv(n, block_m))
     _banded_kernel[grid](
-        q, k, v, keys.contiguous(), pooled.values, pooled.log_count, pooled.sinks, pooled.sink_real, key_mask.contiguous(),
+        q, k, v, keys, pooled.values, pooled.log_count, pooled.sinks, pooled.sink_real, key_mask.contiguous(),
         pooled.counted, chosen, out, n, h, blocks, pooled.sinks.shape[1], chosen.shape[-1], spec.block,
-        min(spec.band, blocks), b * h * blocks * d, scale * LOG2E,
+        min(spec.band, blocks), plane, scale * LOG2E,
         D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_S=pow2_block(pooled.sinks.shape[1]), BLOCK_R=pow2_block(chosen.shape[-1]), TILES=triton.cdiv(spec.block, block_n),
         UNIFORM=spec.block % block_m == 0, UPCAST=upcast(q), num_stages=2,
     )
     return out.to(dtype)
+
+
+def _mean_keys(pooled: Pooled, dtype: torch.dtype) -> tuple[Tensor, int]:
+    """The mean keys the kernels read for queries of `dtype`, and the distance between their
+    split parts (PLANE): float32 keys as they are, or the Triton pool's key_parts (3, B, H,
+    NB, D) in the half dtype."""
+    keys = pooled.keys if dtype == torch.float32 else pooled.key_parts
+    if keys is None or keys.dtype != dtype:
+        raise ValueError(f"{dtype} queries need the mean keys split into {dtype} parts (the Triton pool's)")
+    keys = keys.contiguous()
+    return keys, pooled.keys.numel()  # B H NB D
 
 
 def query_tile(block: int, interpreted: bool) -> int:
@@ -347,15 +357,13 @@ def choice_scores(q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSp
     b, h, n, d = q.shape
     blocks = pooled.keys.shape[2]
     q = q.contiguous()
-    keys = pooled.keys if q.dtype == torch.float32 else pooled.key_parts
-    if keys is None or keys.dtype != q.dtype:
-        raise ValueError(f"{q.dtype} queries need the mean keys split into {q.dtype} parts (the Triton pool's)")
+    keys, plane = _mean_keys(pooled, q.dtype)
     out = torch.empty(b, h, blocks, blocks, dtype=torch.float32, device=q.device)
     block_n = 16 if q.device.type == "cpu" else 64
     programs, per = chunking(blocks, h, 1)
     _choice_scores_kernel[(b * h, programs)](
-        q, keys.contiguous(), pooled.log_count.contiguous(), key_mask.contiguous(), out, n, h, blocks,
-        spec.block, min(spec.band, blocks - 1), b * h * blocks * d, per, scale,
+        q, keys, pooled.log_count.contiguous(), key_mask.contiguous(), out, n, h, blocks,
+        spec.block, min(spec.band, blocks - 1), plane, per, scale,
         D=d, BLOCK_D=pow2_block(d), BLOCK_M=pow2_block(spec.block, high=block_n), BLOCK_N=block_n, UPCAST=upcast(q),
     )
     return out
