@@ -35,6 +35,7 @@ from torch import Tensor
 from kernels.triton.hamming_update import _hamming_update_kernel
 from kernels.triton.helpers import (
     any_set,
+    chunk_group,
     chunking,
     cluster_block,
     code_signs,
@@ -62,9 +63,6 @@ LEVELS = 128
 # Positions per step of a donor's look-up in its chunk, and mask bytes per step of a count.
 SCAN = 1024
 COUNT_BLOCK = 4096
-# Chunks per load (at most) when the update sums the chunks' counts: all of a head's 22 at once
-# at batch 1.
-CHUNK_GROUP = 32
 
 
 @triton.jit
@@ -290,7 +288,6 @@ def hamming_kmeans_triton(
     assign = torch.empty(b, h, n, dtype=torch.int64, device=device)
     grid = (chunks, b * h)
     flag_block = pow2_block(blocks, 1)
-    chunk_group = min(CHUNK_GROUP, pow2_block(chunks, 1))
     _hamming_initial_kernel[grid](
         codes, mask, offsets, centroids, centroid_signs, flags[1], signs, h, n, clusters, chunk, blocks,
         BLOCK_N=min(BLOCK_N, INITIAL_BLOCK_N), BLOCK_C=INITIAL_BLOCK_C, BLOCK_BITS=BLOCK_BITS, COUNT_BLOCK=COUNT_BLOCK,
@@ -312,7 +309,7 @@ def hamming_kmeans_triton(
             codes, centroids, centroid_signs, flags_in, flags_out, level, part_votes, part_counts, part_levels,
             n, clusters, bits, chunk, chunks, blocks, per_program,
             BLOCK_C=min(per_program, 16), COUNT_C=pow2_block(clusters, 16, 256), CHUNK_BLOCK=pow2_block(chunks, 1),
-            CHUNK_GROUP=chunk_group, VOTE_GROUP=max(1, 4096 // (min(per_program, 16) * BLOCK_BITS)), SCAN=SCAN,
+            CHUNK_GROUP=chunk_group(chunks), VOTE_GROUP=max(1, 4096 // (min(per_program, 16) * BLOCK_BITS)), SCAN=SCAN,
             **common,
         )
     _hamming_assign_kernel[grid](

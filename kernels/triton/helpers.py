@@ -175,6 +175,15 @@ def any_set(flags_row, COUNT, BLOCK: tl.constexpr):
     return tl.sum(tl.load(flags_row + slots, mask=slots < COUNT, other=0), axis=0) > 0
 
 
+# The most chunks a sum_chunks load takes: all of a head's (22 at batch 1, chunking) at once.
+CHUNK_GROUP = 32
+
+
+def chunk_group(chunks: int) -> int:
+    """GROUP for sum_chunks over `chunks` chunks: a power of two covering them, at most CHUNK_GROUP."""
+    return min(CHUNK_GROUP, pow2_block(chunks, 1))
+
+
 @triton.jit
 def sum_chunks(part_ptr, chunk_stride, CHUNKS, offsets, mask, GROUP: tl.constexpr):
     """The sum over chunks of part_ptr[chunk * chunk_stride + offsets], offsets 1-d, GROUP

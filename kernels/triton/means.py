@@ -21,6 +21,7 @@ from torch import Tensor
 
 from kernels.triton.helpers import (
     any_set,
+    chunk_group,
     chunking,
     cluster_block,
     count_real,
@@ -38,10 +39,9 @@ BLOCK_N = 64
 BLOCK_C = 64
 NUM_WARPS = 8
 # Mask bytes per step of a count of real queries; chunks per load (at most) when the means
-# kernel sums the chunks' member counts (all of a head's 22 at once at batch 1), and when it
-# sums their member sums (a (chunks, clusters, D) float32 load).
+# kernel sums the chunks' member sums (a (chunks, clusters, D) float32 load; their counts take
+# helpers.chunk_group).
 COUNT_BLOCK = 4096
-CHUNK_GROUP = 32
 SUMS_GROUP = 8
 
 
@@ -180,7 +180,7 @@ def sums(x: Tensor, assign: Tensor, query_mask: Tensor | None, out: Tensor, buff
 def means(x: Tensor, buffers: Buffers, moved: Tensor, clusters: int, chunks: int) -> None:
     b, h, _, d = x.shape
     per_program = cluster_block(clusters)
-    group = min(CHUNK_GROUP, pow2_block(chunks, 1))
+    group = chunk_group(chunks)
     _means_kernel[(triton.cdiv(clusters, per_program), b * h)](
         buffers.part_sums, buffers.part_counts, moved, buffers.means, buffers.members, buffers.empty_list,
         buffers.n_empty, clusters, d, chunks, per_program,
