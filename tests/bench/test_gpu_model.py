@@ -29,31 +29,27 @@ BUDGET_METHODS = ["clustered 100", "i-clustered 100/32 (paper)", "i-clustered 10
 SMS = 132
 NEGLIGIBLE_US = 10.0
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu_model") / "model.json"
+def run_model(out: Path, lengths: list[int], methods: list[str]) -> dict:
+    """`python -m bench.gpu_model` at head dim 64 on these lengths and methods: its JSON report."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # it compiles: no interpreter
     result = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_model", "--lengths", "4096", "16384", "65536", "--head-dims", "64",
-         "--methods", *BUDGET_METHODS, "--json", str(out)],
+        [sys.executable, "-m", "bench.gpu_model", "--lengths", *map(str, lengths), "--head-dims", "64",
+         "--methods", *methods, "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return run_model(tmp_path_factory.mktemp("gpu_model") / "model.json", [4096, 16384, 65536], BUDGET_METHODS)
 
 
 @pytest.fixture(scope="module")
 def nomic(tmp_path_factory):
-    """The model on the default model's served attention (bench.gpu_model.nomic_default) at 8k and 16k."""
-    out = tmp_path_factory.mktemp("gpu_model") / "nomic.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_model", "--lengths", "8192", "16384", "--head-dims", "64",
-         "--methods", "nomic default", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return json.loads(out.read_text())
+    """The model on the default model's served attention (bench.common.nomic_default) at 8k and 16k."""
+    return run_model(tmp_path_factory.mktemp("gpu_model") / "nomic.json", [8192, 16384], ["nomic default"])
 
 
 def call(model: dict, method: str, seq_len: int) -> dict:
