@@ -42,9 +42,12 @@ serve: install
 # the vector width of the machine it runs on. The Triton interpreter's tests run once: they
 # meet neither the native loops nor torch's vector kernels.
 # The default model's tests skip, loudly, where its file cannot be fetched (and fail under CI).
+# The first pass runs on TEST_WORKERS processes (pytest-xdist), a whole test file to each at a
+# time, so a module's server or model starts once; 0 runs it in this process.
+TEST_WORKERS ?= 2
 test: install-test
 	$(PY) -m models.fetch || echo "note: the default model could not be fetched; its tests will skip" >&2
-	$(PY) -m pytest
+	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 	CLUSTERSERVE_NATIVE_ISA=x86_64 ATEN_CPU_CAPABILITY=default $(PY) -m pytest tests/kernels -q \
 		--ignore=tests/kernels/test_clustered_triton.py --ignore=tests/kernels/test_smyrf_triton.py -k "not triton"
 
