@@ -1,0 +1,188 @@
+"""How many Lloyd iterations i-clustered's K-means needs on a real encoder, and whether
+clusters carried over from the previous layer (a warm start) need fewer.
+
+    python -m bench.convergence [--model PATH|NAME] [--tokens 4096 8192] [--dtype float32]
+
+One exact pass captures every layer's q, k, v (bench.locality). Per layer and head, on the
+native backend with i-clustered 100/32's hashes:
+    cold_iterations   Hamming iterations until the centroids repeat, from the paper's start
+                      (evenly spaced ranks), capped at CAP; the device skips a head's later
+                      iterations, but a launch lasts as long as its slowest head
+    warm_iterations   the same from the previous layer's final clusters: each centroid the
+                      majority vote of this layer's codes over that cluster's members
+    refine_steps      Euclidean Lloyd steps after the served 10 Hamming iterations until the
+                      assignments repeat, capped at CAP
+Then whole passes with every layer approximated, per variant (cold or warm, Hamming
+iterations, refinement steps): the pooled vector's cosine to exact attention. A warm layer
+starts from the previous layer's final clusters; layer 0 runs the served knobs.
+
+Writes bench/results/convergence-<model>.json. The GPU cost of an iteration is the offline
+model's (bench.gpu_model); these figures say how many of them a call really needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels import AttentionSpec
+from kernels.native import hamming_kmeans, refine_clusters
+from kernels.native.clustered import NATIVE
+from kernels.reference.hashing import unpack_bits
+from kernels.reference.kmeans import initial_centroid_positions, initial_offsets
+from kernels.stages import run_clustered
+from models import load_encoder
+
+from .common import device_name, long_text_ids, print_table, write_results
+from .locality import DEFAULT_MODEL, capture, layer_attention
+
+SERVED = AttentionSpec(method="i-clustered", clusters=100, topk=32)  # iterations 10, refine 3
+CAP = 40
+# (name, warm, Hamming iterations, refinement steps)
+VARIANTS = (
+    ("cold 10/3 (served)", False, 10, 3),
+    ("cold 3/1", False, 3, 1),
+    ("warm 3/1", True, 3, 1),
+    ("cold 2/0", False, 2, 0),
+    ("warm 2/0", True, 2, 0),
+    ("warm 1/0", True, 1, 0),
+)
+
+
+def cold_initial(codes: Tensor, mask: Tensor, spec: AttentionSpec) -> Tensor:
+    """The paper's initial centroid codes (B, H, C): the codes at evenly spaced ranks."""
+    positions = initial_centroid_positions(mask, spec.clusters, initial_offsets(codes.shape[1], spec.seed))
+    return codes.gather(2, positions)
+
+
+def warm_initial(codes: Tensor, mask: Tensor, previous: Tensor, spec: AttentionSpec) -> Tensor:
+    """Centroid codes (B, H, C) from the previous layer's assignments: the majority vote of
+    this layer's codes over each cluster's members (ties to 0); an empty cluster starts as
+    the cold start's."""
+    b, h, n = codes.shape
+    ones = torch.zeros(b, h, spec.clusters + 1, spec.bits)
+    ones.scatter_add_(2, previous[..., None].expand(-1, -1, -1, spec.bits), unpack_bits(codes, spec.bits))
+    members = torch.zeros(b, h, spec.clusters + 1).scatter_add_(2, previous, torch.ones(b, h, n))
+    majority = (2 * ones > members[..., None]).long()[:, :, : spec.clusters]
+    packed = (majority << torch.arange(spec.bits)).sum(-1)
+    return torch.where(members[:, :, : spec.clusters] > 0, packed, cold_initial(codes, mask, spec))
+
+
+def iterations_to_converge(codes: Tensor, mask: Tensor, initial: Tensor, spec: AttentionSpec) -> list[int]:
+    """Per head: the Hamming iterations after which the assignments no longer change (the
+    centroids repeat one iteration later), CAP if they still change then."""
+    steps = [hamming_kmeans(codes, mask, initial, i, spec.bits) for i in range(CAP + 1)]
+    heads = codes.shape[1]
+    return [next((i for i in range(CAP) if torch.equal(steps[i][:, h], steps[i + 1][:, h])), CAP) for h in range(heads)]
+
+
+def refine_steps(q: Tensor, assign: Tensor, mask: Tensor, spec: AttentionSpec) -> list[int]:
+    """Per head: Euclidean steps after which the assignments repeat, CAP if they still change."""
+    steps = [assign]
+    for _ in range(CAP):
+        steps.append(refine_clusters(q, steps[-1], mask, spec.clusters, 1))
+    heads = q.shape[1]
+    return [next((i for i in range(CAP) if torch.equal(steps[i][:, h], steps[i + 1][:, h])), CAP) for h in range(heads)]
+
+
+def pass_cosine(encoder, ids: list[int], exact: Tensor, warm: bool, iterations: int, refine: int) -> float:
+    """The pooled vector's cosine to `exact` with every layer's attention i-clustered 100/32
+    (iterations, refine); warm: each layer after the first starts from the previous one's clusters."""
+    carried: list[Tensor] = []
+
+    def choose(layer, original, args, kwargs):
+        q, k, v, _ = args
+        spec = SERVED if warm and layer == 0 else dataclasses.replace(SERVED, iterations=iterations, refine=refine)
+
+        def observe(name, stage, *stage_args):
+            if name == "cluster" and warm and carried:
+                codes, mask = stage_args[0], stage_args[1]
+                assign = hamming_kmeans(codes, mask, warm_initial(codes, mask, carried[-1], spec), spec.iterations, spec.bits)
+            else:
+                assign = stage(*stage_args)
+            if name == "refine" or (name == "cluster" and not spec.refine):
+                carried.append(assign)
+            return assign
+
+        scale = q.shape[-1] ** -0.5
+        return run_clustered(NATIVE, q, k, v, spec, None, scale, observe).to(q.dtype)
+
+    with layer_attention(choose):
+        vector = encoder.embed([ids], AttentionSpec(method="full"), max_batch_tokens=len(ids))
+    return F.cosine_similarity(vector, exact, dim=-1).item()
+
+
+def summarize(head_rows: list[dict]) -> list[dict]:
+    """Per length, per layer: the slowest head's iterations (what a launch waits for)."""
+    summary = []
+    for tokens in sorted({r["tokens"] for r in head_rows}):
+        layers: dict[int, list[dict]] = {}
+        for r in head_rows:
+            if r["tokens"] == tokens:
+                layers.setdefault(r["layer"], []).append(r)
+        slowest = {key: [max(r[key] for r in rows) if rows[0][key] is not None else None for rows in layers.values()]
+                   for key in ("cold_iterations", "warm_iterations", "refine_steps")}
+        summary.append(dict(tokens=tokens, **{f"slowest_head_{key}": value for key, value in slowest.items()}))
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--name", default=None)
+    args = parser.parse_args()
+
+    torch.set_grad_enabled(False)
+    encoder = load_encoder(args.model, dtype=getattr(torch, args.dtype))
+    spec = SERVED
+    head_rows, pass_rows = [], []
+    for tokens in args.tokens:
+        ids = long_text_ids(encoder, tokens)
+        start = time.perf_counter()
+        exact, qkv = capture(encoder, ids)
+        print(f"{encoder.name}: {len(ids)} tokens, exact pass {time.perf_counter() - start:.1f} s", flush=True)
+        previous = None
+        for layer, (q, _k, _v) in enumerate(qkv):
+            q = q.float().contiguous()
+            mask = torch.ones(1, q.shape[2], dtype=torch.bool)
+            codes = NATIVE.hash(q, spec)
+            cold = iterations_to_converge(codes, mask, cold_initial(codes, mask, spec), spec)
+            warm = iterations_to_converge(codes, mask, warm_initial(codes, mask, previous, spec), spec) if layer else cold
+            served = refine_clusters(q, hamming_kmeans(codes, mask, cold_initial(codes, mask, spec), spec.iterations, spec.bits),
+                                     mask, spec.clusters, spec.refine)
+            steps = refine_steps(q, hamming_kmeans(codes, mask, cold_initial(codes, mask, spec), spec.iterations, spec.bits),
+                                 mask, spec)
+            previous = served
+            for head in range(q.shape[1]):
+                head_rows.append(dict(tokens=len(ids), layer=layer, head=head, cold_iterations=cold[head],
+                                      warm_iterations=warm[head] if layer else None, refine_steps=steps[head]))
+            print(f"layer {layer}: cold max {max(cold)} mean {sum(cold) / len(cold):.1f}, "
+                  f"warm max {max(warm)} mean {sum(warm) / len(warm):.1f}, refine max {max(steps)}", flush=True)
+        for name, warm_start, iterations, refine in VARIANTS:
+            cosine = pass_cosine(encoder, ids, exact, warm_start, iterations, refine)
+            pass_rows.append(dict(tokens=len(ids), variant=name, warm=warm_start, iterations=iterations, refine=refine,
+                                  cosine=round(cosine, 5)))
+            print(pass_rows[-1], flush=True)
+
+    summary = summarize(head_rows)
+    print_table(pass_rows, list(pass_rows[0]))
+    for row in summary:
+        print(row)
+    meta = dict(device=device_name(), model=encoder.name, dtype=args.dtype, spec=SERVED.to_json(), cap=CAP,
+                text="Debian common-licenses, framed with the default prompt")
+    name = args.name or f"convergence-{encoder.name}"
+    path = write_results(name, pass_rows, meta)
+    path.write_text(json.dumps(dict(meta=meta, summary=summary, passes=pass_rows, heads=head_rows), indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
