@@ -171,9 +171,14 @@ def device_name() -> str:
 
 def write_results(name: str, rows: list[dict], meta: dict) -> Path:
     """Write rows and metadata as JSON under bench/results/; returns the path."""
+    return write_report(name, {"meta": meta, "rows": rows})
+
+
+def write_report(name: str, report: dict) -> Path:
+    """Write a report of any shape as JSON under bench/results/; returns the path."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    path.write_text(json.dumps(report, indent=1) + "\n")
     return path
 
 

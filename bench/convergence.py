@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 
 import torch
@@ -39,7 +38,7 @@ from kernels.reference.kmeans import initial_centroid_positions, initial_offsets
 from kernels.stages import run_clustered
 from models import load_encoder
 
-from .common import device_name, long_text_ids, print_table, write_results
+from .common import device_name, long_text_ids, print_table, write_report
 from .locality import DEFAULT_MODEL, capture, layer_attention
 
 SERVED = AttentionSpec(method="i-clustered", clusters=100, topk=32)  # iterations 10, refine 3
@@ -179,8 +178,7 @@ def main() -> None:
     meta = dict(device=device_name(), model=encoder.name, dtype=args.dtype, spec=SERVED.to_json(), cap=CAP,
                 text="Debian common-licenses, framed with the default prompt")
     name = args.name or f"convergence-{encoder.name}"
-    path = write_results(name, pass_rows, meta)
-    path.write_text(json.dumps(dict(meta=meta, summary=summary, passes=pass_rows, heads=head_rows), indent=1) + "\n")
+    path = write_report(name, dict(meta=meta, summary=summary, passes=pass_rows, heads=head_rows))
     print(f"wrote {path}")
 
 

@@ -37,7 +37,7 @@ import models.networks.rotary_bert as rotary_bert
 from kernels import AttentionSpec
 from models import load_encoder
 
-from .common import device_name, long_text_ids, print_table, write_results
+from .common import device_name, long_text_ids, print_table, write_report
 
 DEFAULT_MODEL = "/root/.cache/clusterserve/nomic-embed-text-v1.5.f16.gguf"
 RADII = (64, 256, 1024)
@@ -202,8 +202,7 @@ def main() -> None:
         text="Debian common-licenses, framed with the default prompt", methods=methods,
     )
     name = args.name or f"locality-{encoder.name.split('/')[-1].split('.')[0]}-{n}"
-    path = write_results(name, rows, meta)
-    path.write_text(json.dumps(dict(meta=meta, heads=rows, layers=layer_rows, head_cosines=head_rows), indent=1) + "\n")
+    path = write_report(name, dict(meta=meta, heads=rows, layers=layer_rows, head_cosines=head_rows))
     print(f"wrote {path}")
 
 
