@@ -46,6 +46,7 @@ CAP = 40
 # (name, warm, Hamming iterations, refinement steps)
 VARIANTS = (
     ("cold 10/3 (served)", False, 10, 3),
+    ("cold 5/3", False, 5, 3),
     ("cold 3/1", False, 3, 1),
     ("warm 3/1", True, 3, 1),
     ("cold 2/0", False, 2, 0),
