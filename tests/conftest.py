@@ -4,12 +4,37 @@ can share `server_process`.
 Without CUDA, Triton's kernels run under its interpreter. Triton reads TRITON_INTERPRET when it
 decorates a kernel, so it is set here, before any test module imports `kernels`: a module
 collected early (tests/bench, tests/gpu) would otherwise fix every kernel as compiled-only for
-the whole session. Tests that compile for a GPU target do so in a subprocess without it."""
+the whole session. Tests that compile for a GPU target do so in a subprocess without it.
+
+The longest test files are collected first. `make test` runs them on two workers, a whole
+file to a worker in collection order (pytest-xdist's loadfile), so the longest start first and
+the short ones fill in around them instead of one long file running alone at the end."""
 
 import os
+from pathlib import Path
 
 import torch
+
+# About a minute or more each on the 2-core dev box, longest first.
+LONGEST_FIRST = (
+    "tests/models/test_calibration_holdout.py",
+    "tests/bench/test_gpu_bench.py",
+    "tests/service/test_default_server.py",
+    "tests/bench/test_gpu_model.py",
+    "tests/service/test_load.py",
+    "tests/service/test_fuzz_openapi.py",
+    "tests/models/test_default_model_llamacpp.py",
+    "tests/kernels/test_smyrf_triton.py",
+    "tests/service/test_ollama_clients.py",
+)
+ROOT = Path(__file__).resolve().parents[1]
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files of LONGEST_FIRST first, in its order; the rest as collected (a stable sort)."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(item.fspath).relative_to(ROOT).as_posix(), len(rank)))

@@ -104,3 +104,10 @@ def test_layers_import_downward_only(package, forbidden):
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
             for name in names:
                 assert name.split(".")[0] not in forbidden, f"{path.relative_to(ROOT)} imports {name}"
+
+
+def test_the_longest_first_order_names_test_files_that_exist():
+    from conftest import LONGEST_FIRST
+
+    missing = [path for path in LONGEST_FIRST if not (ROOT / path).is_file()]
+    assert not missing, f"tests/conftest.py LONGEST_FIRST names files that do not exist: {missing}"
