@@ -74,21 +74,32 @@ def warm_initial(codes: Tensor, mask: Tensor, previous: Tensor, spec: AttentionS
     return torch.where(members[:, :, : spec.clusters] > 0, packed, cold_initial(codes, mask, spec))
 
 
+def settled_at(chain: list[Tensor]) -> list[int]:
+    """Per head: the first step after which the chain's assignments (B, H, N) repeat, CAP if
+    none does within it."""
+    last = len(chain) - 1
+    return [next((i for i in range(last) if torch.equal(chain[i][:, h], chain[i + 1][:, h])), last)
+            for h in range(chain[0].shape[1])]
+
+
+def hamming_chain(codes: Tensor, mask: Tensor, initial: Tensor, spec: AttentionSpec) -> list[Tensor]:
+    """The assignments after 0, 1, ..., CAP Hamming iterations from `initial`."""
+    return [hamming_kmeans(codes, mask, initial, i, spec.bits) for i in range(CAP + 1)]
+
+
+def refine_chain(q: Tensor, assign: Tensor, mask: Tensor, spec: AttentionSpec) -> list[Tensor]:
+    """The assignments after 0, 1, ..., CAP Euclidean steps from `assign` (a step depends only
+    on the assignments it starts from, so step k is refine_clusters' k steps)."""
+    chain = [assign]
+    for _ in range(CAP):
+        chain.append(refine_clusters(q, chain[-1], mask, spec.clusters, 1))
+    return chain
+
+
 def iterations_to_converge(codes: Tensor, mask: Tensor, initial: Tensor, spec: AttentionSpec) -> list[int]:
     """Per head: the Hamming iterations after which the assignments no longer change (the
     centroids repeat one iteration later), CAP if they still change then."""
-    steps = [hamming_kmeans(codes, mask, initial, i, spec.bits) for i in range(CAP + 1)]
-    heads = codes.shape[1]
-    return [next((i for i in range(CAP) if torch.equal(steps[i][:, h], steps[i + 1][:, h])), CAP) for h in range(heads)]
-
-
-def refine_steps(q: Tensor, assign: Tensor, mask: Tensor, spec: AttentionSpec) -> list[int]:
-    """Per head: Euclidean steps after which the assignments repeat, CAP if they still change."""
-    steps = [assign]
-    for _ in range(CAP):
-        steps.append(refine_clusters(q, steps[-1], mask, spec.clusters, 1))
-    heads = q.shape[1]
-    return [next((i for i in range(CAP) if torch.equal(steps[i][:, h], steps[i + 1][:, h])), CAP) for h in range(heads)]
+    return settled_at(hamming_chain(codes, mask, initial, spec))
 
 
 def pass_cosine(encoder, ids: list[int], exact: Tensor, warm: bool, iterations: int, refine: int) -> float:
@@ -142,7 +153,6 @@ def main() -> None:
 
     torch.set_grad_enabled(False)
     encoder = load_encoder(args.model, dtype=getattr(torch, args.dtype))
-    spec = SERVED
     head_rows, pass_rows = [], []
     for tokens in args.tokens:
         ids = long_text_ids(encoder, tokens)
@@ -153,14 +163,12 @@ def main() -> None:
         for layer, (q, _k, _v) in enumerate(qkv):
             q = q.float().contiguous()
             mask = torch.ones(1, q.shape[2], dtype=torch.bool)
-            codes = NATIVE.hash(q, spec)
-            cold = iterations_to_converge(codes, mask, cold_initial(codes, mask, spec), spec)
-            warm = iterations_to_converge(codes, mask, warm_initial(codes, mask, previous, spec), spec) if layer else cold
-            served = refine_clusters(q, hamming_kmeans(codes, mask, cold_initial(codes, mask, spec), spec.iterations, spec.bits),
-                                     mask, spec.clusters, spec.refine)
-            steps = refine_steps(q, hamming_kmeans(codes, mask, cold_initial(codes, mask, spec), spec.iterations, spec.bits),
-                                 mask, spec)
-            previous = served
+            codes = NATIVE.hash(q, SERVED)
+            hamming = hamming_chain(codes, mask, cold_initial(codes, mask, SERVED), SERVED)
+            refined = refine_chain(q, hamming[SERVED.iterations], mask, SERVED)
+            cold, steps = settled_at(hamming), settled_at(refined)
+            warm = iterations_to_converge(codes, mask, warm_initial(codes, mask, previous, SERVED), SERVED) if layer else cold
+            previous = refined[SERVED.refine]  # the served clusters, which the next layer's warm start reads
             for head in range(q.shape[1]):
                 head_rows.append(dict(tokens=len(ids), layer=layer, head=head, cold_iterations=cold[head],
                                       warm_iterations=warm[head] if layer else None, refine_steps=steps[head]))
