@@ -8,33 +8,21 @@ the whole session. Tests that compile for a GPU target do so in a subprocess wit
 
 The longest test files are collected first. `make test` runs them on two workers, a whole
 file to a worker in collection order (pytest-xdist's loadfile), so the longest start first and
-the short ones fill in around them instead of one long file running alone at the end."""
+the short ones fill in around them (tests/collection_order.py)."""
 
 import os
 from pathlib import Path
 
 import torch
+from collection_order import LONGEST_FIRST
 
-# About a minute or more each on the 2-core dev box, longest first.
-LONGEST_FIRST = (
-    "tests/models/test_calibration_holdout.py",
-    "tests/bench/test_gpu_bench.py",
-    "tests/service/test_default_server.py",
-    "tests/bench/test_gpu_model.py",
-    "tests/service/test_load.py",
-    "tests/service/test_fuzz_openapi.py",
-    "tests/models/test_default_model_llamacpp.py",
-    "tests/kernels/test_smyrf_triton.py",
-    "tests/service/test_ollama_clients.py",
-)
 ROOT = Path(__file__).resolve().parents[1]
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-
 def pytest_collection_modifyitems(config, items):
     """The files of LONGEST_FIRST first, in its order; the rest as collected (a stable sort)."""
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(Path(item.fspath).relative_to(ROOT).as_posix(), len(rank)))
+    items.sort(key=lambda item: rank.get(item.path.relative_to(ROOT).as_posix(), len(rank)))

@@ -107,10 +107,8 @@ def test_layers_import_downward_only(package, forbidden):
 
 
 def test_the_longest_first_order_names_test_files_that_exist():
-    # read from tests/conftest.py's source: `import conftest` may find another folder's conftest
-    tree = ast.parse((ROOT / "tests" / "conftest.py").read_text())
-    longest_first = next(ast.literal_eval(node.value) for node in tree.body
-                         if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "LONGEST_FIRST")
-    assert len(longest_first) > 1
-    missing = [path for path in longest_first if not (ROOT / path).is_file()]
-    assert not missing, f"tests/conftest.py LONGEST_FIRST names files that do not exist: {missing}"
+    from collection_order import LONGEST_FIRST
+
+    assert len(LONGEST_FIRST) > 1
+    missing = [path for path in LONGEST_FIRST if not (ROOT / path).is_file()]
+    assert not missing, f"tests/collection_order.py LONGEST_FIRST names files that do not exist: {missing}"
