@@ -33,11 +33,10 @@ HELD_BACK_TEXTS = ("MPL-1.1", "MPL-2.0", "GFDL-1.3", "Artistic", "BSD")
 def nomic_default() -> AttentionSpec:
     """What `auto` runs for the default model (nomic-embed-text-v1.5) at its 8,192-token context
     and the server's default target fidelity: the shipped calibration table's choice."""
-    from models.planning.calibration import SHIPPED_DIR, load_calibration, table_name
-    from service.settings import Settings
+    from models.planning.calibration import DEFAULT_TARGET_FIDELITY, SHIPPED_DIR, load_calibration, table_name
 
     table = load_calibration(SHIPPED_DIR / table_name("nomic-embed-text-v1.5", "cpu"))
-    return table.choose(8192, Settings.model_fields["target_fidelity"].default).spec
+    return table.choose(8192, DEFAULT_TARGET_FIDELITY).spec
 
 
 def long_text_ids(encoder, tokens: int, offset: int = 0, texts: tuple[str, ...] | None = None) -> list[int]:
@@ -79,11 +78,13 @@ def capture_qkv(encoder, ids: list[int], layer: int = 0) -> tuple[torch.Tensor, 
         return hook
 
     handles = [getattr(attn, name).register_forward_hook(keep(name)) for name in ("q", "k", "v")]
+    graphs, encoder.graphs = encoder.graphs, None  # every layer eager: a replayed graph calls no hook
     try:
         encoder.run([ids], [AttentionSpec(method="full")])
     except Stop:
         pass
     finally:
+        encoder.graphs = graphs
         for h in handles:
             h.remove()
     return captured["q"], captured["k"], captured["v"]

@@ -18,6 +18,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kernels import APPROXIMATE_METHODS, BACKENDS, METHODS, AttentionSpec
+from models.planning.calibration import DEFAULT_TARGET_FIDELITY
 from models.runtime.precision import DTYPE_SETTINGS
 
 _DEFAULT_SPEC = AttentionSpec()
@@ -74,7 +75,7 @@ class Settings(BaseSettings):
         _DEFAULT_SPEC.auto_method, description='"auto" runs this method from the threshold on'
     )
     target_fidelity: float | None = Field(
-        0.98,
+        DEFAULT_TARGET_FIDELITY,
         gt=0,
         le=1,
         description='the fidelity "auto" aims at when a request names no target_fidelity and no knob it '

@@ -48,6 +48,8 @@ SHIPPED_DIR = Path(__file__).resolve().parents[1] / "calibrations"
 EXACT = AttentionSpec(method="full")
 # An approximation is chosen only where its measured time beats exact by this factor.
 MIN_SPEEDUP = 1.1
+# The cosine to exact attention `auto` aims at when nothing names a target (service.settings' default).
+DEFAULT_TARGET_FIDELITY = 0.98
 
 
 class CalibrationError(ValueError):

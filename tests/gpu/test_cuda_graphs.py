@@ -3,7 +3,7 @@ vectors the eager layers give.
 
     python -m pytest -m gpu tests/gpu/test_cuda_graphs.py -rA -s     # on a CUDA machine
 
-The default model in bfloat16, graphs as the service runs them. Per method and length, one
+A model in bfloat16, graphs as the service runs them. Per method and length, one
 input runs three times through the graphs (its batch shape's eager warm-up on the padded
 layout, the capture, a replay) and once with every layer launched eagerly, unpadded:
 - the captured and the replayed vectors are equal bit for bit, and within bfloat16 rounding
@@ -16,13 +16,14 @@ layer by layer, a pass that drops an input part-way, and a capture that fails (a
 the layer) running eagerly with the device still usable. Launch counts and times are
 bench/gpu.py's (`graph_ms` of the embed rows); nothing here is timed.
 
-Without CUDA the module skips.
+all-MiniLM-L6-v2 unless GPU_TEST_MODEL names a checkpoint folder. Without CUDA the module skips.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import pytest
 import torch
@@ -47,7 +48,8 @@ MIN_COSINE_APPROXIMATE = 0.995
 def encoder():
     from models import load_encoder
 
-    return load_encoder("all-MiniLM-L6-v2", device="cuda", dtype=torch.bfloat16)
+    model = os.environ.get("GPU_TEST_MODEL", "all-MiniLM-L6-v2")
+    return load_encoder(model, max_input_tokens=4096, device="cuda", dtype=torch.bfloat16)
 
 
 @pytest.fixture
@@ -154,10 +156,10 @@ class SyncingModel:
     """The encoder's model with a host synchronisation in every layer: not capturable."""
 
     def __init__(self, model):
-        self.model, self.layers = model, model.layers
+        self.model = model
 
-    def tables(self, state):
-        self.model.tables(state)
+    def __getattr__(self, name):  # everything but advance is the model's
+        return getattr(self.model, name)
 
     def advance(self, state):
         state.x.float().sum().item()

@@ -244,7 +244,9 @@ def test_no_host_sync_inside_a_call(label):
             call()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    syncs = sorted({str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)})
+    # Setting the mode warns once that it is a prototype; that warning is not a synchronisation.
+    syncs = sorted({str(w.message).splitlines()[0] for w in caught
+                    if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)})
     print(f"\nN={max(LENGTHS)} bfloat16 {label}: host syncs in one call: {len(syncs)} {'; '.join(syncs)[:200]}")
     assert not syncs
 

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device-tool call on a GPU machine: the GPU tests, attention alone, the default model end
+# to end. Prepared here (bench/README.md, "The H100 session"), run there from the repository
+# root; every step has its own time limit and writes as it goes, so a step cut short keeps
+# what it measured and the next one still runs. Results land in $OUT (the device tool's folder;
+# bench/out/gpu elsewhere).
+set -u
+OUT=${OUT:-bench/out/gpu}
+STEM=${STEM:-$(date +%F)-h100}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 GPU_TEST_MODEL=bench/out/model
+export GPU_TEST_LENGTHS=${GPU_TEST_LENGTHS:-"4096 16384"}
+{
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    test -d /usr/share/common-licenses || cp -r bench/out/model/common-licenses /usr/share/
+    python3 -m bench.pack_model --fill bench/out/nomic-embed-text-v1.5
+    timeout "${TESTS_S:-180}" python3 -m pytest -m gpu tests/gpu -rA -p no:cacheprovider \
+        -n "${TEST_WORKERS:-3}" --dist load --junitxml="$OUT/$STEM-tests.xml"
+    echo "tests: rc=$?"
+    timeout "${ATTENTION_S:-150}" python3 -m bench.gpu --model bench/out/model --head-dims 64 \
+        --lengths ${LENGTHS:-4096 16384 65536} --e2e-lengths --out "$OUT" --name "$STEM"
+    echo "attention: rc=$?"
+    timeout "${E2E_S:-100}" python3 -m bench.gpu --model bench/out/nomic-embed-text-v1.5 --lengths \
+        --e2e-lengths ${E2E_LENGTHS:-2048 8192 16384} --e2e-dtype bfloat16 --no-stages --profile-length 0 \
+        --out "$OUT" --name "$STEM-nomic-e2e"
+    echo "end to end: rc=$?"
+} 2>&1 | tee "$OUT/$STEM-console.log"
