@@ -26,7 +26,8 @@ Writes under --out (default bench/results/): <date>-<gpu>.json, a list of rows
 {"method", "seq_len", "batch", "heads", "head_dim", "dtype", "ms", "speedup_vs_full",
 "peak_bytes", "rel_err", "device"} (plus "kind": attention | embed, and extras);
 <date>-<gpu>-stages.json; <date>-<gpu>.png (time and speed-up against length); with
---profile-length, <date>-<gpu>-profile.txt. Prints the tables. The JSON is rewritten after
+--profile-length, <date>-<gpu>-profile.txt (one call per method at that length, attention alone
+and end to end, eager). Prints the tables. The JSON is rewritten after
 every length, so a run cut short keeps what it measured.
 """
 
@@ -82,6 +83,7 @@ class Settings:
     e2e_repeats: int
     stages: bool
     graphs: bool
+    graph_max_length: int | None  # the encoder's cuda_graph_max_length; None: the loader's default
     profile_length: int
     specs: dict[str, AttentionSpec]
     model: str | None
@@ -207,8 +209,9 @@ def _speedups(group: list[dict]) -> None:
 # ---- end to end ------------------------------------------------------------------------------
 
 
-def bench_embed(settings: Settings, encoder, n: int, rows: list) -> None:
-    """One document of n tokens embedded by `encoder` (weights in e2e_dtype) per method.
+def bench_embed(settings: Settings, encoder, n: int, rows: list, profile: list) -> None:
+    """One document of n tokens embedded by `encoder` (weights in e2e_dtype) per method, and at
+    the profile length a profile of one eager call per method.
     On CPU (dry run) the model's attention takes the torch reference, as `auto` does there."""
     from .timing import median_ms
 
@@ -223,6 +226,8 @@ def bench_embed(settings: Settings, encoder, n: int, rows: list) -> None:
             vector = call()
             ms = median_ms(call, settings.device, settings.e2e_repeats, min(settings.warmup, 1))
             peak = int(peak_memory_during(call))
+            if n == settings.profile_length:
+                profile.append(_profile(settings, f"embed {label}, {n} tokens", call))
         finally:
             encoder.graphs = graphs
         graph_ms, graph_cosine = _embed_graph_ms(settings, encoder, call, len(ids), vector)
@@ -265,7 +270,8 @@ def load_model(settings: Settings, dtype: torch.dtype):
     from models import load_encoder
 
     longest = max((*settings.lengths, *settings.e2e_lengths, 32768))
-    return load_encoder(settings.model, max_input_tokens=longest, device=settings.device, dtype=dtype)
+    graphs = {} if settings.graph_max_length is None else {"cuda_graph_max_length": settings.graph_max_length}
+    return load_encoder(settings.model, max_input_tokens=longest, device=settings.device, dtype=dtype, **graphs)
 
 
 # ---- output ----------------------------------------------------------------------------------
@@ -370,11 +376,14 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     parser.add_argument("--e2e-repeats", type=int, help="timed repeats end to end (default 3)")
     parser.add_argument("--no-stages", action="store_true", help="skip the stage breakdown")
     parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replay times")
+    parser.add_argument("--graph-max-length", type=int,
+                        help="end to end: the longest input replayed from CUDA graphs (default: the loader's 8192)")
     parser.add_argument("--profile-length", type=int, default=16384,
-                        help="torch.profiler table per method at this length (0: none)")
+                        help="torch.profiler table per method at this length, attention alone and "
+                             "end to end (0: none)")
     parser.add_argument("--dry-run", "--interpret", action="store_true", dest="dry_run",
                         help="CPU, Triton's interpreter, tiny sizes and knobs: tests the script, measures nothing")
-    parser.add_argument("--model", help="checkpoint folder (default: the embedded all-MiniLM-L6-v2)")
+    parser.add_argument("--model", help="checkpoint folder (default: the default model, nomic-embed-text-v1.5)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for the results")
     parser.add_argument("--name", help="file stem (default <date>-<gpu>)")
     args = parser.parse_args(argv)
@@ -407,7 +416,7 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
         e2e_dtype=getattr(torch, args.e2e_dtype),
         repeats=pick["repeats"], warmup=pick["warmup"], e2e_repeats=pick["e2e_repeats"],
         stages=not args.no_stages, graphs=not args.no_graphs,
-        profile_length=profile_length,
+        graph_max_length=args.graph_max_length, profile_length=profile_length,
         specs=specs, model=args.model, out=args.out, stem=stem, dry_run=args.dry_run,
     )
     return settings
@@ -429,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
         bench_attention(settings, encoder, n, rows, stage_rows, profile)
         write_outputs(settings, rows, stage_rows, profile)
     for n in settings.e2e_lengths:
-        bench_embed(settings, embed_encoder, n, rows)
+        bench_embed(settings, embed_encoder, n, rows, profile)
         write_outputs(settings, rows, stage_rows, profile)
     paths = write_outputs(settings, rows, stage_rows, profile)
     print_tables(rows, stage_rows)

@@ -21,8 +21,9 @@ export GPU_TEST_LENGTHS=${GPU_TEST_LENGTHS:-"4096 16384"}
     timeout "${ATTENTION_S:-150}" python3 -m bench.gpu --model bench/out/model --head-dims 64 \
         --lengths ${LENGTHS:-4096 16384 65536} --e2e-lengths --out "$OUT" --name "$STEM"
     echo "attention: rc=$?"
-    timeout "${E2E_S:-100}" python3 -m bench.gpu --model bench/out/nomic-embed-text-v1.5 --lengths \
-        --e2e-lengths ${E2E_LENGTHS:-2048 8192 16384} --e2e-dtype bfloat16 --no-stages --profile-length 0 \
+    timeout "${E2E_S:-150}" python3 -m bench.gpu --model bench/out/nomic-embed-text-v1.5 --lengths \
+        --e2e-lengths ${E2E_LENGTHS:-2048 8192 16384} --e2e-dtype bfloat16 --no-stages \
+        --graph-max-length "${GRAPH_MAX_LENGTH:-16384}" --profile-length "${E2E_PROFILE_LENGTH:-16384}" \
         --out "$OUT" --name "$STEM-nomic-e2e"
     echo "end to end: rc=$?"
 } 2>&1 | tee "$OUT/$STEM-console.log"

@@ -8,7 +8,9 @@ The data-dependent ones are set from the reference on real text: the refinement'
 leave no cluster empty (its candidates and donor launches find nothing to do); the Hamming
 update's empty clusters are about 2 x (C / 100)^2 a head in the first of 10 iterations,
 almost none after, the slowest block taking all of a launch's share, a donor found in one
-chunk; a row of real attention has about 1.3 TOP keys at or above its threshold.
+chunk. The centroid top-k's are not: they assume 1.3 TOP keys a row at or above its threshold,
+spread evenly (random logits). On the default model's real projections a row has 2.7-5 TOP, and
+the slowest program runs 2.3-3.7x these rounds (bench.topk_filter; docs/benchmarks.md).
 """
 
 from __future__ import annotations

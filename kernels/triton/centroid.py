@@ -6,8 +6,8 @@ each cluster's top-k keys of A^c. A^c is never written.
     _centroid_attention_kernel  (centroid blocks, splits, B * H)  a split of the keys against
                                 all of a head's centroids in one tile (up to 128: K and V are
                                 read once per head): the split's online softmax and, for the
-                                top-k, the largest logit of each of 2 TOP lanes (key index mod
-                                2 TOP)
+                                top-k, the largest logit of each of 2 TOP lanes (a key's column
+                                in its block, rotated by a hash of the block, mod 2 TOP)
     _centroid_combine_kernel    (centroid blocks of 8, B * H)  V^c from the splits, each row's
                                 softmax max and sum, and its threshold: the TOP-th largest lane
                                 maximum, at most the row's TOP-th largest logit (lane maxima
@@ -83,6 +83,13 @@ def _logits(parts, centroids, keys, scale, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _lane_shift(block, BLOCK_M: tl.constexpr):
+    """The rotation of key block `block`'s columns, in [0, BLOCK_M): Fibonacci hashing on 16 bits
+    (the top bits of block x 2^16 / golden ratio, mod 2^16); every product fits an int32."""
+    return (((block & 0x7FFF) * 40503) & 0xFFFF) * BLOCK_M >> 16
+
+
+@triton.jit
 def _centroid_attention_kernel(
     centroids_ptr, k_ptr, v_ptr, key_mask_ptr, part_values_ptr, part_max_ptr, part_sum_ptr, part_lanes_ptr,
     stride_kb, stride_kh, stride_km, stride_kd,
@@ -93,8 +100,8 @@ def _centroid_attention_kernel(
 ):
     """A block of centroids against one split of the keys, [split CHUNK, (split + 1) CHUNK):
     the split's online softmax (unnormalised values, running max and sum, float32, base 2:
-    `scale` includes log2(e)) and, with LANES > 0, the largest logit of each lane (key index
-    mod LANES), to part_lanes (B * H, SPLITS, C, LANES)."""
+    `scale` includes log2(e)) and, with LANES > 0, the largest logit of each lane (a key's
+    column in its rotated block, mod LANES), to part_lanes (B * H, SPLITS, C, LANES)."""
     split = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
     batch, head = bh // H, bh % H
@@ -115,6 +122,10 @@ def _centroid_attention_kernel(
     stop = tl.minimum(first + CHUNK, M)
     for start in range(first, stop, BLOCK_M):
         cols = start + tl.arange(0, BLOCK_M)
+        if LANES > 0:
+            # A block's keys enter its columns rotated by a hash of the block (_lane_shift), so
+            # that keys BLOCK_M apart (a copied position table, repeated text) fall in other lanes.
+            cols = start + (tl.arange(0, BLOCK_M) + _lane_shift(start // BLOCK_M, BLOCK_M)) % BLOCK_M
         in_split = cols < stop
         real = in_split & (tl.load(key_mask_ptr + batch * M + cols, mask=in_split, other=0) != 0)
         keys = tl.load(k_head + cols[:, None] * stride_km + dims[None, :] * stride_kd,

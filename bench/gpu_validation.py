@@ -1,0 +1,149 @@
+"""The offline cost model (bench.gpu_model's `gpu_model.json`) against what a GPU measured
+(bench.gpu's JSON and torch.profiler tables): per method and length, every Triton kernel's
+device time summed over its launches, measured and estimated, and the call's time in a CUDA
+graph. No GPU needed; it reads committed files.
+
+    python -m bench.gpu_validation [--measured bench/results/2026-11-26-h100]
+                                   [--model bench/results/gpu_model.json] [--out PATH]
+
+`--measured STEM` names STEM.json (the call times) and STEM-profile.txt (one profiled call per
+method and length, sections titled "== <method>, <n> tokens =="). The report,
+`<STEM>-vs-model.json`, lists per kernel `measured_us`, `model_us` and their ratio, per call the
+measured and estimated graph time, and the spread of the ratios over every kernel of at least
+MIN_US measured: what the model's estimates are worth, kernel by kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from .common import RESULTS_DIR, print_table
+
+# bench.gpu's method labels -> the cost model's call labels (the same specs).
+MODEL_LABELS = {
+    "clustered": "clustered 100",
+    "i-clustered (paper)": "i-clustered 100/32 (paper)",
+    "i-clustered": "i-clustered 100/32",
+    "smyrf": "smyrf 4x64",
+    "banded": "nomic default",
+}
+HEAD_DIM = 64
+# Kernels measured at under this many µs in all are left out of the spread (timer granularity).
+MIN_US = 5.0
+LIBRARY = "library kernels"  # PyTorch's and cuDNN's, by their total
+
+
+def parse_profile(text: str) -> dict[tuple[str, int], dict[str, tuple[float, int]]]:
+    """torch.profiler tables -> {(method, tokens): {kernel: (device µs in all, launches)}}: the
+    rows with no CPU time of their own (device kernels), Triton's by name, the rest as LIBRARY."""
+    parts = re.split(r"^== (.+), (\d+) tokens ==$", text, flags=re.M)
+    result = {}
+    for method, tokens, body in zip(parts[1::3], parts[2::3], parts[3::3]):
+        kernels: dict[str, list] = defaultdict(lambda: [0.0, 0])
+        for line in body.splitlines():
+            cells = re.split(r"\s{2,}", line.strip())
+            if len(cells) < 11 or cells[2] != "0.000us":
+                continue
+            device_us, calls = _microseconds(cells[6]), int(cells[-1])
+            if device_us is None or device_us == 0:
+                continue
+            name = cells[0] if re.fullmatch(r"_\w+_kernel", cells[0]) else LIBRARY
+            kernels[name][0] += device_us
+            kernels[name][1] += calls
+        result[(method, int(tokens))] = {name: (us, calls) for name, (us, calls) in kernels.items()}
+    return result
+
+
+def _microseconds(cell: str) -> float | None:
+    match = re.fullmatch(r"([\d.]+)(us|ms|s)", cell)
+    if match is None:
+        return None
+    return float(match.group(1)) * {"us": 1.0, "ms": 1e3, "s": 1e6}[match.group(2)]
+
+
+def model_kernels(call: dict) -> dict[str, tuple[float, int]]:
+    """A modelled call -> {kernel: (estimated µs in all, launches)}, library ops as LIBRARY."""
+    kernels: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for launch in call["launches"]:
+        kernels[launch["kernel"]][0] += launch["est_us"]
+        kernels[launch["kernel"]][1] += 1
+    for op in call["torch_ops"]:
+        kernels[LIBRARY][0] += op["us"]
+        kernels[LIBRARY][1] += op["kernels"]
+    return {name: (us, n) for name, (us, n) in kernels.items()}
+
+
+def compare(measured_rows: list[dict], profiles: dict, model: dict) -> dict:
+    """The report: per (method, tokens) profiled, its kernels and its call, measured beside modelled."""
+    calls = {(c["method"], c["seq_len"]): c for c in model["calls"] if c["head_dim"] == HEAD_DIM}
+    times = {(r["method"], r["seq_len"]): r for r in measured_rows
+             if r.get("kind", "attention") == "attention" and r["head_dim"] == HEAD_DIM}
+    kernel_rows, call_rows = [], []
+    for (method, tokens), kernels in sorted(profiles.items(), key=lambda item: (item[0][1], item[0][0])):
+        measured_call = times.get((method, tokens))
+        if method == "full":
+            if measured_call is not None and (calls_at := [c for (_, n), c in calls.items() if n == tokens]):
+                call_rows.append(dict(method=method, tokens=tokens, measured_graph_ms=measured_call["graph_ms"],
+                                      model_ms=calls_at[0]["exact_fa2_ms"], model="FlashAttention-2"))
+            continue
+        call = calls.get((MODEL_LABELS.get(method), tokens))
+        if call is None:
+            continue
+        estimated = model_kernels(call)
+        for name in sorted(set(kernels) | set(estimated), key=lambda k: -kernels.get(k, (0.0, 0))[0]):
+            got, want = kernels.get(name, (0.0, 0)), estimated.get(name, (0.0, 0))
+            kernel_rows.append(dict(
+                method=method, tokens=tokens, kernel=name, launches=got[1] or want[1],
+                measured_us=round(got[0], 1), model_us=round(want[0], 1),
+                ratio=round(got[0] / want[0], 3) if got[0] and want[0] else None,
+            ))
+        device_us = sum(us for us, _ in kernels.values())
+        call_rows.append(dict(
+            method=method, tokens=tokens, measured_device_ms=round(device_us / 1e3, 4),
+            model_device_ms=call["device_ms"], measured_graph_ms=measured_call and measured_call["graph_ms"],
+            model_ms=call["est_ms"], model=MODEL_LABELS[method],
+        ))
+    ratios = [r["ratio"] for r in kernel_rows if r["ratio"] and r["measured_us"] >= MIN_US and r["kernel"] != LIBRARY]
+    logs = sorted(math.log(r) for r in ratios)
+    spread = dict(
+        kernels=len(ratios),
+        median_ratio=round(math.exp(logs[len(logs) // 2]), 3) if logs else None,
+        min_ratio=round(min(ratios), 3) if ratios else None,
+        max_ratio=round(max(ratios), 3) if ratios else None,
+        within_25_percent=sum(0.8 <= r <= 1.25 for r in ratios),
+    )
+    return dict(kernels=kernel_rows, calls=call_rows, spread=spread)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--measured", type=Path, default=RESULTS_DIR / "2026-11-26-h100",
+                        help="stem of bench.gpu's files: STEM.json and STEM-profile.txt")
+    parser.add_argument("--model", type=Path, default=RESULTS_DIR / "gpu_model.json")
+    parser.add_argument("--out", type=Path, help="report (default: STEM-vs-model.json)")
+    args = parser.parse_args()
+    stem = args.measured
+    rows = json.loads(stem.with_name(stem.name + ".json").read_text())
+    profiles = parse_profile(stem.with_name(stem.name + "-profile.txt").read_text())
+    model = json.loads(args.model.read_text())
+    report = compare(rows, profiles, model)
+    report = dict(measured=str(stem.name), device=rows[0]["device"] if rows else None, model_label=model["label"],
+                  **report)
+    print_table(report["kernels"], ["method", "tokens", "kernel", "launches", "measured_us", "model_us", "ratio"])
+    print()
+    print_table(report["calls"], ["method", "tokens", "measured_device_ms", "model_device_ms", "measured_graph_ms",
+                                  "model_ms", "model"])
+    print()
+    print("kernels of at least", MIN_US, "µs measured, measured / model:", report["spread"])
+    out = args.out or stem.with_name(stem.name + "-vs-model.json")
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""How much work the centroid top-k's filter leaves on real text (kernels/triton/centroid.py), on
+the CPU: the filter of `_centroid_topk_kernel` replayed on a model's projections, per length.
+
+    python -m bench.topk_filter [--model nomic] [--lengths 4096 8192 16384] [--head-dim D] [--lanes rotated mod]
+
+i-clustered 100/32 (the benchmark's) clusters layer 0's queries with the reference; then, per
+head and cluster, the threshold is the TOP-th largest of the 2 TOP lane maxima of the centroid's
+logits, and the top-k kernel's programs (TOPK_BLOCK_C centroids, one split of the keys) scan
+their blocks of keys: a block's rounds are the most candidates any of its rows has, a
+candidate being a logit at or above the row's floor (the threshold, then its TOP-th kept
+logit). Printed per length and lane scheme: keys at or above the threshold per row (mean,
+max), rounds per program (mean, max), also in bench/results/NAME.json. `rotated` is the kernel's lanes (a key's column in its
+block, rotated by _lane_shift); `mod` is key index mod 2 TOP, for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
+from kernels.reference.clustered import REFERENCE
+from kernels.reference.kmeans import cluster_means
+from kernels.reference.masks import token_masks
+from kernels.triton.centroid import LOG2E, THRESHOLD_MARGIN, TOPK_BLOCK_C, _splits
+
+from .common import long_text_ids, print_table, real_qkv, write_report
+from .cpu import SPECS
+
+
+def lane_shift(block: torch.Tensor, block_m: int) -> torch.Tensor:
+    """kernels.triton.centroid._lane_shift on a tensor of block indices."""
+    return (((block & 0x7FFF) * 40503) & 0xFFFF) * block_m >> 16
+
+
+def lanes_of(m: int, block_m: int, lanes: int, scheme: str) -> torch.Tensor:
+    index = torch.arange(m)
+    if scheme == "mod":
+        return index % lanes
+    # The kernel loads key start + (j + shift) % BLOCK_M into column j: key i is in column
+    # (i - start - shift) mod BLOCK_M.
+    return ((index % block_m) - lane_shift(index // block_m, block_m)) % block_m % lanes
+
+
+def centroid_logits(encoder, n: int, head_dim: int | None = None) -> tuple[torch.Tensor, int]:
+    """Base-2 logits (H, C, M) of i-clustered 100/32's centroids against the keys of layer 0 (at
+    a multiple of the model's head dim, its first layers' heads side by side, as bench.gpu
+    does: bench.common.real_qkv); TOP."""
+    spec = SPECS["i-clustered"]
+    config = encoder.model.config
+    q, k, _ = real_qkv(encoder, long_text_ids(encoder, n), head_dim or config.head_dim, config.num_heads, torch.float32)
+    query_mask = token_masks(q, q, None)[1]
+    assign = REFERENCE.refine(q, REFERENCE.cluster(REFERENCE.hash(q, spec), query_mask, spec), query_mask, spec)
+    means = cluster_means(q, assign, spec.clusters)
+    return (means @ k.transpose(-1, -2))[0] * q.shape[-1] ** -0.5 * LOG2E, triton.next_power_of_2(spec.topk)
+
+
+def replay(logits: torch.Tensor, top: int, scheme: str) -> dict:
+    """The filter's counts on (H, C, M) logits under a lane scheme."""
+    heads, clusters, m = logits.shape
+    block_m, lanes = max(64, 2 * top), 2 * top
+    lane = lanes_of(m, block_m, lanes, scheme).expand(heads, clusters, m)
+    maxima = torch.full((heads, clusters, lanes), float("-inf")).scatter_reduce(-1, lane, logits, "amax")
+    threshold = maxima.topk(top, dim=-1).values[..., -1]
+    threshold = threshold - THRESHOLD_MARGIN * (threshold.abs() + 1)
+    above = (logits >= threshold[..., None]).sum(-1).float()
+    blocks = triton.cdiv(clusters, TOPK_BLOCK_C)
+    splits, chunk = _splits(m, heads * blocks, block_m)
+    rounds = []
+    for head in range(heads):
+        for first in range(0, clusters, TOPK_BLOCK_C):
+            rows = slice(first, min(clusters, first + TOPK_BLOCK_C))
+            for split in range(splits):
+                floor = threshold[head, rows].clone()
+                kept = torch.full((floor.numel(), top), float("-inf"))
+                count = 0
+                for start in range(split * chunk, min(m, (split + 1) * chunk), block_m):
+                    block = logits[head, rows, start : start + block_m]
+                    live = block >= floor[:, None]
+                    count += int(live.sum(1).max())
+                    candidates = torch.where(live, block, float("-inf"))
+                    kept = torch.cat([kept, candidates], dim=1).topk(top, dim=1).values
+                    floor = torch.maximum(floor, kept[:, -1])  # -inf until a row keeps TOP
+                rounds.append(count)
+    rounds_t = torch.tensor(rounds, dtype=torch.float32)
+    return dict(keys_above_mean=above.mean().item(), keys_above_max=above.max().item(),
+                rounds_mean=rounds_t.mean().item(), rounds_max=rounds_t.max().item())
+
+
+def main() -> None:
+    from models import load_encoder
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="nomic", help="a load_encoder name or folder (default: nomic)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--head-dim", type=int, help="default: the model's (64 for nomic; bench.gpu runs 64)")
+    parser.add_argument("--name", default="topk-filter", help="report: bench/results/NAME.json")
+    parser.add_argument("--lanes", nargs="+", default=["rotated", "mod"], choices=["rotated", "mod"])
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    encoder = load_encoder(args.model, max_input_tokens=max(max(args.lengths), 8192))
+    rows = []
+    for n in args.lengths:
+        logits, top = centroid_logits(encoder, n, args.head_dim)
+        for scheme in args.lanes:
+            rows.append(dict(model=encoder.name, tokens=n, lanes=scheme, top=top, **replay(logits, top, scheme)))
+            print_table(rows[-1:], list(rows[-1]))
+    print()
+    print_table(rows, list(rows[0]))
+    path = write_report(args.name, dict(label="the centroid top-k's filter replayed on the CPU", rows=rows))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

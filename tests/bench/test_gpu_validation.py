@@ -1,0 +1,46 @@
+"""bench.gpu_validation: the profiler tables parse into per-kernel device times, and the committed
+comparison of the cost model with the H100's measurements is what the committed files give
+(regenerate it with `python -m bench.gpu_validation` after regenerating gpu_model.json)."""
+
+import json
+from pathlib import Path
+
+from bench.gpu_validation import LIBRARY, compare, parse_profile
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+MEASURED = RESULTS / "2026-11-26-h100"
+
+def row(name: str, self_cpu: str, self_cuda: str, calls: int) -> str:
+    """A line of torch.profiler's table: its 11 columns, two spaces or more apart."""
+    cells = [name, "0.00%", self_cpu, "0.00%", self_cpu, "0.000us", self_cuda, "0.07%", self_cuda, "1.0us", str(calls)]
+    return "  ".join(cell.rjust(12) for cell in cells)
+
+
+TABLE = "\n".join([
+    "== i-clustered, 4096 tokens ==",
+    "-" * 40,
+    row("Name", "Self CPU", "Self CUDA", 0).replace(" 0", "# of Calls"),
+    row("_hamming_assign_kernel", "0.000us", "260.485us", 11),
+    row("void at::native::vectorized_elementwise_kernel<4, at...", "0.000us", "1.500ms", 1),
+    row("aten::fill_", "10.304us", "2.000us", 2),
+    row("cudaLaunchKernel", "167.675us", "0.000us", 48),
+    "-" * 40,
+])
+
+
+def test_a_profile_table_gives_each_kernels_device_time_and_launches():
+    kernels = parse_profile(TABLE)[("i-clustered", 4096)]
+    # Kernel rows only (no CPU time of their own): not the op that launched them, not the API call.
+    assert kernels == {"_hamming_assign_kernel": (260.485, 11), LIBRARY: (1500.0, 1)}
+
+
+def test_the_committed_comparison_is_what_the_committed_files_give():
+    rows = json.loads(MEASURED.with_name(MEASURED.name + ".json").read_text())
+    profiles = parse_profile(MEASURED.with_name(MEASURED.name + "-profile.txt").read_text())
+    model = json.loads((RESULTS / "gpu_model.json").read_text())
+    fresh = compare(rows, profiles, model)
+    committed = json.loads(MEASURED.with_name(MEASURED.name + "-vs-model.json").read_text())
+    assert {key: committed[key] for key in fresh} == fresh
+    # Every approximate method's call was profiled at the three lengths and found in the model.
+    compared = {(c["method"], c["tokens"]) for c in fresh["calls"] if c["method"] != "full"}
+    assert len(compared) == 15
