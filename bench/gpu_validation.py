@@ -86,10 +86,11 @@ def compare(measured_rows: list[dict], profiles: dict, model: dict) -> dict:
     kernel_rows, call_rows = [], []
     for (method, tokens), kernels in sorted(profiles.items(), key=lambda item: (item[0][1], item[0][0])):
         measured_call = times.get((method, tokens))
-        if method == "full":
-            if measured_call is not None and (calls_at := [c for (_, n), c in calls.items() if n == tokens]):
+        if method == "full":  # exact attention: SDPA measured, FlashAttention-2 modelled
+            exact_ms = next((c["exact_fa2_ms"] for (_, n), c in calls.items() if n == tokens), None)
+            if measured_call is not None and exact_ms is not None:
                 call_rows.append(dict(method=method, tokens=tokens, measured_graph_ms=measured_call["graph_ms"],
-                                      model_ms=calls_at[0]["exact_fa2_ms"], model="FlashAttention-2"))
+                                      model_ms=exact_ms, model="FlashAttention-2"))
             continue
         call = calls.get((MODEL_LABELS.get(method), tokens))
         if call is None:

@@ -13,7 +13,7 @@ of /usr/share/common-licenses under common-licenses/ for machines that lack it.
 
 The default model, nomic-embed-text-v1.5, is 262 MiB in float16: too large to carry. `--shape`
 writes its config, tokenizer and, per weight, its name, shape, mean and standard deviation
-(`weights.json`, 0.1 MiB); `--fill` writes `model.safetensors` there from it, every weight
+(`weights.json`, 20 KiB; with them 0.7 MiB); `--fill` writes `model.safetensors` there from it, every weight
 drawn from a normal distribution with its own tensor's mean and deviation (seeded). The
 result has the default model's architecture, shapes and weight scales, so its time and memory
 are the model's; its vectors are not, and fidelity is measured on the real weights (CPU).
