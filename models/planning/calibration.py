@@ -313,11 +313,15 @@ def find_calibration(model: str, folder: Path | None, device: str, dtype: str = 
     folder (calibration.<device>[-bf16].json), else among the tables shipped with clusterserve
     (models/calibrations/); where neither has one for `dtype`, the float32 table of the same
     device kind: its fidelities hold in another dtype within what a second seed moves a
-    vector, and its times rank configurations by float32's costs (the server logs which
-    dtype it was measured in)."""
+    vector, and its times rank configurations by float32's costs. A device kind with no table
+    (CUDA, where none is shipped) takes the CPU's the same way: its fidelities are the
+    reference's, which the GPU kernels give (tests/gpu), and its times rank by the CPU's costs.
+    The server logs where and in which dtype a table was measured."""
+    devices = (device, "cpu") if device != "cpu" else (device,)
     candidates = []
-    for kind in dict.fromkeys((dtype, "float32")):
-        if folder is not None:
-            candidates.append(folder / f"calibration.{device}{DTYPE_SUFFIXES[kind]}.json")
-        candidates.append(SHIPPED_DIR / table_name(model, device, kind))
+    for kind_of_device in devices:
+        for kind in dict.fromkeys((dtype, "float32")):
+            if folder is not None:
+                candidates.append(folder / f"calibration.{kind_of_device}{DTYPE_SUFFIXES[kind]}.json")
+            candidates.append(SHIPPED_DIR / table_name(model, kind_of_device, kind))
     return next((p for p in candidates if p.is_file()), None)
