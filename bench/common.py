@@ -12,6 +12,8 @@ import os
 import platform
 import resource
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -59,6 +61,17 @@ def long_text_ids(encoder, tokens: int, offset: int = 0, texts: tuple[str, ...] 
     return [first, *prompt, *body, last]
 
 
+@contextmanager
+def eager_layers(encoder) -> Iterator[None]:
+    """Every layer of `encoder` launched eagerly on unpadded batches inside, its CUDA graphs
+    (if any) restored after."""
+    graphs, encoder.graphs = encoder.graphs, None
+    try:
+        yield
+    finally:
+        encoder.graphs = graphs
+
+
 def capture_qkv(encoder, ids: list[int], layer: int = 0) -> tuple[torch.Tensor, ...]:
     """The q, k, v (1, H, N, D) that the default BERT model's `layer` feeds its attention, on
     the encoder's device and in its dtype."""
@@ -78,13 +91,12 @@ def capture_qkv(encoder, ids: list[int], layer: int = 0) -> tuple[torch.Tensor, 
         return hook
 
     handles = [getattr(attn, name).register_forward_hook(keep(name)) for name in ("q", "k", "v")]
-    graphs, encoder.graphs = encoder.graphs, None  # every layer eager: a replayed graph calls no hook
     try:
-        encoder.run([ids], [AttentionSpec(method="full")])
+        with eager_layers(encoder):  # a replayed graph calls no hook
+            encoder.run([ids], [AttentionSpec(method="full")])
     except Stop:
         pass
     finally:
-        encoder.graphs = graphs
         for h in handles:
             h.remove()
     return captured["q"], captured["k"], captured["v"]

@@ -49,7 +49,17 @@ from torch import Tensor
 
 from kernels import AttentionSpec, attention
 
-from .common import RESULTS_DIR, device_name, exact_attention, long_text_ids, peak_memory_during, print_table, real_qkv, rel_err
+from .common import (
+    RESULTS_DIR,
+    device_name,
+    eager_layers,
+    exact_attention,
+    long_text_ids,
+    peak_memory_during,
+    print_table,
+    real_qkv,
+    rel_err,
+)
 from .cpu import SPECS
 
 # The sizes measured; --dry-run swaps in DRY_RUN's.
@@ -221,15 +231,12 @@ def bench_embed(settings: Settings, encoder, n: int, rows: list, profile: list) 
         def call(spec=spec):
             return encoder.embed([ids], spec, max_batch_tokens=n)
 
-        graphs, encoder.graphs = encoder.graphs, None  # eager first: every layer launched
-        try:
+        with eager_layers(encoder):  # eager first: every layer launched
             vector = call()
             ms = median_ms(call, settings.device, settings.e2e_repeats, min(settings.warmup, 1))
             peak = int(peak_memory_during(call))
             if n == settings.profile_length:
                 profile.append(_profile(settings, f"embed {label}, {n} tokens", call))
-        finally:
-            encoder.graphs = graphs
         graph_ms, graph_cosine = _embed_graph_ms(settings, encoder, call, len(ids), vector)
         exact = vector if spec.method == "full" else exact
         row = dict(

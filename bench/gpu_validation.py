@@ -22,16 +22,11 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from .common import RESULTS_DIR, print_table
+from kernels import AttentionSpec
 
-# bench.gpu's method labels -> the cost model's call labels (the same specs).
-MODEL_LABELS = {
-    "clustered": "clustered 100",
-    "i-clustered (paper)": "i-clustered 100/32 (paper)",
-    "i-clustered": "i-clustered 100/32",
-    "smyrf": "smyrf 4x64",
-    "banded": "nomic default",
-}
+from .common import RESULTS_DIR, print_table
+from .cpu import SPECS
+
 HEAD_DIM = 64
 # Kernels measured at under this many µs in all are left out of the spread (timer granularity).
 MIN_US = 5.0
@@ -80,7 +75,8 @@ def model_kernels(call: dict) -> dict[str, tuple[float, int]]:
 
 def compare(measured_rows: list[dict], profiles: dict, model: dict) -> dict:
     """The report: per (method, tokens) profiled, its kernels and its call, measured beside modelled."""
-    calls = {(c["method"], c["seq_len"]): c for c in model["calls"] if c["head_dim"] == HEAD_DIM}
+    # A bench.gpu method's call is the modelled one with the same spec (bench.cpu.SPECS).
+    calls = {(AttentionSpec(**c["spec"]), c["seq_len"]): c for c in model["calls"] if c["head_dim"] == HEAD_DIM}
     times = {(r["method"], r["seq_len"]): r for r in measured_rows
              if r.get("kind", "attention") == "attention" and r["head_dim"] == HEAD_DIM}
     kernel_rows, call_rows = [], []
@@ -92,7 +88,7 @@ def compare(measured_rows: list[dict], profiles: dict, model: dict) -> dict:
                 call_rows.append(dict(method=method, tokens=tokens, measured_graph_ms=measured_call["graph_ms"],
                                       model_ms=exact_ms, model="FlashAttention-2"))
             continue
-        call = calls.get((MODEL_LABELS.get(method), tokens))
+        call = calls.get((SPECS[method], tokens))
         if call is None:
             continue
         estimated = model_kernels(call)
@@ -107,7 +103,7 @@ def compare(measured_rows: list[dict], profiles: dict, model: dict) -> dict:
         call_rows.append(dict(
             method=method, tokens=tokens, measured_device_ms=round(device_us / 1e3, 4),
             model_device_ms=call["device_ms"], measured_graph_ms=measured_call and measured_call["graph_ms"],
-            model_ms=call["est_ms"], model=MODEL_LABELS[method],
+            model_ms=call["est_ms"], model=call["method"],
         ))
     ratios = [r["ratio"] for r in kernel_rows if r["ratio"] and r["measured_us"] >= MIN_US and r["kernel"] != LIBRARY]
     logs = sorted(math.log(r) for r in ratios)

@@ -317,9 +317,8 @@ def find_calibration(model: str, folder: Path | None, device: str, dtype: str = 
     (CUDA, where none is shipped) takes the CPU's the same way: its fidelities are the
     reference's, which the GPU kernels give (tests/gpu), and its times rank by the CPU's costs.
     The server logs where and in which dtype a table was measured."""
-    devices = (device, "cpu") if device != "cpu" else (device,)
     candidates = []
-    for kind_of_device in devices:
+    for kind_of_device in dict.fromkeys((device, "cpu")):
         for kind in dict.fromkeys((dtype, "float32")):
             if folder is not None:
                 candidates.append(folder / f"calibration.{kind_of_device}{DTYPE_SUFFIXES[kind]}.json")

@@ -28,7 +28,7 @@ import os
 import pytest
 import torch
 
-from bench.common import long_text_ids
+from bench.common import eager_layers, long_text_ids
 from bench.cpu import SPECS
 from models.runtime.graphs import CudaGraphs, LayerGraphs
 
@@ -67,11 +67,8 @@ def enc():
 
 def eager(enc, sequences, specs) -> torch.Tensor:
     """The pooled vectors with every layer launched eagerly on the unpadded batch."""
-    graphs, enc.graphs = enc.graphs, None
-    try:
+    with eager_layers(enc):
         return enc.run(sequences, specs)
-    finally:
-        enc.graphs = graphs
 
 
 def close_in_bf16(a: torch.Tensor, b: torch.Tensor) -> bool:
