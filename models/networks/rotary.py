@@ -1,7 +1,8 @@
 """Rotary position embeddings (RoPE, Su et al. 2021, arXiv:2104.09864) for every rotary encoder.
 
 `rotary_tables` builds the (N, D) cos / sin angles for positions 0..n-1 and `apply_rotary`
-rotates (B, H, N, D) queries or keys by them. The frequency schedules checkpoints ship:
+rotates (B, H, N, D) queries or keys by them (on a GPU, packed tokens in one Triton kernel).
+The frequency schedules checkpoints ship:
 
 - "default": theta^(-2i/D);
 - "linear": positions divided by `factor` (equivalently, frequencies);
@@ -82,7 +83,17 @@ def packed_rotary(
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
     """Rotate x: (..., N, D) by the angles of its N positions, cos and sin broadcasting to x's
     shape: (N, D) for (B, H, N, D), or (T, 1, D) for packed (T, H, D). Computed in float32,
-    returned in x's dtype."""
+    returned in x's dtype. Packed CUDA tensors take one Triton kernel (kernels.triton.rotary),
+    bit for bit `apply_rotary_torch`'s result; everything else takes `apply_rotary_torch`."""
+    if x.is_cuda and x.dim() == 3 and cos.dim() == 3:
+        from kernels.triton.rotary import rotary_triton
+
+        return rotary_triton(x, cos, sin, interleaved)
+    return apply_rotary_torch(x, cos, sin, interleaved)
+
+
+def apply_rotary_torch(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
+    """`apply_rotary` in PyTorch element-wise ops: the definition the kernel matches."""
     xf = x.float()
     if interleaved:
         even, odd = xf[..., 0::2], xf[..., 1::2]
