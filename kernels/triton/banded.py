@@ -61,14 +61,23 @@ LOG2E = 1.0 / math.log(2.0)
 
 
 @triton.jit
+def _head(x_ptr, bh, H, stride_b, stride_h):
+    """Where head bh (= batch x H + head) of a (B, H, N, D) tensor starts, by its strides."""
+    return x_ptr + (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+
+
+@triton.jit
 def _pool_kernel(
-    k_ptr, v_ptr, real_ptr, sink_ptr, sreal_ptr, pk_ptr, parts_ptr, pv_ptr, plog_ptr, counted_ptr, N, H, NB, S, SIZE, PLANE,
+    k_ptr, v_ptr, real_ptr, sink_ptr, sreal_ptr, pk_ptr, parts_ptr, pv_ptr, plog_ptr, counted_ptr,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, N, H, NB, S, SIZE, PLANE,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b = bh // H
     t = tl.program_id(1)
+    k_head = _head(k_ptr, bh, H, stride_kb, stride_kh)
+    v_head = _head(v_ptr, bh, H, stride_vb, stride_vh)
     dims = tl.arange(0, BLOCK_D)
     vdims = tl.arange(0, BLOCK_DV)
     slots = tl.arange(0, BLOCK_S)
@@ -86,9 +95,9 @@ def _pool_kernel(
         # the first head's program writes the row's flags (one writer each)
         tl.store(counted_ptr + b * N + rows, counted.to(tl.uint8), mask=row_ok & (bh % H + steps * 0 == 0))
         weight = counted.to(tl.float32)
-        keys = tl.load(k_ptr + (bh * N + rows)[:, None] * D + dims[None, :], mask=row_ok[:, None] & (dims < D)[None, :],
+        keys = tl.load(k_head + rows[:, None] * stride_kn + dims[None, :], mask=row_ok[:, None] & (dims < D)[None, :],
             other=0.0)
-        values = tl.load(v_ptr + (bh * N + rows)[:, None] * DV + vdims[None, :],
+        values = tl.load(v_head + rows[:, None] * stride_vn + vdims[None, :],
             mask=row_ok[:, None] & (vdims < DV)[None, :], other=0.0)
         key_sum += tl.sum(keys.to(tl.float32) * weight[:, None], axis=0)
         value_sum += tl.sum(values.to(tl.float32) * weight[:, None], axis=0)
@@ -108,6 +117,12 @@ def _pool_kernel(
     tl.store(plog_ptr + b * NB + t + slots * 0, log_count, mask=slots + bh % H == 0)  # slot 0 of the first head
 
 
+def unit_rows(x: Tensor) -> Tensor:
+    """x (B, H, N, D) as the kernels read it: by its strides, as long as each row's D values
+    are adjacent (a head's view of packed (T, H, D) tokens is read in place); else a copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def pool(k: Tensor, v: Tensor, key_mask: Tensor, spec: AttentionSpec) -> Pooled:
     """banded.pool as one Triton kernel (one program per head and block): k (B, H, N, D),
     v (B, H, N, Dv) in their dtype, key_mask (B, N) -> Pooled: mean keys in float32, mean values
@@ -117,7 +132,7 @@ def pool(k: Tensor, v: Tensor, key_mask: Tensor, spec: AttentionSpec) -> Pooled:
     dv = v.shape[-1]
     size = spec.block
     blocks = -(-n // size)
-    k, v = k.contiguous(), v.contiguous()
+    k, v = unit_rows(k), unit_rows(v)
     sinks, sink_real = sink_positions(key_mask, spec.sinks)
     keys = k.new_empty(b, h, blocks, d, dtype=torch.float32)
     half = k.dtype != torch.float32
@@ -128,7 +143,8 @@ def pool(k: Tensor, v: Tensor, key_mask: Tensor, spec: AttentionSpec) -> Pooled:
     chosen = key_mask.new_zeros(b, h, blocks, 0, dtype=torch.int64)
     if n:
         _pool_kernel[(b * h, blocks)](
-            k, v, key_mask.contiguous(), sinks, sink_real, keys, parts, values, log_count, counted, n, h, blocks,
+            k, v, key_mask.contiguous(), sinks, sink_real, keys, parts, values, log_count, counted,
+            *k.stride()[:3], *v.stride()[:3], n, h, blocks,
             sinks.shape[1], size, b * h * blocks * d, D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv),
             BLOCK_ROWS=pow2_block(size, high=64), BLOCK_S=pow2_block(sinks.shape[1]),
         )
@@ -144,12 +160,14 @@ def _chosen_hit(chosen_ptr, bh, NB, R, t, blocks, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _key_tile(k_ptr, v_ptr, flag_ptr, bh, b, N, cols, col_ok, dims, vdims, D: tl.constexpr, DV: tl.constexpr):
-    """Keys (D, tile) and values (tile, DV) at positions `cols` of head bh, and (1, tile) which
-    count: in range (col_ok) and flagged in row b of the (B, N) flags (real or counted keys)."""
-    keys = tl.load(k_ptr + (bh * N + cols)[None, :] * D + dims[:, None], mask=col_ok[None, :] & (dims < D)[:, None],
+def _key_tile(k_head, v_head, flag_ptr, b, N, cols, col_ok, dims, vdims, stride_kn, stride_vn,
+              D: tl.constexpr, DV: tl.constexpr):
+    """Keys (D, tile) and values (tile, DV) at positions `cols` of one head (k_head, v_head:
+    where its rows start), and (1, tile) which count: in range (col_ok) and flagged in row b
+    of the (B, N) flags (real or counted keys)."""
+    keys = tl.load(k_head + cols[None, :] * stride_kn + dims[:, None], mask=col_ok[None, :] & (dims < D)[:, None],
                    other=0.0)
-    values = tl.load(v_ptr + (bh * N + cols)[:, None] * DV + vdims[None, :],
+    values = tl.load(v_head + cols[:, None] * stride_vn + vdims[None, :],
                      mask=col_ok[:, None] & (vdims < DV)[None, :], other=0.0)
     ok = ((tl.load(flag_ptr + b * N + cols, mask=col_ok, other=0) != 0) & col_ok)[None, :]
     return keys, values, ok
@@ -158,7 +176,8 @@ def _key_tile(k_ptr, v_ptr, flag_ptr, bh, b, N, cols, col_ok, dims, vdims, D: tl
 @triton.jit
 def _banded_kernel(
     q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, plog_ptr, sink_ptr, sreal_ptr, real_ptr, counted_ptr, chosen_ptr,
-    out_ptr, N, H, NB, S, R, SIZE, BAND, PLANE, scale_log2,
+    out_ptr, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    N, H, NB, S, R, SIZE, BAND, PLANE, scale_log2,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, TILES: tl.constexpr,
     UNIFORM: tl.constexpr, UPCAST: tl.constexpr,
@@ -171,7 +190,10 @@ def _banded_kernel(
     row_ok = rows < N
     dims = tl.arange(0, BLOCK_D)
     vdims = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + (bh * N + rows)[:, None] * D + dims[None, :], mask=row_ok[:, None] & (dims < D)[None, :], other=0.0)
+    k_head = _head(k_ptr, bh, H, stride_kb, stride_kh)
+    v_head = _head(v_ptr, bh, H, stride_vb, stride_vh)
+    q = tl.load(_head(q_ptr, bh, H, stride_qb, stride_qh) + rows[:, None] * stride_qn + dims[None, :],
+                mask=row_ok[:, None] & (dims < D)[None, :], other=0.0)
     t_row = tl.minimum(rows, N - 1) // SIZE  # each row's block (all one block when UNIFORM)
     lo_row = tl.maximum(t_row - BAND, 0) * SIZE
     hi_row = tl.minimum((t_row + BAND + 1) * SIZE, N)
@@ -186,7 +208,8 @@ def _banded_kernel(
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        keys, values, ok = _key_tile(k_ptr, v_ptr, real_ptr, bh, b, N, cols, col_ok, dims, vdims, D, DV)
+        keys, values, ok = _key_tile(k_head, v_head, real_ptr, b, N, cols, col_ok, dims, vdims, stride_kn, stride_vn,
+                                     D, DV)
         if not UNIFORM:
             ok = ok & (cols[None, :] >= lo_row[:, None]) & (cols[None, :] < hi_row[:, None])
         dots = tl.where(ok, mma(q, keys, UPCAST), float("-inf"))
@@ -197,8 +220,9 @@ def _banded_kernel(
     slot_ok = slots < S
     pos = tl.load(sink_ptr + b * S + slots, mask=slot_ok, other=0)
     s_real = (tl.load(sreal_ptr + b * S + slots, mask=slot_ok, other=0) != 0) & slot_ok
-    s_keys = tl.load(k_ptr + (bh * N + pos)[None, :] * D + dims[:, None], mask=s_real[None, :] & (dims < D)[:, None], other=0.0)
-    s_values = tl.load(v_ptr + (bh * N + pos)[:, None] * DV + vdims[None, :],
+    s_keys = tl.load(k_head + pos[None, :] * stride_kn + dims[:, None], mask=s_real[None, :] & (dims < D)[:, None],
+                     other=0.0)
+    s_values = tl.load(v_head + pos[:, None] * stride_vn + vdims[None, :],
         mask=s_real[:, None] & (vdims < DV)[None, :], other=0.0)
     s_far = tl.abs((pos // SIZE)[None, :] - t_row[:, None]) > BAND
     s_dots = tl.where(s_far & s_real[None, :], mma(q, s_keys, UPCAST), float("-inf"))
@@ -220,7 +244,8 @@ def _banded_kernel(
         cols = tl.maximum(blk, 0) * SIZE + start + steps
         width = tl.where(blk >= 0, SIZE, 0)  # -1: no block chosen in this slot
         col_ok = (start + steps < width) & (cols < N)
-        keys, values, ok = _key_tile(k_ptr, v_ptr, counted_ptr, bh, b, N, cols, col_ok, dims, vdims, D, DV)
+        keys, values, ok = _key_tile(k_head, v_head, counted_ptr, b, N, cols, col_ok, dims, vdims, stride_kn,
+                                     stride_vn, D, DV)
         if not UNIFORM:
             ok = ok & (t_row == t)[:, None]
         dots = tl.where(ok, mma(q, keys, UPCAST), float("-inf"))
@@ -270,7 +295,7 @@ def attend(
     b, h, n, d = q.shape
     dv = v.shape[-1]
     blocks = pooled.keys.shape[2]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = unit_rows(q), unit_rows(k), unit_rows(v)
     chosen = pooled.chosen.contiguous()
     keys, plane = _mean_keys(pooled, q.dtype)
     if pooled.values.dtype != v.dtype:
@@ -283,8 +308,8 @@ def attend(
     grid = (b * h, triton.cdiv(n, block_m))
     _banded_kernel[grid](
         q, k, v, keys, pooled.values, pooled.log_count, pooled.sinks, pooled.sink_real, key_mask.contiguous(),
-        pooled.counted, chosen, out, n, h, blocks, pooled.sinks.shape[1], chosen.shape[-1], spec.block,
-        min(spec.band, blocks), plane, scale * LOG2E,
+        pooled.counted, chosen, out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        n, h, blocks, pooled.sinks.shape[1], chosen.shape[-1], spec.block, min(spec.band, blocks), plane, scale * LOG2E,
         D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_S=pow2_block(pooled.sinks.shape[1]), BLOCK_R=pow2_block(chosen.shape[-1]), TILES=triton.cdiv(spec.block, block_n),
         UNIFORM=spec.block % block_m == 0, UPCAST=upcast(q), num_stages=2,
@@ -314,11 +339,13 @@ def query_tile(block: int, interpreted: bool) -> int:
 
 @triton.jit
 def _choice_scores_kernel(
-    q_ptr, pk_ptr, plog_ptr, real_ptr, out_ptr, N, H, NB, SIZE, BAND, PLANE, PER, scale,
+    q_ptr, pk_ptr, plog_ptr, real_ptr, out_ptr, stride_qb, stride_qh, stride_qn, N, H, NB, SIZE, BAND, PLANE, PER,
+    scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b = bh // H
+    q_head = _head(q_ptr, bh, H, stride_qb, stride_qh)
     dims = tl.arange(0, BLOCK_D)
     steps = tl.arange(0, BLOCK_M)
     half: tl.constexpr = pk_ptr.dtype.element_ty != tl.float32  # the mean keys' half parts, split by the pool
@@ -339,7 +366,7 @@ def _choice_scores_kernel(
                 rows = t * SIZE + first + steps
                 row_ok = (first + steps < SIZE) & (rows < N)
                 real = (tl.load(real_ptr + b * N + rows, mask=row_ok, other=0) != 0) & row_ok
-                q = tl.load(q_ptr + (bh * N + rows)[None, :] * D + dims[:, None],
+                q = tl.load(q_head + rows[None, :] * stride_qn + dims[:, None],
                     mask=row_ok[None, :] & (dims < D)[:, None], other=0.0)
                 if half:
                     dots = dot_parts_left(parts, q, UPCAST)
@@ -356,13 +383,13 @@ def choice_scores(q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSp
     bfloat16 with the pool's key_parts -> (B, H, NB, NB) float32."""
     b, h, n, d = q.shape
     blocks = pooled.keys.shape[2]
-    q = q.contiguous()
+    q = unit_rows(q)
     keys, plane = _mean_keys(pooled, q.dtype)
     out = torch.empty(b, h, blocks, blocks, dtype=torch.float32, device=q.device)
     block_n = 16 if q.device.type == "cpu" else 64
     programs, per = chunking(blocks, h, 1)
     _choice_scores_kernel[(b * h, programs)](
-        q, keys, pooled.log_count.contiguous(), key_mask.contiguous(), out, n, h, blocks,
+        q, keys, pooled.log_count.contiguous(), key_mask.contiguous(), out, *q.stride()[:3], n, h, blocks,
         spec.block, min(spec.band, blocks - 1), plane, per, scale,
         D=d, BLOCK_D=pow2_block(d), BLOCK_M=pow2_block(spec.block, high=block_n), BLOCK_N=block_n, UPCAST=upcast(q),
     )
@@ -412,6 +439,4 @@ def select(q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, sca
     return pooled._replace(chosen=chosen)
 
 
-TRITON = BandedStages(
-    name="triton", compute=lambda dtype: dtype, pool=pool, attend=attend, contiguous=True, select=select
-)
+TRITON = BandedStages(name="triton", compute=lambda dtype: dtype, pool=pool, attend=attend, select=select)

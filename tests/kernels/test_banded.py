@@ -135,6 +135,25 @@ def test_triton_matches_reference(n, block, band, sinks, far, lengths, dtype):
     assert torch.allclose(out.float(), expected.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_reads_packed_heads_in_place(dtype, monkeypatch):
+    """q, k, v as the encoders pass them, heads of (B, N, H, D) tokens (rows H x D apart): the
+    result of contiguous copies bit for bit, and no copy made."""
+    n, h = 70, 2
+    q, k, v = (t.transpose(1, 2) for t in qkv(b=2, h=n, n=h, d=16, dtype=dtype, seed=5))  # (B, N, H, D) -> (B, H, N, D)
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    mask = padding_mask(2, n, [70, 50])
+    spec = banded(1, 8, sinks=3, far_blocks=2)
+    expected = attention(q.contiguous(), k.contiguous(), v.contiguous(), spec, mask, backend="triton")
+    copies = []
+    original = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous",
+                        lambda x, *a, **kw: copies.append(x.is_contiguous()) or original(x, *a, **kw))
+    out = attention(q, k, v, spec, mask, backend="triton")
+    assert torch.equal(out, expected)
+    assert False not in copies  # only tensors already contiguous were asked to be
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n, block, band, lengths", [(37, 8, 0, [37, 22]), (70, 32, 1, [70, 50]), (25, 4, 2, [25, 3])])
 def test_triton_choice_scores_match_the_reference(n, block, band, lengths, dtype):
