@@ -1,6 +1,7 @@
 """The Triton backend of banded attention (banded.py): every stage as Triton kernels, the sink
 positions aside (a few PyTorch ops on the (B, N) mask). No atomics; every output element has
-one writer.
+one writer. q, k and v are read by their strides (rows of unit stride), so an encoder's heads,
+views of its packed tokens, are not copied.
 
     pool     _pool_kernel: one program per (batch x head, block): the mean key (float32, and for
              half-precision inputs its split_parts, so no later kernel splits it again), the
