@@ -178,7 +178,7 @@ def _key_tile(k_head, v_head, flag_ptr, b, N, cols, col_ok, dims, vdims, stride_
 def _banded_kernel(
     q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, plog_ptr, sink_ptr, sreal_ptr, real_ptr, counted_ptr, chosen_ptr,
     out_ptr, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    N, H, NB, S, R, SIZE, BAND, PLANE, scale_log2,
+    stride_ob, stride_oh, stride_on, N, H, NB, S, R, SIZE, BAND, PLANE, scale_log2,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, TILES: tl.constexpr,
     UNIFORM: tl.constexpr, UPCAST: tl.constexpr,
@@ -282,7 +282,8 @@ def _banded_kernel(
     own = tl.load(real_ptr + b * N + rows, mask=row_ok, other=0) != 0
     o = tl.where((own & (row_sum > 0))[:, None], acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None], 0.0)
     tl.store(
-        out_ptr + (bh * N + rows)[:, None] * DV + vdims[None, :], rounded(o, out_ptr.dtype.element_ty),
+        _head(out_ptr, bh, H, stride_ob, stride_oh) + rows[:, None] * stride_on + vdims[None, :],
+        rounded(o, out_ptr.dtype.element_ty),
         mask=row_ok[:, None] & (vdims < DV)[None, :],
     )
 
@@ -292,7 +293,7 @@ def attend(
     dtype: torch.dtype,
 ) -> Tensor:
     """banded.attend as one Triton kernel: (B, H, N, D) float32, float16 or bfloat16 ->
-    (B, H, N, Dv) in dtype, padded queries 0."""
+    (B, H, N, Dv) in dtype, padded queries 0: a view of token-major (B, N, H, Dv) memory."""
     b, h, n, d = q.shape
     dv = v.shape[-1]
     blocks = pooled.keys.shape[2]
@@ -301,7 +302,9 @@ def attend(
     keys, plane = _mean_keys(pooled, q.dtype)
     if pooled.values.dtype != v.dtype:
         raise ValueError(f"attend needs the Triton pool's mean values, in {v.dtype}")
-    out = torch.empty(b, h, n, dv, dtype=q.dtype, device=q.device)
+    # (B, N, H, Dv) memory seen as (B, H, N, Dv): the token-major layout an encoder packs its
+    # heads back into, so that the result is a view there, not a copy.
+    out = torch.empty(b, n, h, dv, dtype=q.dtype, device=q.device).transpose(1, 2)
     if n == 0:
         return out.to(dtype)
     block_m = query_tile(spec.block, q.device.type == "cpu")
@@ -309,7 +312,7 @@ def attend(
     grid = (b * h, triton.cdiv(n, block_m))
     _banded_kernel[grid](
         q, k, v, keys, pooled.values, pooled.log_count, pooled.sinks, pooled.sink_real, key_mask.contiguous(),
-        pooled.counted, chosen, out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        pooled.counted, chosen, out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         n, h, blocks, pooled.sinks.shape[1], chosen.shape[-1], spec.block, min(spec.band, blocks), plane, scale * LOG2E,
         D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_S=pow2_block(pooled.sinks.shape[1]), BLOCK_R=pow2_block(chosen.shape[-1]), TILES=triton.cdiv(spec.block, block_n),

@@ -138,7 +138,7 @@ def test_triton_matches_reference(n, block, band, sinks, far, lengths, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_reads_packed_heads_in_place(dtype, monkeypatch):
     """q, k, v as the encoders pass them, heads of (B, N, H, D) tokens (rows H x D apart): the
-    result of contiguous copies bit for bit, and no copy made."""
+    result of contiguous copies bit for bit, no copy made, and the output token-major too."""
     n, h = 70, 2
     q, k, v = (t.transpose(1, 2) for t in qkv(b=2, h=n, n=h, d=16, dtype=dtype, seed=5))  # (B, N, H, D) -> (B, H, N, D)
     assert not q.is_contiguous() and q.stride(-1) == 1
@@ -152,6 +152,7 @@ def test_triton_reads_packed_heads_in_place(dtype, monkeypatch):
     out = attention(q, k, v, spec, mask, backend="triton")
     assert torch.equal(out, expected)
     assert False not in copies  # only tensors already contiguous were asked to be
+    assert out.transpose(1, 2).is_contiguous()  # token-major: the encoder packs it back without a copy
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
