@@ -55,10 +55,13 @@ L2_BYTES = 50e6  # H100 SXM5 datasheet: 50 MB of L2
 SM_BYTES_PER_CLK = 64  # modelled: what one SM moves to and from L2 a clock (a grid under 132 programs)
 HBM_LATENCY = 600  # cycles, a load served by HBM (an L2 hit: warp_cost.LATENCY["global"])
 LAUNCH_US = 2.0  # modelled: one kernel boundary on the device (drain + fill), in a CUDA graph or not
-# Host time (modelled, Python included): a Triton launch through its Python launcher (binding,
-# specialisation key, cache look-up, cuLaunchKernel); a torch op through ATen's dispatch; a
-# tensor from the caching allocator; one replay of a captured CUDA graph.
-HOST_TRITON_LAUNCH_US = 12.0
+# Host time (Python included): a Triton launch through its Python launcher (binding,
+# specialisation key, cache look-up, cuLaunchKernel) and the attention() call's own Python around
+# its launches, both fitted to the H100's eager calls at 4k (bench/results/2026-11-26-h100.json:
+# five methods, 4 to 46 launches, host-bound, within 2%); a torch op through ATen's dispatch, a
+# tensor from the caching allocator and one replay of a captured CUDA graph, modelled.
+HOST_TRITON_LAUNCH_US = 31.0
+HOST_CALL_US = 220.0
 HOST_TORCH_OP_US = 6.0
 HOST_ALLOCATION_US = 3.0
 HOST_GRAPH_REPLAY_US = 10.0
@@ -311,7 +314,7 @@ def library_kernels(name: str, read: int, written: int, shapes: list) -> list[tu
 
 def host_us(launches: int, torch_kernels: int, allocations: int, syncs: int) -> float:
     """The host's time for one call issued op by op (no CUDA graph)."""
-    return (launches * HOST_TRITON_LAUNCH_US + torch_kernels * HOST_TORCH_OP_US + allocations * HOST_ALLOCATION_US
+    return (HOST_CALL_US + launches * HOST_TRITON_LAUNCH_US + torch_kernels * HOST_TORCH_OP_US + allocations * HOST_ALLOCATION_US
             + syncs * HOST_SYNC_US)
 
 
@@ -423,7 +426,8 @@ def build_report(labels: list[str], lengths: list[int], head_dims: list[int]) ->
                 dtype="bfloat16", constants=dict(
                     sms=SMS, clock_hz=warp_cost.CLOCK_HZ, hbm_bytes_per_s=HBM_BYTES_PER_S,
                     l2_bytes_per_s=L2_BYTES_PER_S, l2_bytes=L2_BYTES, sm_bytes_per_clk=SM_BYTES_PER_CLK,
-                    hbm_latency_cycles=HBM_LATENCY, launch_us=LAUNCH_US, host_triton_launch_us=HOST_TRITON_LAUNCH_US,
+                    hbm_latency_cycles=HBM_LATENCY, launch_us=LAUNCH_US, host_call_us=HOST_CALL_US,
+                    host_triton_launch_us=HOST_TRITON_LAUNCH_US,
                     host_torch_op_us=HOST_TORCH_OP_US, host_allocation_us=HOST_ALLOCATION_US,
                     host_graph_replay_us=HOST_GRAPH_REPLAY_US, host_sync_us=HOST_SYNC_US,
                     latency_cycles=warp_cost.LATENCY, exact_tflops=FA_TFLOPS),
