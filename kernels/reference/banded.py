@@ -56,7 +56,9 @@ class Pooled(NamedTuple):
     the keys a pooled block stands for (real, not sinks); chosen (B, H, NB, R) int64: the far
     blocks each query block attends exactly, ascending, -1 for none (R = 0 before `select`);
     key_parts: a backend's own form of the mean keys (the Triton pool's split into half parts,
-    kernels/triton/helpers.py), None where it has none."""
+    kernels/triton/helpers.py), None where it has none; key_bias: a backend's additive masks,
+    (2, B, N) float32 0 where a key is real (row 0) or counted (row 1), else -inf (the Triton
+    pool's), None where it has none."""
 
     keys: Tensor
     values: Tensor
@@ -66,6 +68,7 @@ class Pooled(NamedTuple):
     counted: Tensor
     chosen: Tensor
     key_parts: Tensor | None = None
+    key_bias: Tensor | None = None
 
 
 def sink_positions(key_mask: Tensor, sinks: int) -> tuple[Tensor, Tensor]:

@@ -69,8 +69,8 @@ def _head(x_ptr, bh, H, stride_b, stride_h):
 
 @triton.jit
 def _pool_kernel(
-    k_ptr, v_ptr, real_ptr, sink_ptr, sreal_ptr, pk_ptr, parts_ptr, pv_ptr, plog_ptr, counted_ptr,
-    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, N, H, NB, S, SIZE, PLANE,
+    k_ptr, v_ptr, real_ptr, sink_ptr, sreal_ptr, pk_ptr, parts_ptr, pv_ptr, plog_ptr, counted_ptr, bias_ptr,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, N, H, NB, S, SIZE, PLANE, PLANE_N,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
@@ -92,9 +92,13 @@ def _pool_kernel(
         rows = t * SIZE + start + steps
         row_ok = (start + steps < SIZE) & (rows < N)
         sink = tl.max((rows[:, None] == pos[None, :]).to(tl.int32), axis=1) > 0
-        counted = (tl.load(real_ptr + b * N + rows, mask=row_ok, other=0) != 0) & row_ok & ~sink
-        # the first head's program writes the row's flags (one writer each)
-        tl.store(counted_ptr + b * N + rows, counted.to(tl.uint8), mask=row_ok & (bh % H + steps * 0 == 0))
+        real = (tl.load(real_ptr + b * N + rows, mask=row_ok, other=0) != 0) & row_ok
+        counted = real & ~sink
+        # the first head's program writes the row's flags and additive masks (one writer each)
+        first_head = row_ok & (bh % H + steps * 0 == 0)
+        tl.store(counted_ptr + b * N + rows, counted.to(tl.uint8), mask=first_head)
+        tl.store(bias_ptr + b * N + rows, tl.where(real, 0.0, float("-inf")), mask=first_head)
+        tl.store(bias_ptr + PLANE_N + b * N + rows, tl.where(counted, 0.0, float("-inf")), mask=first_head)
         weight = counted.to(tl.float32)
         keys = tl.load(k_head + rows[:, None] * stride_kn + dims[None, :], mask=row_ok[:, None] & (dims < D)[None, :],
             other=0.0)
@@ -141,15 +145,16 @@ def pool(k: Tensor, v: Tensor, key_mask: Tensor, spec: AttentionSpec) -> Pooled:
     values = v.new_empty(b, h, blocks, dv)
     log_count = k.new_empty(b, blocks, dtype=torch.float32)
     counted = key_mask.new_empty(b, n, dtype=torch.uint8)
+    bias = key_mask.new_empty(2, b, n, dtype=torch.float32)
     chosen = key_mask.new_zeros(b, h, blocks, 0, dtype=torch.int64)
     if n:
         _pool_kernel[(b * h, blocks)](
-            k, v, key_mask.contiguous(), sinks, sink_real, keys, parts, values, log_count, counted,
+            k, v, key_mask.contiguous(), sinks, sink_real, keys, parts, values, log_count, counted, bias,
             *k.stride()[:3], *v.stride()[:3], n, h, blocks,
-            sinks.shape[1], size, b * h * blocks * d, D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv),
+            sinks.shape[1], size, b * h * blocks * d, b * n, D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv),
             BLOCK_ROWS=pow2_block(size, high=64), BLOCK_S=pow2_block(sinks.shape[1]),
         )
-    return Pooled(keys, values, log_count, sinks, sink_real, counted, chosen, parts if half else None)
+    return Pooled(keys, values, log_count, sinks, sink_real, counted, chosen, parts if half else None, bias)
 
 
 @triton.jit
@@ -161,24 +166,25 @@ def _chosen_hit(chosen_ptr, bh, NB, R, t, blocks, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _key_tile(k_head, v_head, flag_ptr, b, N, cols, col_ok, dims, vdims, stride_kn, stride_vn,
+def _key_tile(k_head, v_head, bias_row, cols, col_ok, dims, vdims, stride_kn, stride_vn,
               D: tl.constexpr, DV: tl.constexpr):
     """Keys (D, tile) and values (tile, DV) at positions `cols` of one head (k_head, v_head:
-    where its rows start), and (1, tile) which count: in range (col_ok) and flagged in row b
-    of the (B, N) flags (real or counted keys)."""
+    where its rows start), and (1, tile) additive masks from a (N,) row of the pool's key_bias
+    (0 where a key counts, -inf where it does not or is out of range, col_ok): added to the
+    logits, they mask as a select would, bit for bit, in one add."""
     keys = tl.load(k_head + cols[None, :] * stride_kn + dims[:, None], mask=col_ok[None, :] & (dims < D)[:, None],
                    other=0.0)
     values = tl.load(v_head + cols[:, None] * stride_vn + vdims[None, :],
                      mask=col_ok[:, None] & (vdims < DV)[None, :], other=0.0)
-    ok = ((tl.load(flag_ptr + b * N + cols, mask=col_ok, other=0) != 0) & col_ok)[None, :]
-    return keys, values, ok
+    bias = tl.load(bias_row + cols, mask=col_ok, other=float("-inf"))[None, :]
+    return keys, values, bias
 
 
 @triton.jit
 def _banded_kernel(
-    q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, plog_ptr, sink_ptr, sreal_ptr, real_ptr, counted_ptr, chosen_ptr,
+    q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, plog_ptr, sink_ptr, sreal_ptr, real_ptr, bias_ptr, chosen_ptr,
     out_ptr, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_on, N, H, NB, S, R, SIZE, BAND, PLANE, scale_log2,
+    stride_ob, stride_oh, stride_on, N, H, NB, S, R, SIZE, BAND, PLANE, PLANE_N, scale_log2,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, TILES: tl.constexpr,
     UNIFORM: tl.constexpr, UPCAST: tl.constexpr,
@@ -209,11 +215,12 @@ def _banded_kernel(
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        keys, values, ok = _key_tile(k_head, v_head, real_ptr, b, N, cols, col_ok, dims, vdims, stride_kn, stride_vn,
-                                     D, DV)
+        keys, values, bias = _key_tile(k_head, v_head, bias_ptr + b * N, cols, col_ok, dims, vdims, stride_kn,
+                                       stride_vn, D, DV)
+        dots = mma(q, keys, UPCAST) + bias
         if not UNIFORM:
-            ok = ok & (cols[None, :] >= lo_row[:, None]) & (cols[None, :] < hi_row[:, None])
-        dots = tl.where(ok, mma(q, keys, UPCAST), float("-inf"))
+            own = (cols[None, :] >= lo_row[:, None]) & (cols[None, :] < hi_row[:, None])
+            dots = tl.where(own, dots, float("-inf"))
         acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, dots, values, False, UPCAST, scale_log2)
 
     # The sinks outside each row's band.
@@ -245,11 +252,11 @@ def _banded_kernel(
         cols = tl.maximum(blk, 0) * SIZE + start + steps
         width = tl.where(blk >= 0, SIZE, 0)  # -1: no block chosen in this slot
         col_ok = (start + steps < width) & (cols < N)
-        keys, values, ok = _key_tile(k_head, v_head, counted_ptr, b, N, cols, col_ok, dims, vdims, stride_kn,
-                                     stride_vn, D, DV)
+        keys, values, bias = _key_tile(k_head, v_head, bias_ptr + PLANE_N + b * N, cols, col_ok, dims, vdims,
+                                       stride_kn, stride_vn, D, DV)
+        dots = mma(q, keys, UPCAST) + bias
         if not UNIFORM:
-            ok = ok & (t_row == t)[:, None]
-        dots = tl.where(ok, mma(q, keys, UPCAST), float("-inf"))
+            dots = tl.where((t_row == t)[:, None], dots, float("-inf"))
         acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, dots, values, False, UPCAST, scale_log2)
 
     # The pooled blocks outside each row's band and not chosen for it, logits raised by log count.
@@ -312,13 +319,21 @@ def attend(
     grid = (b * h, triton.cdiv(n, block_m))
     _banded_kernel[grid](
         q, k, v, keys, pooled.values, pooled.log_count, pooled.sinks, pooled.sink_real, key_mask.contiguous(),
-        pooled.counted, chosen, out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        n, h, blocks, pooled.sinks.shape[1], chosen.shape[-1], spec.block, min(spec.band, blocks), plane, scale * LOG2E,
+        _key_bias(pooled), chosen, out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        n, h, blocks, pooled.sinks.shape[1], chosen.shape[-1], spec.block, min(spec.band, blocks), plane, b * n,
+        scale * LOG2E,
         D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_S=pow2_block(pooled.sinks.shape[1]), BLOCK_R=pow2_block(chosen.shape[-1]), TILES=triton.cdiv(spec.block, block_n),
         UNIFORM=spec.block % block_m == 0, UPCAST=upcast(q), num_stages=2,
     )
     return out.to(dtype)
+
+
+def _key_bias(pooled: Pooled) -> Tensor:
+    """The Triton pool's additive key masks (Pooled.key_bias)."""
+    if pooled.key_bias is None:
+        raise ValueError("attend needs the Triton pool's additive key masks")
+    return pooled.key_bias
 
 
 def _mean_keys(pooled: Pooled, dtype: torch.dtype) -> tuple[Tensor, int]:
