@@ -58,7 +58,10 @@ class Pooled(NamedTuple):
     key_parts: a backend's own form of the mean keys (the Triton pool's split into half parts,
     kernels/triton/helpers.py), None where it has none; key_bias: a backend's additive masks,
     (2, B, N) float32 0 where a key is real (row 0) or counted (row 1), else -inf (the Triton
-    pool's), None where it has none."""
+    pool's), None where it has none; far_bias (B, H, NB, NB) float32: a backend's pooled field
+    per query block, each block's log count in its logits' units where the query block pools it
+    (outside the band, counted, not chosen), else -inf (the Triton select's), None where it has
+    none."""
 
     keys: Tensor
     values: Tensor
@@ -69,6 +72,7 @@ class Pooled(NamedTuple):
     chosen: Tensor
     key_parts: Tensor | None = None
     key_bias: Tensor | None = None
+    far_bias: Tensor | None = None
 
 
 def sink_positions(key_mask: Tensor, sinks: int) -> tuple[Tensor, Tensor]:

@@ -181,13 +181,19 @@ def _key_tile(k_head, v_head, bias_row, cols, col_ok, dims, vdims, stride_kn, st
 
 
 @triton.jit
+def _log_count_units(scale_log2):
+    """What a log count is worth in the logits' units (they are scaled by scale_log2 later)."""
+    return 1.4426950408889634 / scale_log2
+
+
+@triton.jit
 def _banded_kernel(
-    q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, plog_ptr, sink_ptr, sreal_ptr, real_ptr, bias_ptr, chosen_ptr,
+    q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, plog_ptr, sink_ptr, sreal_ptr, real_ptr, bias_ptr, chosen_ptr, far_ptr,
     out_ptr, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, N, H, NB, S, R, SIZE, BAND, PLANE, PLANE_N, scale_log2,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, TILES: tl.constexpr,
-    UNIFORM: tl.constexpr, UPCAST: tl.constexpr,
+    UNIFORM: tl.constexpr, FAR_BIAS: tl.constexpr, UPCAST: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b = bh // H
@@ -272,18 +278,21 @@ def _banded_kernel(
             dots = mma(q, keys, UPCAST)
         values = tl.load(pv_ptr + (bh * NB + blocks)[:, None] * DV + vdims[None, :],
             mask=blk_ok[:, None] & (vdims < DV)[None, :], other=0.0)
-        log_count = tl.load(plog_ptr + b * NB + blocks, mask=blk_ok, other=float("-inf"))  # -inf: no counted key
-        counted = log_count > float("-inf")
-        if UNIFORM:
-            ok = (counted & (tl.abs(blocks - t_first) > BAND)
-                  & ~_chosen_hit(chosen_ptr, bh, NB, R, t_first, blocks, BLOCK_R))[None, :]
+        if FAR_BIAS:  # the select's row for this query block: the pooled blocks' log counts, else -inf
+            dots = dots + tl.load(far_ptr + (bh * NB + t_first) * NB + blocks, mask=blk_ok, other=float("-inf"))[None, :]
         else:
-            ok = counted[None, :] & (tl.abs(blocks[None, :] - t_row[:, None]) > BAND)
-            for t in range(t_first, last // SIZE + 1):
-                hit = _chosen_hit(chosen_ptr, bh, NB, R, t, blocks, BLOCK_R)
-                ok = ok & ~((t_row == t)[:, None] & hit[None, :])
-        bias = log_count * (1.4426950408889634 / scale_log2)  # log count, in the dots' units
-        dots = tl.where(ok, dots + bias[None, :], float("-inf"))
+            log_count = tl.load(plog_ptr + b * NB + blocks, mask=blk_ok, other=float("-inf"))  # -inf: no counted key
+            counted = log_count > float("-inf")
+            if UNIFORM:
+                ok = (counted & (tl.abs(blocks - t_first) > BAND)
+                      & ~_chosen_hit(chosen_ptr, bh, NB, R, t_first, blocks, BLOCK_R))[None, :]
+            else:
+                ok = counted[None, :] & (tl.abs(blocks[None, :] - t_row[:, None]) > BAND)
+                for t in range(t_first, last // SIZE + 1):
+                    hit = _chosen_hit(chosen_ptr, bh, NB, R, t, blocks, BLOCK_R)
+                    ok = ok & ~((t_row == t)[:, None] & hit[None, :])
+            bias = log_count * _log_count_units(scale_log2)
+            dots = tl.where(ok, dots + bias[None, :], float("-inf"))
         acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, dots, values, False, UPCAST, scale_log2)
 
     own = tl.load(real_ptr + b * N + rows, mask=row_ok, other=0) != 0
@@ -317,14 +326,16 @@ def attend(
     block_m = query_tile(spec.block, q.device.type == "cpu")
     block_n = 16 if q.device.type == "cpu" else 64
     grid = (b * h, triton.cdiv(n, block_m))
+    uniform = spec.block % block_m == 0
+    far_bias = pooled.far_bias if pooled.far_bias is not None else pooled.log_count  # read only with FAR_BIAS
     _banded_kernel[grid](
         q, k, v, keys, pooled.values, pooled.log_count, pooled.sinks, pooled.sink_real, key_mask.contiguous(),
-        _key_bias(pooled), chosen, out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        _key_bias(pooled), chosen, far_bias, out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         n, h, blocks, pooled.sinks.shape[1], chosen.shape[-1], spec.block, min(spec.band, blocks), plane, b * n,
         scale * LOG2E,
         D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_S=pow2_block(pooled.sinks.shape[1]), BLOCK_R=pow2_block(chosen.shape[-1]), TILES=triton.cdiv(spec.block, block_n),
-        UNIFORM=spec.block % block_m == 0, UPCAST=upcast(q), num_stages=2,
+        UNIFORM=uniform, FAR_BIAS=uniform and pooled.far_bias is not None, UPCAST=upcast(q), num_stages=2,
     )
     return out.to(dtype)
 
@@ -416,12 +427,19 @@ def choice_scores(q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSp
 
 
 @triton.jit
-def _top_blocks_kernel(score_ptr, chosen_ptr, NB, R, BLOCK_NB: tl.constexpr, BLOCK_R: tl.constexpr):
+def _top_blocks_kernel(score_ptr, chosen_ptr, plog_ptr, NB, R, H, scale_log2,
+                       BLOCK_NB: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Query block t's far blocks (chosen), and in place of its row of scores the pooled field
+    attend adds to its logits: a block's log count (in the logits' units) where the block has
+    a finite score (outside the band, counted; the query block has a real query) and is not
+    chosen, else -inf. Each program reads and writes its own row only."""
     bh = tl.program_id(0)
     t = tl.program_id(1)
     ids = tl.arange(0, BLOCK_NB)
     slots = tl.arange(0, BLOCK_R)
-    score = tl.load(score_ptr + (bh * NB + t) * NB + ids, mask=ids < NB, other=float("-inf"))
+    row = score_ptr + (bh * NB + t) * NB + ids
+    score = tl.load(row, mask=ids < NB, other=float("-inf"))
+    far = score > float("-inf")
     hit = ids < 0
     for _ in range(0, R):  # the highest finite score left, the lowest id among equals
         best = tl.max(score, axis=0)
@@ -435,6 +453,8 @@ def _top_blocks_kernel(score_ptr, chosen_ptr, NB, R, BLOCK_NB: tl.constexpr, BLO
     at = (place[None, :] == slots[:, None]) & hit[None, :]
     picked = tl.sum(tl.where(at, ids[None, :] + 1, 0), axis=1) - 1
     tl.store(chosen_ptr + (bh * NB + t) * R + slots, picked.to(tl.int64), mask=slots < R)
+    log_count = tl.load(plog_ptr + (bh // H) * NB + ids, mask=ids < NB, other=float("-inf"))
+    tl.store(row, tl.where(far & ~hit, log_count * _log_count_units(scale_log2), float("-inf")), mask=ids < NB)
 
 
 # The top-k kernel holds a row of scores in registers: longer rows take torch's topk.
@@ -454,8 +474,9 @@ def select(q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, sca
     score = choice_scores(q, pooled, key_mask, spec, scale)
     b, h = score.shape[:2]
     chosen = torch.empty(b, h, blocks, r, dtype=torch.int64, device=q.device)
-    _top_blocks_kernel[(b * h, blocks)](score, chosen, blocks, r, BLOCK_NB=pow2_block(blocks), BLOCK_R=pow2_block(r))
-    return pooled._replace(chosen=chosen)
+    _top_blocks_kernel[(b * h, blocks)](score, chosen, pooled.log_count, blocks, r, h, scale * LOG2E,
+                                        BLOCK_NB=pow2_block(blocks), BLOCK_R=pow2_block(r))
+    return pooled._replace(chosen=chosen, far_bias=score)
 
 
 TRITON = BandedStages(name="triton", compute=lambda dtype: dtype, pool=pool, attend=attend, select=select)
