@@ -6,14 +6,17 @@ views of its packed tokens, are not copied.
     pool     _pool_kernel: one program per (batch x head, block): the mean key (float32, and for
              half-precision inputs its split_parts, so no later kernel splits it again), the
              mean value (rounded to v's dtype) and, from the first head's program, the block's
-             log count and which of its keys count (real, not sinks).
+             log count, which of its keys count (real, not sinks) and each key's additive masks
+             (key_bias: 0 or -inf, for real and for counted).
     select   _choice_scores_kernel: one program per (batch x head, run of query blocks), each
              tile of BLOCK_N mean keys loaded once for the run; per query block, the largest
              mean key . q over its real queries (the mean keys' split parts against q, float32
              accuracy: the top-k decides on it) * scale + log count, -inf within the band.
              _top_blocks_kernel: one program per (batch x head, query block): the far_blocks
              highest finite scores, ids ascending as the reference's sort leaves them (ties
-             to the lowest id); rows over TOP_BLOCKS_MAX blocks take torch's topk.
+             to the lowest id); then, in place of the row of scores, the query block's pooled
+             field (far_bias: each block's log count where it is pooled, else -inf); rows over
+             TOP_BLOCKS_MAX blocks take torch's topk (and attend builds the field itself).
     attend   _banded_kernel: one program per (batch x head, tile of BLOCK_M queries), one online
              softmax over
                - the band: the span from the first row's band to the last row's, in tiles of
@@ -27,7 +30,8 @@ views of its packed tokens, are not copied.
              BLOCK_M divides the block size on a GPU (query_tile), so all of a program's rows
              share one block and its masks are per key (UNIFORM); otherwise (blocks not a
              multiple of 16, and under the interpreter blocks under 16) each row is masked to
-             its own block's band and choice.
+             its own block's band and choice. Masks are additions of key_bias and far_bias,
+             where an element-wise select would cost a compare and a select more.
 q . k and p . v run on tensor cores in the inputs' dtype with float32 accumulation; the
 probabilities are rounded to v's dtype before p . v, as flash attention does, and the mean
 values enter in v's dtype, like every other value.
