@@ -147,6 +147,18 @@ def online_softmax_step(acc, row_max, row_sum, logits, values, SPLIT_PROBS: tl.c
 
 
 @triton.jit
+def head_start(x_ptr, bh, H, stride_b, stride_h):
+    """Where head bh (= batch x H + head) of a (B, H, N, D) tensor starts, by its strides."""
+    return x_ptr + (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+
+
+def unit_rows(x: Tensor) -> Tensor:
+    """x (B, H, N, D) as kernels that take its strides read it: in place, as long as each row's
+    D values are adjacent (a head's view of packed (T, H, D) tokens); else a copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@triton.jit
 def count_real(mask_row, start, stop, BLOCK: tl.constexpr):
     """Real tokens among positions [start, stop) of one (N,) mask row (nonzero bytes)."""
     count = tl.zeros([BLOCK], tl.int32)

@@ -127,10 +127,11 @@ def same_clusters(q: Tensor, k: Tensor, spec: AttentionSpec, mask: Tensor | None
     key_mask, query_mask = token_masks(q, k, mask)
     if spec.method == "banded":
         from kernels.reference import banded as reference
-        from kernels.triton import banded as triton_banded
+        from kernels.triton.banded_pool import pool
+        from kernels.triton.banded_select import select
 
         scale = 1.0 / math.sqrt(q.shape[-1])
-        tri = triton_banded.select(q, triton_banded.pool(k, k, key_mask, spec), key_mask, spec, scale).chosen
+        tri = select(q, pool(k, k, key_mask, spec), key_mask, spec, scale).chosen
         ref = reference.select(q.float(), reference.pool(k.float(), k.float(), key_mask, spec), key_mask, spec, scale)
         return (tri == ref.chosen).all(dim=-1).float().mean().item()
     if spec.method != "smyrf":

@@ -162,13 +162,13 @@ def test_triton_choice_scores_match_the_reference(n, block, band, lengths, dtype
     product, -inf within the band, for a block of no counted key and where a query block has
     no real query."""
     from kernels.reference import banded as reference
-    from kernels.triton import banded as banded_triton
+    from kernels.triton import banded_pool, banded_select
 
     q, k, v = qkv(b=2, h=2, n=n, d=16, dtype=dtype, seed=n + 4)
     mask = padding_mask(2, n, lengths)
     spec = banded(band, block, 2, far_blocks=2)
     expected = reference.choice_scores(q, reference.pool(k, v, mask, spec), mask, spec, 0.25)
-    got = banded_triton.choice_scores(q, banded_triton.pool(k, v, mask, spec), mask, spec, 0.25)
+    got = banded_select.choice_scores(q, banded_pool.pool(k, v, mask, spec), mask, spec, 0.25)
     assert torch.isinf(expected).any() and torch.equal(torch.isinf(got), torch.isinf(expected))
     finite = torch.isfinite(expected)
     assert finite.any() and torch.allclose(got[finite], expected[finite], atol=1e-5, rtol=1e-5)
@@ -181,13 +181,13 @@ def test_triton_select_chooses_the_reference_blocks(n, block, band, far, lengths
     """The far blocks each query block attends: the Triton choice scores and top-k kernels against
     the reference's (ascending ids, -1 where fewer blocks than far_blocks have a finite score)."""
     from kernels.reference import banded as reference
-    from kernels.triton import banded as banded_triton
+    from kernels.triton import banded_pool, banded_select
 
     q, k, v = qkv(b=2, h=2, n=n, d=16, dtype=dtype, seed=n + 6)
     mask = padding_mask(2, n, lengths)
     spec = banded(band, block, 2, far_blocks=far)
     expected = reference.select(q, reference.pool(k, v, mask, spec), mask, spec, 0.25).chosen
-    got = banded_triton.select(q, banded_triton.pool(k, v, mask, spec), mask, spec, 0.25).chosen
+    got = banded_select.select(q, banded_pool.pool(k, v, mask, spec), mask, spec, 0.25).chosen
     assert got.shape == expected.shape and (expected >= 0).any() and (expected < 0).any()
     assert torch.equal(got, expected)
 
@@ -197,15 +197,15 @@ def test_triton_select_falls_back_to_torch_topk_for_long_rows(monkeypatch):
     kernel fallback, with the same choice."""
     from kernels import fallbacks
     from kernels.reference import banded as reference
-    from kernels.triton import banded as banded_triton
+    from kernels.triton import banded_pool, banded_select
 
-    monkeypatch.setattr(banded_triton, "TOP_BLOCKS_MAX", 4)
+    monkeypatch.setattr(banded_select, "TOP_BLOCKS_MAX", 4)
     q, k, v = qkv(b=2, h=1, n=37, d=16, seed=9)
     mask = padding_mask(2, 37, [37, 22])
     spec = banded(0, 4, 2, far_blocks=3)
     key = ("banded_triton", "blocks_over_on_chip")
     before = fallbacks.counts()[key]
-    got = banded_triton.select(q, banded_triton.pool(k, v, mask, spec), mask, spec, 0.25).chosen
+    got = banded_select.select(q, banded_pool.pool(k, v, mask, spec), mask, spec, 0.25).chosen
     assert fallbacks.counts()[key] == before + 1
     assert torch.equal(got, reference.select(q, reference.pool(k, v, mask, spec), mask, spec, 0.25).chosen)
 
@@ -216,13 +216,13 @@ def test_triton_pool_matches_the_reference(n, block, sinks, lengths, dtype):
     """The pooled blocks: mean key and value over each block's real non-sink keys, log count,
     and which keys count, the Triton kernel against the reference."""
     from kernels.reference import banded as reference
-    from kernels.triton import banded as banded_triton
+    from kernels.triton.banded_pool import pool
 
     q, k, v = qkv(b=2, h=2, n=n, d=16, dv=8, dtype=dtype, seed=n + 5)
     mask = padding_mask(2, n, lengths)
     spec = banded(1, block, sinks)
     expected = reference.pool(k, v, mask, spec)
-    got = banded_triton.pool(k, v, mask, spec)
+    got = pool(k, v, mask, spec)
     assert torch.equal(got.counted.bool(), expected.counted) and torch.isinf(expected.log_count).any()
     assert torch.equal(got.log_count, expected.log_count.float())
     assert torch.allclose(got.keys, expected.keys.float(), atol=1e-6, rtol=1e-6)
