@@ -9,16 +9,19 @@ import pytest
 import torch
 from kernel_inputs import poison_empty
 
+from kernels import AttentionSpec
 from kernels.triton.rotary import BLOCK_T, rotary_triton
-from models.networks.rotary import apply_rotary_torch, rotary_tables
+from models.networks.rotary import apply_rotary_torch, packed_rotary
+from models.runtime.packing import pack
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def tables(t: int, d: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (T, 1, D) as packed_rotary gives them: views of one (T, 2, D) stack."""
-    both = torch.stack(rotary_tables(t, d, 1000.0, torch.device("cpu"), interleaved=interleaved), dim=1)
-    return both[:, :1], both[:, 1:]
+    """cos, sin (T, 1, D) of one sequence of t tokens, as the encoders get them (packed_rotary)."""
+    cpu = torch.device("cpu")
+    _, packed = pack([[1] * t], [AttentionSpec()], cpu)
+    return packed_rotary(packed, d, 1000.0, cpu, interleaved=interleaved)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -48,7 +51,7 @@ def test_strided_queries_as_a_fused_projection_gives_them():
 
 def test_no_tokens():
     x = torch.empty(0, 2, 16)
-    cos, sin = tables(0, 16, False)
+    cos, sin = (table[:0] for table in tables(1, 16, False))
     assert rotary_triton(x, cos, sin).shape == (0, 2, 16)
 
 
