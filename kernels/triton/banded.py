@@ -114,7 +114,7 @@ def _banded_kernel(
         if not UNIFORM:
             own = (cols[None, :] >= lo_row[:, None]) & (cols[None, :] < hi_row[:, None])
             dots = tl.where(own, dots, float("-inf"))
-        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, dots, values, False, UPCAST, scale_log2)
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, dots, values, UPCAST, scale_log2)
 
     # The sinks outside each row's band.
     slots = tl.arange(0, BLOCK_S)
@@ -127,7 +127,7 @@ def _banded_kernel(
         mask=s_real[:, None] & (vdims < DV)[None, :], other=0.0)
     s_far = tl.abs((pos // SIZE)[None, :] - t_row[:, None]) > BAND
     s_dots = tl.where(s_far & s_real[None, :], mma(q, s_keys, UPCAST), float("-inf"))
-    acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s_dots, s_values, False, UPCAST, scale_log2)
+    acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s_dots, s_values, UPCAST, scale_log2)
 
     # The counted keys of the far blocks chosen for each row's block: one flat loop over (query
     # block, slot, tile of the far block), so that its loads pipeline.
@@ -150,7 +150,7 @@ def _banded_kernel(
         dots = mma(q, keys, UPCAST) + bias
         if not UNIFORM:
             dots = tl.where((t_row == t)[:, None], dots, float("-inf"))
-        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, dots, values, False, UPCAST, scale_log2)
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, dots, values, UPCAST, scale_log2)
 
     # The pooled blocks outside each row's band and not chosen for it, logits raised by log count.
     for start in range(0, NB, BLOCK_N):
@@ -180,7 +180,7 @@ def _banded_kernel(
                     ok = ok & ~((t_row == t)[:, None] & hit[None, :])
             bias = log_count * log_count_units(scale_log2)
             dots = tl.where(ok, dots + bias[None, :], float("-inf"))
-        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, dots, values, False, UPCAST, scale_log2)
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, dots, values, UPCAST, scale_log2)
 
     own = tl.load(real_ptr + b * N + rows, mask=row_ok, other=0) != 0
     o = tl.where((own & (row_sum > 0))[:, None], acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None], 0.0)

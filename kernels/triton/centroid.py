@@ -21,8 +21,10 @@ each cluster's top-k keys of A^c. A^c is never written.
                                 into the top-k, their indices and probabilities
 
 A block of keys costs the top-k a compare per logit and a few steps per candidate, instead of
-a sorting network over every logit. Softmaxes run in base 2 (kernels.triton.helpers), the centroids
-(float32) meet half-precision keys and values as split-precision dots, split once per program.
+a sorting network over every logit. Softmaxes run in base 2 (kernels.triton.helpers). The
+centroids (float32) meet half-precision keys as split-precision dots, split once per program:
+the logits, and so the top-k, have float32 accuracy. The probabilities meet half-precision
+values rounded to the values' dtype, as flash attention's do.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def _centroid_attention_kernel(
         values = tl.load(v_head + cols[:, None] * stride_vm + vdims[None, :] * stride_vd,
                          mask=real[:, None] & (vdims[None, :] < DV), other=0.0)
         logits = tl.where(real[None, :], _logits(parts, centroids, keys, scale, UPCAST), float("-inf"))
-        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, True, UPCAST)
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, UPCAST)
         if LANES > 0:
             lanes = tl.maximum(lanes, tl.max(tl.reshape(logits, (BLOCK_C, BLOCK_M // LANES, LANES)), axis=1))
     part = (bh * SPLITS + split) * C + rows

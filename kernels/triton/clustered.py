@@ -16,8 +16,10 @@ they match is clustered.py.
 
 The softmaxes run in base 2 (kernels.triton.helpers.online_softmax_step). Sums and softmaxes are
 float32; every dot of half-precision inputs runs on tensor cores (the split-precision dots of
-kernels.triton.helpers keep float32 accuracy where one side is float32), float32 inputs use input_precision="ieee" (TF32 alone
-would miss the reference by ~1e-3). No host synchronisation: sizes that the reference reads
+kernels.triton.helpers keep float32 accuracy where a float32 operand decides something: the
+centroids' logits), float32 inputs use input_precision="ieee" (TF32 alone would miss the
+reference by ~1e-3). Probabilities meet half-precision values rounded to their dtype, as
+in flash attention. No host synchronisation: sizes that the reference reads
 from the data (the number of tiles) use their static bound, so a whole forward can be
 captured in a CUDA graph.
 """
@@ -127,7 +129,7 @@ def _improved_tile_kernel(
             # Queries and keys share a dtype: half products are exact, accumulated in float32.
             logits = mma(queries, tl.trans(keys), UPCAST) * scale
             logits = tl.where(real[None, :], logits, float("-inf"))
-            acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, True, UPCAST)
+            acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, UPCAST)
         # A tile whose top-k keys are all padded has no exact part (the reference's NaN -> 0).
         exact = acc * (tl.sum(top_mass, axis=0) / tl.where(row_sum > 0, row_sum, float("inf")))[:, None]
         centroid_values = tl.load(centroid_values_ptr + (bh * C + cluster) * DV + vdims,

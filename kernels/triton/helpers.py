@@ -2,7 +2,7 @@
 online-softmax step, one count of real tokens, one rounding rule for stores, and how a launch
 spreads a head's rows over programs.
 
-Split-precision dots. A float32 operand b (centroids, probabilities, hash planes) is split
+Split-precision dots. A float32 operand b (centroids, means, hash planes) is split
 into three parts of the half dtype, b = hi + mid / S + lo / S^2 with S = 1 for bfloat16 (it
 has float32's exponent range) and 2^11 for float16, and a @ b = a @ hi + (a @ mid) / S +
 (a @ lo) / S^2: three tensor-core dots with float32 accumulation whose products are exact
@@ -115,34 +115,19 @@ def dot_split_right(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def dot_split_left(a, b, UPCAST: tl.constexpr):
-    """a @ b for a float32 and b in its dtype (half or float32), with float32 accuracy."""
-    if b.dtype == tl.float32:
-        product = tl.dot(a, b, input_precision="ieee")
-    else:
-        product = dot_parts_left(split_parts(a, b.dtype), b, UPCAST)
-    return product
-
-
-@triton.jit
-def online_softmax_step(acc, row_max, row_sum, logits, values, SPLIT_PROBS: tl.constexpr, UPCAST: tl.constexpr,
-                        scale=1.0):
+def online_softmax_step(acc, row_max, row_sum, logits, values, UPCAST: tl.constexpr, scale=1.0):
     """Fold one block of base-2 logits (rows, keys) x scale (> 0), -inf where a key does not
     count, and its values (keys, Dv) into a running softmax: acc (rows, Dv) unnormalised,
     row_max (from -inf, scaled) and row_sum, all float32. Passing the scale here lets it fuse
-    with the shift (one FMA an element). SPLIT_PROBS: the probabilities meet half-precision
-    values as three half parts (float32 accuracy); else they are rounded to the values' dtype
-    first, as flash attention does."""
+    with the shift (one FMA an element). The probabilities are rounded to the values' dtype
+    before they meet them, as flash attention's are."""
     new_max = tl.maximum(row_max, tl.max(logits, axis=1) * scale)
     # A row with no key yet keeps max -inf; subtract 0 there so no inf - inf appears.
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)
     p = tl.math.exp2(logits * scale - shift[:, None])
     rescale = tl.math.exp2(row_max - shift)
     row_sum = row_sum * rescale + tl.sum(p, axis=1)
-    if SPLIT_PROBS:
-        pv = dot_split_left(p, values, UPCAST)
-    else:
-        pv = mma(p.to(values.dtype), values, UPCAST)
+    pv = mma(p.to(values.dtype), values, UPCAST)
     return acc * rescale[:, None] + pv, new_max, row_sum
 
 

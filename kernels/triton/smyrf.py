@@ -260,7 +260,7 @@ def _smyrf_attention_kernel(
         key_cluster = (key_ranks * n_clusters // m_safe).to(tl.int32)
         same_cluster = (query_cluster[:, None] == key_cluster[None, :]) & key_valid[None, :]
         dots = tl.where(same_cluster, mma(q, tl.trans(k), UPCAST), float("-inf"))
-        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, dots, v, False, UPCAST, qk_scale)
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, dots, v, UPCAST, qk_scale)
 
     # A query whose cluster has no key (all keys padded) gets 0 and lse -inf, as in the reference.
     has_mass = row_sum > 0
