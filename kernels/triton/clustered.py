@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.reference.clustered import TILE
 from kernels.reference.hashing import hash_planes, on_device
 from kernels.reference.kmeans import initial_offsets
 from kernels.spec import AttentionSpec
@@ -45,9 +44,11 @@ from kernels.triton.lloyd import refine_clusters_triton
 from kernels.triton.means import cluster_means_triton
 
 LOG2E = 1.4426950408889634
-# Warps of a sparse tile: 2 (~220 registers) fit four tiles an SM, 4 (~180) two; the tiles are
-# latency-bound (gathered rows), so more of them in flight beats wider ones.
-TILE_NUM_WARPS = 2
+# Queries per sparse tile and its warps: each tile gathers its cluster's top-k keys and values
+# once, so 64 queries a tile halve the gathers of 32; at 4 warps (~128 registers at head dim
+# 64) four tiles share an SM.
+TILE = 64
+TILE_NUM_WARPS = 4
 
 
 @triton.jit

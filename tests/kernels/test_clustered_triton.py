@@ -240,15 +240,20 @@ def test_centroid_attention_beyond_the_on_chip_topk_equals_the_reference(monkeyp
     assert_topk_agree(got.top_index, expected.topk(6, dim=-1).indices, expected)
 
 
-@pytest.mark.parametrize("n, m, topk, lengths", [(45, 45, 6, [45, 31]), (30, 100, 80, [100, 70])])
+@pytest.mark.parametrize("n, m, topk, lengths", [(45, 45, 6, [45, 31]), (30, 100, 80, [100, 70]),
+                                                 (300, 300, 6, [300, 213])])
 def test_improved_sparse_part_equals_the_reference(n, m, topk, lengths, poisoned):
     """The fused tile kernel, given the reference's clusters and centroid attention. The second
-    case has more top-k keys than one block and than row 1's real keys."""
+    case has more top-k keys than one block and than row 1's real keys; in the third, 300
+    queries in 4 clusters, some cluster spans several tiles."""
     q, k, v = qkv(n=n, m=m, d=16, dv=24)
     key_mask = padding_mask(2, m, lengths)
     query_mask = key_mask if n == m else torch.ones(2, n, dtype=torch.bool)
     spec = AttentionSpec(method="i-clustered", clusters=4, topk=topk, iterations=3, refine=1)
     assign = cluster_queries(REFERENCE, q, query_mask, spec)
+    if n > 4 * triton_clustered.TILE:
+        full = assign[0]  # no padding: its largest cluster spans tiles
+        assert (full == full.mode(-1, keepdim=True).values).sum(-1).max() > triton_clustered.TILE
     centroid = REFERENCE.centroid_attention(cluster_means(q, assign, 4), k, v, key_mask, 0.25, min(topk, m))
     expected = REFERENCE.sparse(q, k, v, assign, centroid, key_mask, 0.25, torch.float32)
     got = triton_clustered.TRITON.sparse(q, k, v, assign, centroid, key_mask, 0.25, torch.float32)
