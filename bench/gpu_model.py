@@ -88,6 +88,7 @@ FA_TFLOPS = {"fa2": {n: max(tf, round(tf * 400 / 321)) if n < 4096 else {4096: 4
 # Pipeline stages, by kernel: the per-stage figures of the report.
 STAGES = {"_hash_kernel": "hash", "_hamming_initial_kernel": "k-means (Hamming)",
           "_hamming_assign_kernel": "k-means (Hamming)", "_hamming_update_kernel": "k-means (Hamming)",
+          "_hamming_step_kernel": "k-means (Hamming)",
           "_sums_kernel": "refine (queries)", "_means_kernel": "refine (queries)",
           "_candidates_kernel": "refine (queries)", "_donor_kernel": "refine (queries)",
           "_nearest_kernel": "refine (queries)", "_centroid_attention_kernel": "centroid attention",

@@ -84,6 +84,12 @@ LOOP_BOUNDS: dict[str, dict[str, Bounds]] = {
         },
         "_hamming_assign_kernel": _by_rows,
     },
+    "kernels.triton.hamming_step": {
+        "_hamming_step_kernel": lambda a: {
+            **slowest_chunk(a["N"], a["CHUNK"]), "chunk": max(0, a["N"] // a["CHUNK"] - 1),
+            "lo": 0, "hi": -(-a["C"] * a["BLOCK_BITS"] // a["CHUNKS"]), "n_empty": 0.2 * (a["C"] / 100) ** 2,
+        },
+    },
     "kernels.triton.hashing": {"_hash_kernel": _by_rows},
     "kernels.triton.hamming_update": {
         "_hamming_update_kernel": lambda a: {

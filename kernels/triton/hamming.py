@@ -2,23 +2,25 @@
 backend's cluster stage; kmeans.hamming_kmeans is the reference it matches).
 
 Each head's queries are cut into chunks of whole BLOCK_N tiles, one program a chunk, enough
-programs per head to fill an H100 at batch 1 (kernels.triton.helpers.chunking). One Lloyd iteration
-is two launches:
+programs per head to fill an H100 at batch 1 (kernels.triton.helpers.chunking). Hamming
+similarity is the dot product of +-1 sign vectors (bits - 2 x the distance, exact on int8
+tensor cores); a cluster's votes are one-hot(cluster) @ bits, exact. When all clusters fit one
+tile (C <= BLOCK_C) one Lloyd iteration is one launch, `_hamming_step_kernel`
+(hamming_step_triton: each program updates the centroids from the vote totals of the launch
+before, then assigns its chunk). More clusters take two:
 
-    _hamming_assign_kernel  (chunks, B * H)   each query's nearest centroid (Hamming similarity
-                            is the dot product of +-1 sign vectors: bits - 2 x the distance,
-                            exact on tensor cores), then per chunk the bit votes and member
-                            counts of every cluster (one-hot(cluster) @ bits, exact) and a
-                            histogram of the donor levels below
+    _hamming_assign_kernel  (chunks, B * H)   each query's nearest centroid, block of clusters
+                            by block, then per chunk the bit votes and member counts of every
+                            cluster (a second pass) and a histogram of the donor levels below
     _hamming_update_kernel  (cluster blocks, B * H)   sums the chunks' votes in chunk order
                             (integers: any order gives the same), majority vote (ties to 0),
                             and re-seeds the e-th empty cluster with the e-th farthest query
 
-`_hamming_initial_kernel` places the initial centroids first, and a final
-`_hamming_assign_kernel` (FINAL) writes the assignments. The host loops over the iterations
-with static shapes: no host synchronisation, so a call is captured in a CUDA graph. The
-reference stops once the centroids repeat; here an iteration whose head did not change in
-the previous one is skipped on the device (a flag per cluster block), which gives the same.
+`_hamming_initial_kernel` places the initial centroids first, and a final launch (FINAL)
+writes the assignments. The host loops over the iterations with static shapes: no host
+synchronisation, so a call is captured in a CUDA graph. The reference stops once the
+centroids repeat; here an iteration whose head did not change in the previous one is
+skipped on the device (a flag per head or cluster block), which gives the same.
 
 Donors. A query's level is 1 + its Hamming distance to its centroid (padded queries 0): the
 reference's donor order is level descending, then position. The update kernel
@@ -32,6 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.triton.hamming_step import _hamming_step_kernel, _key_bias, _nearest_key
 from kernels.triton.hamming_update import _hamming_update_kernel
 from kernels.triton.helpers import (
     any_set,
@@ -47,9 +50,9 @@ from kernels.triton.helpers import (
 )
 
 # Queries per tile (a chunk is whole tiles), centroids per tile of the search and the votes
-# (up to BLOCK_C clusters, one pass with the centroids' signs and the votes in registers),
-# and the bit tile of the codes (<= 63 bits). The assignment runs 4 warps (one warpgroup of
-# int8 wgmma): at ~255 registers, two programs share an SM where 8 warps fit one.
+# (up to BLOCK_C clusters: one launch an iteration, the centroids' signs and the votes in
+# registers), and the bit tile of the codes (<= 63 bits). The assignment runs 4 warps (one
+# warpgroup of int8 wgmma): at ~255 registers, two programs share an SM where 8 warps fit one.
 BLOCK_N = 128
 BLOCK_C = 128
 BLOCK_BITS = 64
@@ -60,25 +63,11 @@ INITIAL_BLOCK_N = 64
 INITIAL_BLOCK_C = 32
 # Donor levels: 0 for padded queries, 1 + the Hamming distance (0..63) for real ones.
 LEVELS = 128
-# Positions per step of a donor's look-up in its chunk, and mask bytes per step of a count.
+# Positions per step of a donor's look-up in its chunk, mask bytes per step of a count, and
+# int32s per store of the vote totals a step launch clears.
 SCAN = 1024
 COUNT_BLOCK = 4096
-
-
-@triton.jit
-def _key_bias(cols, C):
-    """KEY_SCALE - 1 - cluster for the clusters `cols`, far below any key past C."""
-    return tl.where(cols < C, 8191 - cols, -(1 << 30))
-
-
-@triton.jit
-def _nearest_key(query_signs, centroid_signs, bias, UPCAST: tl.constexpr):
-    """(64 + similarity) x KEY_SCALE + bias of each query and centroid (similarity: the +-1
-    dot product over BLOCK_BITS, bits - 2 x the Hamming distance, exact in int32; bias from
-    _key_bias): the largest key is the nearest centroid, ties to the lowest cluster, in one
-    max. KEY_SCALE = 2^13 > any cluster index (spec.clusters <= 4096)."""
-    similarity = mma(query_signs, tl.trans(centroid_signs), UPCAST).to(tl.int32)
-    return ((64 + similarity) << 13) + bias[None, :]
+CLEAR_BLOCK = 1024
 
 
 @triton.jit
@@ -159,21 +148,20 @@ def _hamming_assign_kernel(
     H, N, C, CHUNK, CHUNKS, BLOCKS,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_BITS: tl.constexpr, LEVELS: tl.constexpr,
     FLAG_BLOCK: tl.constexpr, COUNT_BLOCK: tl.constexpr,
-    ONE_BLOCK: tl.constexpr, FINAL: tl.constexpr, EXACT_CASE: tl.constexpr, UPCAST: tl.constexpr,
+    FINAL: tl.constexpr, EXACT_CASE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One chunk of one (batch, head), its queries' signs (B * H, N, BLOCK_BITS) int8 against
-    the current centroid codes (B * H, C), on int8 tensor cores.
+    the current centroid codes (B * H, C) in blocks of BLOCK_C, on int8 tensor cores.
 
     An iteration (not FINAL) writes the chunk's votes part_votes (B * H, CHUNKS, C, BLOCK_BITS)
     int32 (the sum of the members' +-1 signs: the majority bit is set where it is > 0) and
     member counts part_counts (B * H, CHUNKS, C), each query's donor level (B * H, N) int8
-    and the chunk's level histogram part_levels (B * H, CHUNKS, LEVELS). With ONE_BLOCK (all C
-    in one tile) the centroids' signs stay in registers and the votes are summed in the same pass;
-    else the assignments go to `assign` as scratch and a second pass sums the votes block by
-    block. It does nothing when its head's centroids did not change in the previous
-    iteration (flags_in, one per cluster block; the first iteration's come from the initial
-    kernel). FINAL writes the assignments (B, H, N) int64, padded queries at C, and with
-    EXACT_CASE a sequence with no more real queries than clusters gives each its rank.
+    and the chunk's level histogram part_levels (B * H, CHUNKS, LEVELS); the assignments go
+    to `assign` as scratch and a second pass sums the votes block by block. It does nothing
+    when its head's centroids did not change in the previous iteration (flags_in, one per
+    cluster block; the first iteration's come from the initial kernel). FINAL writes the
+    assignments (B, H, N) int64, padded queries at C, and with EXACT_CASE a sequence with no
+    more real queries than clusters gives each its rank.
     """
     chunk = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -196,26 +184,18 @@ def _hamming_assign_kernel(
             rank_seen = count_real(mask_row, 0, start, COUNT_BLOCK)
             exact = rank_seen + count_real(mask_row, start, N, COUNT_BLOCK) <= C
         cols = tl.arange(0, BLOCK_C)
-        if ONE_BLOCK:  # loop invariant: the centroids' signs, read once
-            centroid_signs = tl.load(centroid_signs_head + cols[:, None] * BLOCK_BITS + bit[None, :],
-                                     mask=cols[:, None] < C, other=-1)
-            bias = _key_bias(cols, C)
         histogram = tl.zeros([LEVELS], tl.int32)
-        votes = tl.zeros([BLOCK_C, BLOCK_BITS], tl.int32)
         for first in range(start, stop, BLOCK_N):
             rows = first + tl.arange(0, BLOCK_N)
             in_range = rows < stop
             query_signs = tl.load(signs_head + rows[:, None] * BLOCK_BITS + bit[None, :], mask=in_range[:, None],
                                   other=-1)
-            if ONE_BLOCK:
-                best = tl.max(_nearest_key(query_signs, centroid_signs, bias, UPCAST), axis=1)
-            else:
-                best = tl.full([BLOCK_N], -1, tl.int32)
-                for c_start in range(0, C, BLOCK_C):
-                    block_signs = tl.load(centroid_signs_head + (c_start + cols)[:, None] * BLOCK_BITS + bit[None, :],
-                                          mask=(c_start + cols)[:, None] < C, other=-1)
-                    best = tl.maximum(best, tl.max(_nearest_key(query_signs, block_signs, _key_bias(c_start + cols, C),
-                                                                UPCAST), axis=1))
+            best = tl.full([BLOCK_N], -1, tl.int32)
+            for c_start in range(0, C, BLOCK_C):
+                block_signs = tl.load(centroid_signs_head + (c_start + cols)[:, None] * BLOCK_BITS + bit[None, :],
+                                      mask=(c_start + cols)[:, None] < C, other=-1)
+                best = tl.maximum(best, tl.max(_nearest_key(query_signs, block_signs, _key_bias(c_start + cols, C),
+                                                            UPCAST), axis=1))
             similarity = (best >> 13) - 64  # over all BLOCK_BITS positions
             real = (tl.load(mask_row + rows, mask=in_range, other=0) != 0) & in_range
             cluster = tl.where(real, 8191 - (best & 8191), C)
@@ -228,26 +208,20 @@ def _hamming_assign_kernel(
                 level = tl.where(real, 1 + ((BLOCK_BITS - similarity) >> 1), 0)  # 1 + the Hamming distance
                 tl.store(level_ptr + bh * N + rows, level.to(tl.int8), mask=in_range)
                 histogram += tl.histogram(level, LEVELS, mask=in_range)
-                if ONE_BLOCK:
-                    votes += mma(one_hot(cluster, cols, tl.int8), query_signs, UPCAST).to(tl.int32)
-                else:
-                    tl.store(assign_row + rows, cluster.to(tl.int64), mask=in_range)
+                tl.store(assign_row + rows, cluster.to(tl.int64), mask=in_range)
         if not FINAL:
             part = bh * CHUNKS + chunk
             tl.store(part_levels_ptr + part * LEVELS + tl.arange(0, LEVELS), histogram)
-            if ONE_BLOCK:
-                _store_votes(part_votes_ptr, part_counts_ptr, votes, part, cols, C, BLOCK_BITS)
-            else:
-                tl.debug_barrier()  # the chunk's assignments, stored above, are read back by other threads
-                for c_start in range(0, C, BLOCK_C):
-                    votes = tl.zeros([BLOCK_C, BLOCK_BITS], tl.int32)
-                    for first in range(start, stop, BLOCK_N):
-                        rows = first + tl.arange(0, BLOCK_N)
-                        cluster = tl.load(assign_row + rows, mask=rows < stop, other=C).to(tl.int32)
-                        query_signs = tl.load(signs_head + rows[:, None] * BLOCK_BITS + bit[None, :],
-                                              mask=rows[:, None] < stop, other=-1)
-                        votes += mma(one_hot(cluster, c_start + cols, tl.int8), query_signs, UPCAST).to(tl.int32)
-                    _store_votes(part_votes_ptr, part_counts_ptr, votes, part, c_start + cols, C, BLOCK_BITS)
+            tl.debug_barrier()  # the chunk's assignments, stored above, are read back by other threads
+            for c_start in range(0, C, BLOCK_C):
+                votes = tl.zeros([BLOCK_C, BLOCK_BITS], tl.int32)
+                for first in range(start, stop, BLOCK_N):
+                    rows = first + tl.arange(0, BLOCK_N)
+                    cluster = tl.load(assign_row + rows, mask=rows < stop, other=C).to(tl.int32)
+                    query_signs = tl.load(signs_head + rows[:, None] * BLOCK_BITS + bit[None, :],
+                                          mask=rows[:, None] < stop, other=-1)
+                    votes += mma(one_hot(cluster, c_start + cols, tl.int8), query_signs, UPCAST).to(tl.int32)
+                _store_votes(part_votes_ptr, part_counts_ptr, votes, part, c_start + cols, C, BLOCK_BITS)
 
 
 @triton.jit
@@ -269,51 +243,71 @@ def hamming_kmeans_triton(
     query_mask: (B, N) bool, True = real query; offsets: (H,) float32 on the codes' device.
     exact_case: a sequence with no more real queries than clusters gives each its own
     (kmeans.one_query_per_cluster). Returns assignments (B, H, N) int64 in [0, C], padded at C.
-    Launches: 1 + 2 per iteration + 1, each of at least chunks x B x H programs.
+    Launches, each of at least chunks x B x H programs: 1 + 1 per iteration + 1 for C <=
+    BLOCK_C, else 1 + 2 per iteration + 1.
     """
     b, h, n = codes.shape
     device = codes.device
     chunks, chunk = chunking(n, h, BLOCK_N)
+    one_block = clusters <= BLOCK_C
     per_program = cluster_block(clusters)
-    blocks = triton.cdiv(clusters, per_program)
+    blocks = 1 if one_block else triton.cdiv(clusters, per_program)
     mask = query_mask.contiguous()
     centroids = torch.empty(b * h, clusters, dtype=torch.int64, device=device)
-    centroid_signs = torch.empty(b * h, clusters, BLOCK_BITS, dtype=torch.int8, device=device)
+    centroid_signs = torch.empty(2, b * h, clusters, BLOCK_BITS, dtype=torch.int8, device=device)
     flags = torch.empty(2, b * h, blocks, dtype=torch.int32, device=device)
-    level = torch.empty(b * h, n, dtype=torch.int8, device=device)
+    level = torch.empty(2, b * h, n, dtype=torch.int8, device=device)
     signs = torch.empty(b * h, n, BLOCK_BITS, dtype=torch.int8, device=device)
-    part_votes = torch.empty(b * h, chunks, clusters, BLOCK_BITS, dtype=torch.int32, device=device)
-    part_counts = torch.empty(b * h, chunks, clusters, dtype=torch.int32, device=device)
-    part_levels = torch.empty(b * h, chunks, LEVELS, dtype=torch.int32, device=device)
+    part_levels = torch.empty(2, b * h, chunks, LEVELS, dtype=torch.int32, device=device)
     assign = torch.empty(b, h, n, dtype=torch.int64, device=device)
     grid = (chunks, b * h)
     flag_block = pow2_block(blocks, 1)
     _hamming_initial_kernel[grid](
-        codes, mask, offsets, centroids, centroid_signs, flags[1], signs, h, n, clusters, chunk, blocks,
+        codes, mask, offsets, centroids, centroid_signs[1], flags[1], signs, h, n, clusters, chunk, blocks,
         BLOCK_N=min(BLOCK_N, INITIAL_BLOCK_N), BLOCK_C=INITIAL_BLOCK_C, BLOCK_BITS=BLOCK_BITS, COUNT_BLOCK=COUNT_BLOCK,
         FLAG_BLOCK=flag_block, EXACT_CASE=exact_case,
     )
+    if one_block:
+        # Launch s reads what launch s - 1 wrote: pairs of centroids, flags, levels and histograms
+        # (s - 1 at (s + 1) % 2), and three vote totals (it adds to s % 3, reads (s - 1) % 3,
+        # clears (s + 1) % 3 for the next); the first launch's totals start at zero.
+        totals = torch.empty(3, b * h, clusters, BLOCK_BITS, dtype=torch.int32, device=device)
+        totals[0].zero_()
+        scratch = torch.empty(b * h, chunks, pow2_block(clusters, 16, BLOCK_C), BLOCK_BITS, dtype=torch.int8, device=device)
+        step = dict(BLOCK_N=BLOCK_N, BLOCK_C=pow2_block(clusters, 16, BLOCK_C), BLOCK_BITS=BLOCK_BITS, LEVELS=LEVELS,
+                    CHUNK_BLOCK=pow2_block(chunks, 1), CHUNK_GROUP=chunk_group(chunks), SCAN=SCAN,
+                    COUNT_BLOCK=COUNT_BLOCK, CLEAR_BLOCK=CLEAR_BLOCK, UPCAST=upcast(codes), num_warps=NUM_WARPS)
+        for s in range(iterations + 1):
+            before, now = (s + 1) % 2, s % 2
+            _hamming_step_kernel[grid](
+                codes, signs, mask, flags[before], flags[now], centroid_signs[before], centroid_signs[now],
+                totals[(s + 2) % 3], totals[s % 3], totals[(s + 1) % 3], level[before], level[now],
+                part_levels[before], part_levels[now], assign, scratch,
+                h, n, clusters, bits, chunk, chunks,
+                FIRST=s == 0, FINAL=s == iterations, EXACT_CASE=exact_case, **step,
+            )
+        return assign
+    part_votes = torch.empty(b * h, chunks, clusters, BLOCK_BITS, dtype=torch.int32, device=device)
+    part_counts = torch.empty(b * h, chunks, clusters, dtype=torch.int32, device=device)
     common = dict(BLOCK_BITS=BLOCK_BITS, LEVELS=LEVELS, FLAG_BLOCK=flag_block)
-    one_block = clusters <= BLOCK_C
-    block_c = pow2_block(clusters, 16, BLOCK_C) if one_block else BLOCK_C
-    assign_blocks = dict(BLOCK_N=BLOCK_N, BLOCK_C=block_c, COUNT_BLOCK=COUNT_BLOCK, ONE_BLOCK=one_block,
-                         UPCAST=upcast(codes), num_warps=NUM_WARPS)
+    assign_blocks = dict(BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, COUNT_BLOCK=COUNT_BLOCK, UPCAST=upcast(codes),
+                         num_warps=NUM_WARPS)
     for it in range(iterations):
         flags_in, flags_out = flags[(it + 1) % 2], flags[it % 2]
         _hamming_assign_kernel[grid](
-            signs, mask, centroid_signs, flags_in, level, part_votes, part_counts, part_levels, assign,
+            signs, mask, centroid_signs[1], flags_in, level[0], part_votes, part_counts, part_levels[0], assign,
             h, n, clusters, chunk, chunks, blocks,
             FINAL=False, EXACT_CASE=False, **assign_blocks, **common,
         )
         _hamming_update_kernel[(blocks, b * h)](
-            codes, centroids, centroid_signs, flags_in, flags_out, level, part_votes, part_counts, part_levels,
+            codes, centroids, centroid_signs[1], flags_in, flags_out, level[0], part_votes, part_counts, part_levels[0],
             n, clusters, bits, chunk, chunks, blocks, per_program,
             BLOCK_C=min(per_program, 16), COUNT_C=pow2_block(clusters, 16, 256), CHUNK_BLOCK=pow2_block(chunks, 1),
             CHUNK_GROUP=chunk_group(chunks), VOTE_GROUP=max(1, 4096 // (min(per_program, 16) * BLOCK_BITS)), SCAN=SCAN,
             **common,
         )
     _hamming_assign_kernel[grid](
-        signs, mask, centroid_signs, flags, level, part_votes, part_counts, part_levels, assign,
+        signs, mask, centroid_signs[1], flags, level[0], part_votes, part_counts, part_levels[0], assign,
         h, n, clusters, chunk, chunks, blocks,
         FINAL=True, EXACT_CASE=exact_case, **assign_blocks, **common,
     )

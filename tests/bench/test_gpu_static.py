@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNELS = {"_hash_kernel", "_hamming_initial_kernel", "_hamming_assign_kernel", "_hamming_update_kernel",
+KERNELS = {"_hash_kernel", "_hamming_initial_kernel", "_hamming_step_kernel", "_hamming_assign_kernel",
+           "_hamming_update_kernel",
            "_sums_kernel", "_means_kernel", "_candidates_kernel", "_donor_kernel", "_nearest_kernel",
            "_centroid_attention_kernel", "_centroid_combine_kernel", "_centroid_topk_kernel",
            "_centroid_topk_combine_kernel", "_layout_counts_kernel", "_layout_offsets_kernel",
@@ -59,20 +60,22 @@ def test_every_kernel_compiles_for_sm90(report):
 
 def test_every_call_is_counted(report):
     calls = {c["method"]: c for c in report["calls"]}
-    assert set(calls) == {"clustered", "i-clustered (paper)", "i-clustered", "smyrf", "banded"}
+    assert set(calls) == {"clustered", "i-clustered (paper)", "i-clustered", "smyrf", "banded", "clustered 200"}
     for call in calls.values():
         assert (call["seq_len"], call["head_dim"], call["dtype"]) == (16384, 64, "bfloat16")
         assert call["triton_launches"] == sum(call["launches_by_kernel"].values()) > 0
         assert call["kernels"] == call["triton_launches"] + call["torch_ops"]
-    # 4 SMYRF rounds, one attention launch each; the Hamming K-means two launches per
-    # iteration (10) and the final assignment; the refinement four per step (3); the sums of
-    # the starting assignments twice (refinement, cluster means).
+    # 4 SMYRF rounds, one attention launch each; the Hamming K-means one launch per iteration
+    # (10) and the final assignment, two per iteration past 128 clusters; the refinement four
+    # per step (3); the sums of the starting assignments twice (refinement, cluster means).
     assert calls["smyrf"]["launches_by_kernel"]["_smyrf_attention_kernel"] == 4
     # banded: one launch a stage but select's two (the scores, their top far blocks)
     assert calls["banded"]["launches_by_kernel"] == {"_pool_kernel": 1, "_choice_scores_kernel": 1,
                                                       "_top_blocks_kernel": 1, "_banded_kernel": 1}
     clustered = calls["clustered"]["launches_by_kernel"]
-    assert clustered["_hamming_assign_kernel"] == 11 and clustered["_hamming_update_kernel"] == 10
+    assert clustered["_hamming_step_kernel"] == 11 and "_hamming_update_kernel" not in clustered
+    wide = calls["clustered 200"]["launches_by_kernel"]
+    assert wide["_hamming_assign_kernel"] == 11 and wide["_hamming_update_kernel"] == 10
     assert clustered["_nearest_kernel"] == clustered["_donor_kernel"] == 3 and clustered["_sums_kernel"] == 2
     assert "VIOLATION" in report["stdout"] or not report["violations"]
 

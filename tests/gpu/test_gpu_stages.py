@@ -138,7 +138,8 @@ def test_means_centroid_pass_layout_and_sparse_part(n, clusters, topk, batch, po
     got = centroid_attention_triton(expected_means, k, v, key_mask, scale, topk)
     if batch * clusters * n <= CHECKED_PAIRS:
         expected = REFERENCE.centroid_attention(expected_means, k.float(), v.float(), key_mask, scale, topk)
-        assert torch.allclose(got.values, expected.values, atol=1e-4, rtol=0)
+        # The probabilities meet V rounded to bfloat16 (relative error <= 2^-9), as in flash attention.
+        assert torch.allclose(got.values, expected.values, atol=1e-4 + 2**-9 * v.float().abs().max().item(), rtol=0)
         assert torch.allclose(got.top_probs, expected.top_probs, atol=1e-5, rtol=0)
         probs = torch.softmax((expected_means @ k.float().transpose(-1, -2) * scale)
                               .masked_fill(~key_mask[:, None, None, :], float("-inf")), dim=-1)
@@ -150,7 +151,7 @@ def test_means_centroid_pass_layout_and_sparse_part(n, clusters, topk, batch, po
         centroid = got._replace(top_real=top_real)
     out = TRITON.sparse(q, k, v, assign, centroid, key_mask, scale, torch.float32)
     want = REFERENCE.sparse(q.float(), k.float(), v.float(), assign, centroid, key_mask, scale, torch.float32)
-    assert (out - want).abs().max().item() <= 1e-3 * want.abs().max().item()
+    assert (out - want).abs().max().item() <= 1e-3 * want.abs().max().item() + 2**-9 * v.float().abs().max().item()
 
 
 @pytest.mark.parametrize("n", LONG)
