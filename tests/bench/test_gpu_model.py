@@ -5,8 +5,8 @@ and the time budgets of the GPU path hold (DESIGN.md, "The GPU path"):
 
 - every launch at 16k has at least 132 programs or an estimated time of at most 10 us;
 - estimated speed-up over FlashAttention-2 (Triton's published 403 TFLOP/s at 16k) in a CUDA
-  graph, as floors under the figures the kernels in this tree reach: i-clustered 100/32 >= 3.3x
-  at 16k and >= 17.5x at 64k, clustered 200 (its default 10 Hamming iterations) >= 2.2x at 16k.
+  graph, as floors under the figures the kernels in this tree reach: i-clustered 100/32 >= 3.5x
+  at 16k and >= 18x at 64k, clustered 200 (its default 10 Hamming iterations) >= 2.2x at 16k.
 
 The default model's served attention (bench.common.nomic_default: banded, as the shipped
 nomic calibration chooses at 8k) meets its targets, >= 1.5x at 8k and >= 4x at 16k, and SMYRF
@@ -130,7 +130,7 @@ def test_host_time_in_a_graph_under_a_tenth_at_16k(model):
 
 
 @pytest.mark.parametrize("method, seq_len, floor", [
-    ("i-clustered 100/32", 16384, 3.3), ("i-clustered 100/32", 65536, 17.5), ("clustered 200", 16384, 2.2)])
+    ("i-clustered 100/32", 16384, 3.5), ("i-clustered 100/32", 65536, 18), ("clustered 200", 16384, 2.2)])
 def test_speed_up_floors(model, method, seq_len, floor):
     assert call(model, method, seq_len)["est_speedup_fa2"] >= floor
 
