@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton.hamming_step import _hamming_step_kernel, _key_bias, _nearest_key
+from kernels.triton.hamming_step import _hamming_step_kernel, _key_bias, _nearest_key, _ranked
 from kernels.triton.hamming_update import _hamming_update_kernel
 from kernels.triton.helpers import (
     any_set,
@@ -179,7 +179,7 @@ def _hamming_assign_kernel(
         active = any_set(flags_in_ptr + bh * BLOCKS, BLOCKS, FLAG_BLOCK)
     if active:
         rank_seen = tl.full([], 0, tl.int32)
-        exact = rank_seen < 0
+        exact = rank_seen < 0  # the exact case: no more real queries than clusters
         if FINAL and EXACT_CASE:
             rank_seen = count_real(mask_row, 0, start, COUNT_BLOCK)
             exact = rank_seen + count_real(mask_row, start, N, COUNT_BLOCK) <= C
@@ -200,9 +200,7 @@ def _hamming_assign_kernel(
             real = (tl.load(mask_row + rows, mask=in_range, other=0) != 0) & in_range
             cluster = tl.where(real, 8191 - (best & 8191), C)
             if FINAL:
-                rank = rank_seen + tl.cumsum(real.to(tl.int32), axis=0) - 1
-                cluster = tl.where(exact & real, rank, cluster)
-                rank_seen += tl.sum(real.to(tl.int32), axis=0)
+                cluster, rank_seen = _ranked(cluster, real, rank_seen, exact)
                 tl.store(assign_row + rows, cluster.to(tl.int64), mask=in_range)
             else:
                 level = tl.where(real, 1 + ((BLOCK_BITS - similarity) >> 1), 0)  # 1 + the Hamming distance

@@ -44,6 +44,14 @@ def _nearest_key(query_signs, centroid_signs, bias, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _ranked(cluster, real, rank_seen, exact):
+    """A tile's clusters, each real query's its rank among the real ones in the exact case (no
+    more real queries than clusters), and the real queries seen after the tile."""
+    rank = rank_seen + tl.cumsum(real.to(tl.int32), axis=0) - 1
+    return tl.where(exact & real, rank, cluster), rank_seen + tl.sum(real.to(tl.int32), axis=0)
+
+
+@triton.jit
 def _clear_slice(row_ptr, chunk, CHUNKS, SIZE, BLOCK: tl.constexpr):
     """Zero program `chunk`'s share of SIZE int32s: one writer each."""
     per_chunk = tl.cdiv(SIZE, CHUNKS)
@@ -142,7 +150,7 @@ def _hamming_step_kernel(
     if assigns | FINAL:
         bias = _key_bias(cols, C)
         rank_seen = tl.full([], 0, tl.int32)
-        exact = rank_seen < 0
+        exact = rank_seen < 0  # the exact case: no more real queries than clusters
         if FINAL and EXACT_CASE:
             rank_seen = count_real(mask_row, 0, start, COUNT_BLOCK)
             exact = rank_seen + count_real(mask_row, start, N, COUNT_BLOCK) <= C
@@ -157,9 +165,7 @@ def _hamming_step_kernel(
             real = (tl.load(mask_row + rows, mask=in_range, other=0) != 0) & in_range
             cluster = tl.where(real, 8191 - (best & 8191), C)
             if FINAL:
-                rank = rank_seen + tl.cumsum(real.to(tl.int32), axis=0) - 1
-                cluster = tl.where(exact & real, rank, cluster)
-                rank_seen += tl.sum(real.to(tl.int32), axis=0)
+                cluster, rank_seen = _ranked(cluster, real, rank_seen, exact)
                 tl.store(assign_ptr + bh * N + rows, cluster.to(tl.int64), mask=in_range)
             else:
                 level = tl.where(real, 1 + ((BLOCK_BITS - ((best >> 13) - 64)) >> 1), 0)  # 1 + the Hamming distance
