@@ -251,17 +251,18 @@ def hamming_kmeans_triton(
     per_program = cluster_block(clusters)
     blocks = 1 if one_block else triton.cdiv(clusters, per_program)
     mask = query_mask.contiguous()
+    pairs = 2 if one_block else 1  # one launch an iteration reads the previous launch's copy
     centroids = torch.empty(b * h, clusters, dtype=torch.int64, device=device)
-    centroid_signs = torch.empty(2, b * h, clusters, BLOCK_BITS, dtype=torch.int8, device=device)
+    centroid_signs = torch.empty(pairs, b * h, clusters, BLOCK_BITS, dtype=torch.int8, device=device)
     flags = torch.empty(2, b * h, blocks, dtype=torch.int32, device=device)
-    level = torch.empty(2, b * h, n, dtype=torch.int8, device=device)
+    level = torch.empty(pairs, b * h, n, dtype=torch.int8, device=device)
     signs = torch.empty(b * h, n, BLOCK_BITS, dtype=torch.int8, device=device)
-    part_levels = torch.empty(2, b * h, chunks, LEVELS, dtype=torch.int32, device=device)
+    part_levels = torch.empty(pairs, b * h, chunks, LEVELS, dtype=torch.int32, device=device)
     assign = torch.empty(b, h, n, dtype=torch.int64, device=device)
     grid = (chunks, b * h)
     flag_block = pow2_block(blocks, 1)
     _hamming_initial_kernel[grid](
-        codes, mask, offsets, centroids, centroid_signs[1], flags[1], signs, h, n, clusters, chunk, blocks,
+        codes, mask, offsets, centroids, centroid_signs[-1], flags[1], signs, h, n, clusters, chunk, blocks,
         BLOCK_N=min(BLOCK_N, INITIAL_BLOCK_N), BLOCK_C=INITIAL_BLOCK_C, BLOCK_BITS=BLOCK_BITS, COUNT_BLOCK=COUNT_BLOCK,
         FLAG_BLOCK=flag_block, EXACT_CASE=exact_case,
     )
@@ -293,19 +294,19 @@ def hamming_kmeans_triton(
     for it in range(iterations):
         flags_in, flags_out = flags[(it + 1) % 2], flags[it % 2]
         _hamming_assign_kernel[grid](
-            signs, mask, centroid_signs[1], flags_in, level[0], part_votes, part_counts, part_levels[0], assign,
+            signs, mask, centroid_signs[-1], flags_in, level[0], part_votes, part_counts, part_levels[0], assign,
             h, n, clusters, chunk, chunks, blocks,
             FINAL=False, EXACT_CASE=False, **assign_blocks, **common,
         )
         _hamming_update_kernel[(blocks, b * h)](
-            codes, centroids, centroid_signs[1], flags_in, flags_out, level[0], part_votes, part_counts, part_levels[0],
+            codes, centroids, centroid_signs[-1], flags_in, flags_out, level[0], part_votes, part_counts, part_levels[0],
             n, clusters, bits, chunk, chunks, blocks, per_program,
             BLOCK_C=min(per_program, 16), COUNT_C=pow2_block(clusters, 16, 256), CHUNK_BLOCK=pow2_block(chunks, 1),
             CHUNK_GROUP=chunk_group(chunks), VOTE_GROUP=max(1, 4096 // (min(per_program, 16) * BLOCK_BITS)), SCAN=SCAN,
             **common,
         )
     _hamming_assign_kernel[grid](
-        signs, mask, centroid_signs[1], flags, level[0], part_votes, part_counts, part_levels[0], assign,
+        signs, mask, centroid_signs[-1], flags, level[0], part_votes, part_counts, part_levels[0], assign,
         h, n, clusters, chunk, chunks, blocks,
         FINAL=True, EXACT_CASE=exact_case, **assign_blocks, **common,
     )
