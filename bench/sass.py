@@ -72,8 +72,9 @@ def parse_listing(text: str) -> Listing:
         match = _INSTRUCTION.match(line)
         if not match:
             continue
-        if pending:  # the first annotation is the innermost line with its chain of call sites
-            location = tuple((Path(f).name, int(n)) for f, n in _SOURCE.findall(pending[0]))
+        if pending:  # the innermost line "inlined at" its caller, then each caller "inlined at" its own
+            frames = [[(Path(f).name, int(n)) for f, n in _SOURCE.findall(note)] for note in pending]
+            location = tuple(frames[0] + [frame for later in frames[1:] for frame in later[1:]])
             pending = []
         body = match.group(2)
         guard = None

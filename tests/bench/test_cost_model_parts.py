@@ -44,6 +44,18 @@ def test_loops_nest_and_carry_their_source_lines():
     assert inner.blocks < outer.blocks and not inner.children
 
 
+def test_a_line_two_calls_deep_carries_both_call_sites():
+    # nvdisasm writes one annotation a frame: each caller "inlined at" its own caller.
+    listing = sass.parse_listing("""
+        //## File "/src/toy.py", line 30 inlined at "/src/toy.py", line 20
+        //## File "/src/toy.py", line 20 inlined at "/src/toy.py", line 10
+        //## File "/src/toy.py", line 10
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/                   EXIT ;
+""")
+    assert listing.instructions[0].location == (("toy.py", 30), ("toy.py", 20), ("toy.py", 10))
+
+
 def test_warp_cost_multiplies_each_block_by_its_loops_trips():
     listing = sass.parse_listing(LISTING)
     (outer,) = loops = sass.find_loops(listing)
