@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton.hamming_step import _hamming_step_kernel, _key_bias, _nearest_key, _ranked
+from kernels.triton.hamming_step import _exact_case, _hamming_step_kernel, _key_bias, _nearest_key, _ranked
 from kernels.triton.hamming_update import _hamming_update_kernel
 from kernels.triton.helpers import (
     any_set,
@@ -178,11 +178,7 @@ def _hamming_assign_kernel(
     else:
         active = any_set(flags_in_ptr + bh * BLOCKS, BLOCKS, FLAG_BLOCK)
     if active:
-        rank_seen = tl.full([], 0, tl.int32)
-        exact = rank_seen < 0  # the exact case: no more real queries than clusters
-        if FINAL and EXACT_CASE:
-            rank_seen = count_real(mask_row, 0, start, COUNT_BLOCK)
-            exact = rank_seen + count_real(mask_row, start, N, COUNT_BLOCK) <= C
+        rank_seen, exact = _exact_case(mask_row, start, N, C, COUNT_BLOCK, FINAL and EXACT_CASE)
         cols = tl.arange(0, BLOCK_C)
         histogram = tl.zeros([LEVELS], tl.int32)
         for first in range(start, stop, BLOCK_N):
@@ -272,8 +268,9 @@ def hamming_kmeans_triton(
         # clears (s + 1) % 3 for the next); the first launch's totals start at zero.
         totals = torch.empty(3, b * h, clusters, BLOCK_BITS, dtype=torch.int32, device=device)
         totals[0].zero_()
-        scratch = torch.empty(b * h, chunks, pow2_block(clusters, 16, BLOCK_C), BLOCK_BITS, dtype=torch.int8, device=device)
-        step = dict(BLOCK_N=BLOCK_N, BLOCK_C=pow2_block(clusters, 16, BLOCK_C), BLOCK_BITS=BLOCK_BITS, LEVELS=LEVELS,
+        block_c = pow2_block(clusters, 16, BLOCK_C)
+        scratch = torch.empty(b * h, chunks, block_c, BLOCK_BITS, dtype=torch.int8, device=device)
+        step = dict(BLOCK_N=BLOCK_N, BLOCK_C=block_c, BLOCK_BITS=BLOCK_BITS, LEVELS=LEVELS,
                     CHUNK_BLOCK=pow2_block(chunks, 1), CHUNK_GROUP=chunk_group(chunks), SCAN=SCAN,
                     COUNT_BLOCK=COUNT_BLOCK, CLEAR_BLOCK=CLEAR_BLOCK, UPCAST=upcast(codes), num_warps=NUM_WARPS)
         for s in range(iterations + 1):

@@ -23,8 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.triton.hamming_update import _donor_position
-from kernels.triton.helpers import code_signs, count_real, mma, one_hot, sum_chunks
+from kernels.triton.hamming_update import _donor_position, _level_ranks
+from kernels.triton.helpers import code_signs, count_real, mma, one_hot
 
 
 @triton.jit
@@ -41,6 +41,19 @@ def _nearest_key(query_signs, centroid_signs, bias, UPCAST: tl.constexpr):
     max. KEY_SCALE = 2^13 > any cluster index (spec.clusters <= 4096)."""
     similarity = mma(query_signs, tl.trans(centroid_signs), UPCAST).to(tl.int32)
     return ((64 + similarity) << 13) + bias[None, :]
+
+
+@triton.jit
+def _exact_case(mask_row, start, N, C, COUNT_BLOCK: tl.constexpr, EXACT_CASE: tl.constexpr):
+    """With EXACT_CASE, the real queries before a chunk and whether its sequence has no more
+    real queries than clusters (each real query is then its own cluster: _ranked); else 0 and
+    False."""
+    rank_seen = tl.full([], 0, tl.int32)
+    exact = rank_seen < 0
+    if EXACT_CASE:
+        rank_seen = count_real(mask_row, 0, start, COUNT_BLOCK)
+        exact = rank_seen + count_real(mask_row, start, N, COUNT_BLOCK) <= C
+    return rank_seen, exact
 
 
 @triton.jit
@@ -113,25 +126,22 @@ def _hamming_step_kernel(
     ran = tl.load(flags_in_ptr + bh) != 0
     centroids_head = (bh * C + cols)[:, None] * BLOCK_BITS + bit[None, :]
     old = tl.load(centroids_in_ptr + centroids_head, mask=in_c[:, None], other=-1)
+    centroid_signs = old
     if FIRST:
-        centroid_signs = old
         assigns = ran
     else:
-        centroid_signs = old
         if ran:
             centroid_signs, empty = _majority_signs(votes_in_ptr + bh * C * BLOCK_BITS, C, BITS, BLOCK_C, BLOCK_BITS)
             n_empty = tl.sum(empty, axis=0)
             if n_empty > 0:
                 # The e-th empty cluster (cluster order) takes the code of the e-th farthest
                 # query, the last one past N (_hamming_update_kernel's rule).
-                levels = tl.arange(0, LEVELS)
                 part_levels_row = part_levels_in_ptr + bh * CHUNKS * LEVELS
-                level_counts = sum_chunks(part_levels_row, LEVELS, CHUNKS, levels, levels >= 0, CHUNK_GROUP)
-                through = tl.cumsum(level_counts, axis=0, reverse=True)  # donors at this level or above
+                above, through = _level_ranks(part_levels_row, CHUNKS, LEVELS, CHUNK_GROUP)
                 order = tl.cumsum(empty, axis=0) - 1
                 for e in range(0, n_empty):
                     i = tl.sum(tl.where((empty != 0) & (order == e), cols, 0), axis=0)
-                    position = _donor_position(level_in_ptr + bh * N, part_levels_row, through - level_counts, through,
+                    position = _donor_position(level_in_ptr + bh * N, part_levels_row, above, through,
                                                tl.minimum(e, N - 1), N, CHUNK, CHUNKS, LEVELS, CHUNK_BLOCK, SCAN)
                     donor = code_signs(tl.load(codes_ptr + bh * N + position + tl.zeros([1], tl.int64)), BLOCK_BITS)
                     centroid_signs = tl.where((cols == i)[:, None], donor, centroid_signs)
@@ -149,11 +159,7 @@ def _hamming_step_kernel(
         centroid_signs = tl.load(scratch)
     if assigns | FINAL:
         bias = _key_bias(cols, C)
-        rank_seen = tl.full([], 0, tl.int32)
-        exact = rank_seen < 0  # the exact case: no more real queries than clusters
-        if FINAL and EXACT_CASE:
-            rank_seen = count_real(mask_row, 0, start, COUNT_BLOCK)
-            exact = rank_seen + count_real(mask_row, start, N, COUNT_BLOCK) <= C
+        rank_seen, exact = _exact_case(mask_row, start, N, C, COUNT_BLOCK, FINAL and EXACT_CASE)
         histogram = tl.zeros([LEVELS], tl.int32)
         votes = tl.zeros([BLOCK_C, BLOCK_BITS], tl.int32)
         for first in range(start, stop, BLOCK_N):

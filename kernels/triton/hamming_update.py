@@ -53,6 +53,16 @@ def _donor_position(level_row, part_levels_row, above, through, rank, N, CHUNK, 
 
 
 @triton.jit
+def _level_ranks(part_levels_row, CHUNKS, LEVELS: tl.constexpr, CHUNK_GROUP: tl.constexpr):
+    """A head's donor counts by level from its chunks' histograms: (above[l], through[l]), the
+    donors above level l and those at it or above (_donor_position's ranks)."""
+    levels = tl.arange(0, LEVELS)
+    level_counts = sum_chunks(part_levels_row, LEVELS, CHUNKS, levels, levels >= 0, CHUNK_GROUP)
+    through = tl.cumsum(level_counts, axis=0, reverse=True)
+    return through - level_counts, through
+
+
+@triton.jit
 def _hamming_update_kernel(
     codes_ptr, centroids_ptr, centroid_signs_ptr, flags_in_ptr, flags_out_ptr, level_ptr,
     part_votes_ptr, part_counts_ptr, part_levels_ptr,
@@ -93,15 +103,12 @@ def _hamming_update_kernel(
             empty = ((members == 0) & in_block).to(tl.int32)
             block_empties = tl.sum(empty, axis=0)
             if block_empties > 0:
-                levels = tl.arange(0, LEVELS)
-                level_counts = sum_chunks(part_levels_ptr + bh * CHUNKS * LEVELS, LEVELS, CHUNKS, levels, levels >= 0,
-                                          CHUNK_GROUP)
-                through = tl.cumsum(level_counts, axis=0, reverse=True)  # donors at this level or above
+                above, through = _level_ranks(part_levels_ptr + bh * CHUNKS * LEVELS, CHUNKS, LEVELS, CHUNK_GROUP)
                 order = tl.cumsum(empty, axis=0) - 1  # each empty cluster's place among the block's
                 for e in range(0, block_empties):
                     i = tl.sum(tl.where((empty != 0) & (order == e), index, 0), axis=0)
                     position = _donor_position(level_ptr + bh * N, part_levels_ptr + bh * CHUNKS * LEVELS,
-                                               through - level_counts, through, tl.minimum(empties_before + e, N - 1),
+                                               above, through, tl.minimum(empties_before + e, N - 1),
                                                N, CHUNK, CHUNKS, LEVELS, CHUNK_BLOCK, SCAN)
                     code = tl.where(index == i, tl.load(codes_ptr + bh * N + position), code)
             empties_before += block_empties
