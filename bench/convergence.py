@@ -10,11 +10,11 @@ native backend with i-clustered 100/32's hashes:
                       iterations, but a launch lasts as long as its slowest head
     warm_iterations   the same from the previous layer's final clusters: each centroid the
                       majority vote of this layer's codes over that cluster's members
-    refine_steps      Euclidean Lloyd steps after the served 10 Hamming iterations until the
+    refine_steps      Euclidean Lloyd steps after the paper's 10 Hamming iterations until the
                       assignments repeat, capped at CAP
 Then whole passes with every layer approximated, per variant (cold or warm, Hamming
 iterations, refinement steps): the pooled vector's cosine to exact attention. A warm layer
-starts from the previous layer's final clusters; layer 0 runs the served knobs.
+starts from the previous layer's final clusters; layer 0 runs 10 / 3.
 
 Writes bench/results/convergence-<model>.json. The GPU cost of an iteration is the offline
 model's (bench.gpu_model); these figures say how many of them a call really needs.
@@ -41,12 +41,13 @@ from models import load_encoder
 from .common import device_name, long_text_ids, print_table, write_report
 from .locality import DEFAULT_MODEL, capture, layer_attention
 
-SERVED = AttentionSpec(method="i-clustered", clusters=100, topk=32)  # iterations 10, refine 3
+# The paper's 10 Hamming iterations, then 3 refinement steps: where the chains start.
+BASE = AttentionSpec(method="i-clustered", clusters=100, topk=32, iterations=10, refine=3)
 CAP = 40
 # (name, warm, Hamming iterations, refinement steps)
 VARIANTS = (
-    ("cold 10/3 (served)", False, 10, 3),
-    ("cold 5/3", False, 5, 3),
+    ("cold 10/3", False, 10, 3),
+    ("cold 5/3 (served)", False, 5, 3),
     ("cold 3/1", False, 3, 1),
     ("warm 3/1", True, 3, 1),
     ("cold 2/0", False, 2, 0),
@@ -109,7 +110,7 @@ def pass_cosine(encoder, ids: list[int], exact: Tensor, warm: bool, iterations: 
 
     def choose(layer, original, args, kwargs):
         q, k, v, _ = args
-        spec = SERVED if warm and layer == 0 else dataclasses.replace(SERVED, iterations=iterations, refine=refine)
+        spec = BASE if warm and layer == 0 else dataclasses.replace(BASE, iterations=iterations, refine=refine)
 
         def observe(name, stage, *stage_args):
             if name == "cluster" and warm and carried:
@@ -163,12 +164,12 @@ def main() -> None:
         for layer, (q, _k, _v) in enumerate(qkv):
             q = q.float().contiguous()
             mask = torch.ones(1, q.shape[2], dtype=torch.bool)
-            codes = NATIVE.hash(q, SERVED)
-            hamming = hamming_chain(codes, mask, cold_initial(codes, mask, SERVED), SERVED)
-            refined = refine_chain(q, hamming[SERVED.iterations], mask, SERVED)
+            codes = NATIVE.hash(q, BASE)
+            hamming = hamming_chain(codes, mask, cold_initial(codes, mask, BASE), BASE)
+            refined = refine_chain(q, hamming[BASE.iterations], mask, BASE)
             cold, steps = settled_at(hamming), settled_at(refined)
-            warm = iterations_to_converge(codes, mask, warm_initial(codes, mask, previous, SERVED), SERVED) if layer else cold
-            previous = refined[SERVED.refine]  # the served clusters, which the next layer's warm start reads
+            warm = iterations_to_converge(codes, mask, warm_initial(codes, mask, previous, BASE), BASE) if layer else cold
+            previous = refined[BASE.refine]  # the clusters after 10 / 3, which the next layer's warm start reads
             for head in range(q.shape[1]):
                 head_rows.append(dict(tokens=len(ids), layer=layer, head=head, cold_iterations=cold[head],
                                       warm_iterations=warm[head] if layer else None, refine_steps=steps[head]))
@@ -184,7 +185,7 @@ def main() -> None:
     print_table(pass_rows, list(pass_rows[0]))
     for row in summary:
         print(row)
-    meta = dict(device=device_name(), model=encoder.name, dtype=args.dtype, spec=SERVED.to_json(), cap=CAP,
+    meta = dict(device=device_name(), model=encoder.name, dtype=args.dtype, spec=BASE.to_json(), cap=CAP,
                 text="Debian common-licenses, framed with the default prompt")
     name = args.name or f"convergence-{encoder.name}"
     path = write_report(name, dict(meta=meta, summary=summary, passes=pass_rows, heads=head_rows))

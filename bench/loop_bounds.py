@@ -77,10 +77,14 @@ LOOP_BOUNDS: dict[str, dict[str, Bounds]] = {
         "_centroid_attention_kernel": lambda a: {"first": 0, "stop": min(a["CHUNK"], a["M"])},
         "_centroid_topk_kernel": topk_rounds,
     },
-    "kernels.triton.cluster_layout": {"_layout_counts_kernel": _by_rows, "_layout_scatter_kernel": _by_rows},
+    "kernels.triton.cluster_layout": {
+        "_layout_counts_kernel": lambda a: {**_by_rows(a), "zero_stop": _by_rows(a)["start"]},  # no padding
+        "_layout_scatter_kernel": _by_rows,
+    },
     "kernels.triton.hamming": {
-        "_hamming_initial_kernel": lambda a: {
-            **slowest_chunk(a["N"], a["CHUNK"]), "c_first": 0, "c_last": a["C"] / -(-a["N"] // a["CHUNK"]) + 3
+        "_hamming_initial_kernel": lambda a: {  # all queries real: no rank is counted
+            **slowest_chunk(a["N"], a["CHUNK"]), "c_first": 0, "c_last": a["C"] / -(-a["N"] // a["CHUNK"]) + 3,
+            "scan_stop": slowest_chunk(a["N"], a["CHUNK"])["start"],
         },
         "_hamming_assign_kernel": _by_rows,
     },

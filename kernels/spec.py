@@ -66,7 +66,8 @@ class AttentionSpec:
     clusters: query clusters per (batch, head) for the clustered methods.
     topk: keys per cluster recomputed exactly by i-clustered (paper eq. 10).
     bits: LSH bits of the query codes used by Hamming K-means.
-    iterations: Lloyd iterations in Hamming space (the paper uses 10).
+    iterations: Lloyd iterations in Hamming space (the paper uses 10; 5 keep its fidelity on
+        nomic-embed-text-v1.5 within 0.01 at 4k-8k tokens: docs/methods.md).
     refine: Lloyd iterations on the real query vectors after the Hamming pass; 0 is the
         paper's method. 3 measured best for cost on the default model (README, fidelity).
     hash_rounds: SMYRF hashing rounds merged by softmax mass (paper eq. 15).
@@ -88,7 +89,7 @@ class AttentionSpec:
     clusters: int = 100
     topk: int = 32
     bits: int = 63
-    iterations: int = 10
+    iterations: int = 5
     refine: int = 3
     hash_rounds: int = 4
     cluster_size: int = 64

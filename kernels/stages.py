@@ -13,6 +13,9 @@ Clustered and improved clustered attention (Vyas et al. 2020):
     centroid_attention  (centroids, k, v, key_mask, scale, topk) -> CentroidAttention
     sparse              (q, k, v, assign, centroid, key_mask, scale, dtype) -> (B, H, N, Dv), eq. 15
     broadcast           (centroid_values, assign, dtype) -> (B, H, N, Dv), clustered only
+A backend may also give cluster_means, (q, query_mask, spec) -> (assign, centroids): hash,
+cluster, refine and centroids in one, observed as "cluster" (its launches hand each other
+what the separate stages would recompute); run_clustered then takes it.
 
 SMYRF (Daras et al. 2020); the asymmetric transform (eq. 4) is fused into `hash`, the merge of
 the rounds by softmax mass (eq. 15) into `cluster_attention`:
@@ -67,6 +70,9 @@ class ClusteredStages:
     # Whether its stages read q as contiguous rows: then q is laid out once, before the hash,
     # instead of copied by each stage that needs it so.
     contiguous: bool = False
+    # hash, cluster, refine and centroids in one, or None (see the module docstring); a
+    # backend whose stages apply the exact case themselves.
+    cluster_means: Callable[..., tuple[Tensor, Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -108,8 +114,9 @@ def run_clustered(
     qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
     qc = qc.contiguous() if stages.contiguous else qc
     key_mask, query_mask = token_masks(q, k, key_padding_mask)
-    assign = cluster_queries(stages, qc, query_mask, spec, observe)
-    centroids = observe("centroids", stages.centroids, qc, assign, spec.clusters)
+    assign, centroids = _assignments(stages, qc, query_mask, spec, observe, means=True)
+    if centroids is None:
+        centroids = observe("centroids", stages.centroids, qc, assign, spec.clusters)
     topk = min(spec.topk, k.shape[2]) if spec.method == "i-clustered" else 0
     centroid = observe("centroid_attention", stages.centroid_attention, centroids, kc, vc, key_mask, scale, topk)
     if topk:
@@ -123,11 +130,21 @@ def cluster_queries(
     """The hash, cluster and refine stages: q (B, H, N, D) in the compute dtype, query_mask
     (B, N) -> assignments (B, H, N) int64 in [0, C], padded queries at C. A sequence with no
     more real queries than clusters gives each query its own cluster: exact attention."""
+    return _assignments(stages, q, query_mask, spec, observe, means=False)[0]
+
+
+def _assignments(
+    stages: ClusteredStages, q: Tensor, query_mask: Tensor, spec: AttentionSpec, observe: Observe, means: bool
+) -> tuple[Tensor, Tensor | None]:
+    """cluster_queries, and with `means` the centroids where the backend's cluster_means gives them."""
+    if means and stages.cluster_means is not None:
+        assign, centroids = observe("cluster", stages.cluster_means, q, query_mask, spec)
+        return stages.exact_case(assign, query_mask, spec.clusters), centroids
     codes = observe("hash", stages.hash, q, spec)
     assign = observe("cluster", stages.cluster, codes, query_mask, spec)
     if spec.refine:
         assign = observe("refine", stages.refine, q, assign, query_mask, spec)
-    return stages.exact_case(assign, query_mask, spec.clusters)
+    return stages.exact_case(assign, query_mask, spec.clusters), None
 
 
 def applied_by_stages(assign: Tensor, query_mask: Tensor, clusters: int) -> Tensor:

@@ -22,9 +22,9 @@ each cluster's top-k keys of A^c. A^c is never written.
 
 A block of keys costs the top-k a compare per logit and a few steps per candidate, instead of
 a sorting network over every logit. Softmaxes run in base 2 (kernels.triton.helpers). The
-centroids (float32) meet half-precision keys as split-precision dots, split once per program:
-the logits, and so the top-k, have float32 accuracy. The probabilities meet half-precision
-values rounded to the values' dtype, as flash attention's do.
+centroids (float32) meet half-precision keys as split-precision dots of two parts (LOGIT_PARTS),
+split once per program: the top-k differs from float32's only within ~1e-5 of a tie. The
+probabilities meet half-precision values rounded to the values' dtype, as flash attention's do.
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ COMBINE_SPLITS = 4
 # A logit at the threshold may come out an ulp lower when recomputed by a differently tiled dot:
 # the top-k kernel keeps what is within this relative margin below it too.
 THRESHOLD_MARGIN = 1e-5
+# Half-precision parts of the centroids in the logits (helpers.dot_parts): two keep the top-k
+# within ~1e-5 of a tie of float32's, for one tensor-core dot a block fewer in both passes.
+LOGIT_PARTS = tl.constexpr(2)
 # Key of no key: below every logit's.
 NO_KEY = -(1 << 63)
 # A candidate no longer left in a round (_ordered): below every logit's.
@@ -80,7 +83,7 @@ def _logits(parts, centroids, keys, scale, UPCAST: tl.constexpr):
     if keys.dtype == tl.float32:
         product = tl.dot(centroids, tl.trans(keys), input_precision="ieee")
     else:
-        product = dot_parts_left(parts, tl.trans(keys), UPCAST)
+        product = dot_parts_left(parts, tl.trans(keys), UPCAST, LOGIT_PARTS)
     return product * scale
 
 

@@ -3,6 +3,7 @@ GPU: each cluster's real queries in position order, in tiles of TILE (clustered.
 is the reference; the tiles are the same).
 
     _layout_counts_kernel   (chunks, B * H)  members of every cluster in each chunk of queries
+                            (and, for the sparse stage, zero output rows for its padded ones)
     _layout_offsets_kernel  (B * H,)         cluster sizes, where each cluster starts in the
                             order, where each chunk's members of it start, the tiles' ends
     _layout_scatter_kernel  (chunks, B * H)  every real query to its place in the order:
@@ -43,23 +44,40 @@ class ClusterLayout(NamedTuple):
 
 @triton.jit
 def _layout_counts_kernel(
-    assign_ptr, part_counts_ptr,
-    N, C, CHUNK, CHUNKS,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    assign_ptr, part_counts_ptr, out_ptr,
+    stride_ob, stride_oh, stride_on, stride_od,
+    H, N, C, DV, CHUNK, CHUNKS,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, VALUE_DIM: tl.constexpr, ZERO: tl.constexpr,
 ):
-    """part_counts (B * H, CHUNKS, C) int32: members of each cluster in this chunk."""
+    """part_counts (B * H, CHUNKS, C) int32: members of each cluster in this chunk. With ZERO,
+    the rows of out (B, H, N, DV) of the chunk's padded queries (at C) are set to 0: no tile
+    writes them."""
     chunk = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     start = chunk * CHUNK
     stop = tl.minimum(start + CHUNK, N)
+    padded = 0  # the chunk's padded queries
     for c_start in range(0, C, BLOCK_C):
         counts = tl.zeros([BLOCK_C], tl.int32)
         for first in range(start, stop, BLOCK_N):
             rows = first + tl.arange(0, BLOCK_N)
-            local = (tl.load(assign_ptr + bh * N + rows, mask=rows < stop, other=C) - c_start).to(tl.int32)
+            cluster = tl.load(assign_ptr + bh * N + rows, mask=rows < stop, other=C)
+            local = (cluster - c_start).to(tl.int32)
             counts += tl.histogram(local, BLOCK_C, mask=(local >= 0) & (local < BLOCK_C) & (c_start + local < C))
+            if ZERO and c_start == 0:
+                padded += tl.sum(((cluster >= C) & (rows < stop)).to(tl.int32), axis=0)
         cols = c_start + tl.arange(0, BLOCK_C)
         tl.store(part_counts_ptr + (bh * CHUNKS + chunk) * C + cols, counts, mask=cols < C)
+    if ZERO:
+        out_head = out_ptr + (bh // H) * stride_ob + (bh % H) * stride_oh
+        vdims = tl.arange(0, VALUE_DIM)
+        zero_stop = tl.where(padded > 0, stop, start)  # the rows again, only where some are padded
+        for first in range(start, zero_stop, BLOCK_N):
+            rows = first + tl.arange(0, BLOCK_N)
+            cluster = tl.load(assign_ptr + bh * N + rows, mask=rows < stop, other=C)
+            tl.store(out_head + rows[:, None] * stride_on + vdims[None, :] * stride_od,
+                     tl.zeros([BLOCK_N, VALUE_DIM], out_ptr.dtype.element_ty),
+                     mask=((cluster >= C) & (rows < stop))[:, None] & (vdims[None, :] < DV))
 
 
 @triton.jit
@@ -118,9 +136,10 @@ def _layout_scatter_kernel(
             seen += tl.histogram(local, BLOCK_C, mask=mine)
 
 
-def cluster_layout_triton(assign: Tensor, clusters: int, tile: int) -> ClusterLayout:
+def cluster_layout_triton(assign: Tensor, clusters: int, tile: int, out: Tensor | None = None) -> ClusterLayout:
     """Each cluster's real queries in position order, tiles of `tile`: assign (B, H, N) in
-    [0, C], padded queries at C. Three launches; see ClusterLayout."""
+    [0, C], padded queries at C. Three launches; see ClusterLayout. `out` (B, H, N, Dv), the
+    sparse stage's output: its padded queries' rows are set to 0 on the way."""
     b, h, n = assign.shape
     device = assign.device
     chunks, chunk = chunking(n, h, BLOCK_N)
@@ -130,8 +149,11 @@ def cluster_layout_triton(assign: Tensor, clusters: int, tile: int) -> ClusterLa
     layout = ClusterLayout(*(torch.empty(b * h, size, dtype=torch.int32, device=device) for size in (n, clusters,
                                                                                                      clusters, clusters)))
     block_c = pow2_block(clusters, 16, BLOCK_C)
-    _layout_counts_kernel[(chunks, b * h)](
-        assign, part_counts, n, clusters, chunk, chunks, BLOCK_N=BLOCK_N, BLOCK_C=block_c,
+    dv = out.shape[-1] if out is not None else 1
+    _layout_counts_kernel[(chunks, b * h)](  # without `out` nothing is written to its stand-in
+        assign, part_counts, out if out is not None else part_counts, *(out.stride() if out is not None else (0,) * 4),
+        h, n, clusters, dv, chunk, chunks, BLOCK_N=BLOCK_N, BLOCK_C=block_c, VALUE_DIM=pow2_block(dv),
+        ZERO=out is not None,
     )
     _layout_offsets_kernel[(b * h,)](
         part_counts, offsets, layout.start, layout.size, layout.tile_end, clusters, chunks,

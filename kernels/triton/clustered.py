@@ -4,7 +4,10 @@ they match is clustered.py.
 
     hash, cluster, refine, centroids   LSH codes (hashing_triton), Hamming K-means
                              (hamming_triton), Euclidean refinement (lloyd_triton) and cluster
-                             means (means_triton), each spread over (chunks of queries, B * H)
+                             means (means_triton), each spread over (chunks of queries, B * H);
+                             run as one (cluster_means_triton_stages), the K-means' final
+                             launch and the refinement's last step also sum the queries by
+                             cluster, so that no launch of their own does
     centroid_attention_triton    V^c = A^c V and each cluster's top-k keys of A^c, the keys
                                  split across programs (centroid_triton; A^c is never written)
     _broadcast_kernel            clustered: every query gets its centroid's row of V^c
@@ -16,10 +19,10 @@ they match is clustered.py.
 
 The softmaxes run in base 2 (kernels.triton.helpers.online_softmax_step). Sums and softmaxes are
 float32; every dot of half-precision inputs runs on tensor cores (the split-precision dots of
-kernels.triton.helpers keep float32 accuracy where a float32 operand decides something: the
-centroids' logits), float32 inputs use input_precision="ieee" (TF32 alone would miss the
-reference by ~1e-3). Probabilities meet half-precision values rounded to their dtype, as
-in flash attention. No host synchronisation: sizes that the reference reads
+kernels.triton.helpers, where a float32 operand decides something: the hash planes to float32
+accuracy, the means and the centroids' logits to within ~1e-5 of a tie), float32 inputs use
+input_precision="ieee" (TF32 alone would miss the reference by ~1e-3). Probabilities meet
+half-precision values rounded to their dtype, as in flash attention. No host synchronisation: sizes that the reference reads
 from the data (the number of tiles) use their static bound, so a whole forward can be
 captured in a CUDA graph.
 """
@@ -39,8 +42,9 @@ from kernels.triton.centroid import centroid_attention_triton
 from kernels.triton.cluster_layout import cluster_layout_triton
 from kernels.triton.hamming import hamming_kmeans_triton
 from kernels.triton.hashing import hash_codes_triton
-from kernels.triton.helpers import mma, online_softmax_step, pow2_block, rounded, upcast
-from kernels.triton.lloyd import refine_clusters_triton
+from kernels.triton.helpers import chunking, mma, online_softmax_step, pow2_block, rounded, upcast
+from kernels.triton import hamming, means
+from kernels.triton.lloyd import refine_buffers, refine_clusters_triton, refine_summed_triton
 from kernels.triton.means import cluster_means_triton
 
 LOG2E = 1.4426950408889634
@@ -158,6 +162,34 @@ def refine_assignments_triton(q: Tensor, assign: Tensor, query_mask: Tensor, spe
     return refine_clusters_triton(q, assign, query_mask, spec.clusters, spec.refine, exact_case=True)
 
 
+def cluster_means_triton_stages(q: Tensor, query_mask: Tensor, spec: AttentionSpec) -> tuple[Tensor, Tensor]:
+    """The hash, cluster, refine and centroids stages in one: (B, H, N) assignments and member
+    means (B, H, C, D) float32. Up to hamming.BLOCK_C clusters, the hash writes the signs that
+    the Hamming K-means reads, whose final launch sums the query vectors under its
+    assignments, and the refinement's last step sums them under its own: no launch of their
+    own converts codes or sums. More clusters run the stages one by one."""
+    b, h, n, d = q.shape
+    if spec.clusters > hamming.BLOCK_C:
+        codes = hash_queries_triton(q, spec)
+        assign = cluster_codes_triton(codes, query_mask, spec)
+        if spec.refine:
+            assign = refine_assignments_triton(q, assign, query_mask, spec)
+        return assign, centroids_triton(q, assign, spec.clusters)
+    signs = torch.empty(b * h, n, hamming.BLOCK_BITS, dtype=torch.int8, device=q.device)
+    codes = hash_codes_triton(q, on_device(hash_planes, (h, d, spec.bits, spec.seed), q.device), signs)
+    chunks, chunk = chunking(n, h, hamming.BLOCK_N)  # the K-means' chunks, which the sums follow
+    buffers = refine_buffers(q, spec.clusters, chunk, chunks)
+    offsets = on_device(initial_offsets, (h, spec.seed), q.device)
+    assign = hamming_kmeans_triton(codes, query_mask, spec.clusters, spec.iterations, offsets, spec.bits,
+                                   exact_case=True, sums=hamming.VectorSums(q, buffers, all_moved=not spec.refine),
+                                   signs=signs)
+    if spec.refine:
+        refine_summed_triton(q, assign, query_mask, spec.clusters, spec.refine, buffers, chunk, exact_case=True)
+    else:
+        means.means(q, buffers, buffers.moved[1], spec.clusters, chunks)
+    return assign, buffers.means.view(b, h, spec.clusters, d)
+
+
 def centroids_triton(q: Tensor, assign: Tensor, clusters: int) -> Tensor:
     """The centroids stage on the device: member means (B, H, C, D) float32."""
     return cluster_means_triton(q, assign, clusters)[0]
@@ -191,8 +223,8 @@ def improved_sparse_triton(
     m, dv = k.shape[2], v.shape[-1]
     clusters = centroid.values.shape[2]
     n_tiles = triton.cdiv(n, TILE) + clusters  # static bound on sum_j ceil(|cluster j| / TILE)
-    layout = cluster_layout_triton(assign, clusters, TILE)
-    out = torch.zeros(b, h, n, dv, dtype=dtype, device=q.device)  # padded queries stay 0
+    out = torch.empty(b, h, n, dv, dtype=dtype, device=q.device)  # the layout zeroes padded queries' rows
+    layout = cluster_layout_triton(assign, clusters, TILE, out)
     top = centroid.top_index.shape[-1]
     _improved_tile_kernel[(n_tiles, b * h)](
         q, k, v, key_mask.contiguous(), *layout,
@@ -211,5 +243,5 @@ TRITON = ClusteredStages(
     name="triton", compute=lambda dtype: dtype, hash=hash_queries_triton, cluster=cluster_codes_triton,
     refine=refine_assignments_triton, centroids=centroids_triton,
     centroid_attention=centroid_attention_triton, sparse=improved_sparse_triton, broadcast=broadcast_triton,
-    exact_case=applied_by_stages,
+    exact_case=applied_by_stages, cluster_means=cluster_means_triton_stages,
 )

@@ -29,11 +29,14 @@ reference's donor order is level descending, then position. The update kernel
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.triton import means
 from kernels.triton.hamming_step import _exact_case, _hamming_step_kernel, _key_bias, _nearest_key, _ranked
 from kernels.triton.hamming_update import _hamming_update_kernel
 from kernels.triton.helpers import (
@@ -48,6 +51,17 @@ from kernels.triton.helpers import (
     pow2_block,
     upcast,
 )
+
+class VectorSums(NamedTuple):
+    """What the final launch sums besides the codes: the query vectors x (B, H, N, D) by
+    cluster into buffers (means_triton's, sized for this module's chunking), each chunk's flag
+    set in buffers.moved[1] (the refinement's first step reads it) unless its sequence is the
+    exact case and not all_moved (set: the means of every head are wanted)."""
+
+    x: Tensor
+    buffers: means.Buffers
+    all_moved: bool
+
 
 # Queries per tile (a chunk is whole tiles), centroids per tile of the search and the votes
 # (up to BLOCK_C clusters: one launch an iteration, the centroids' signs and the votes in
@@ -75,11 +89,13 @@ def _hamming_initial_kernel(
     codes_ptr, query_mask_ptr, offsets_ptr, centroids_ptr, centroid_signs_ptr, flags_ptr, signs_ptr,
     H, N, C, CHUNK, BLOCKS,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_BITS: tl.constexpr, COUNT_BLOCK: tl.constexpr,
-    FLAG_BLOCK: tl.constexpr, EXACT_CASE: tl.constexpr,
+    FLAG_BLOCK: tl.constexpr, SIGNS: tl.constexpr, EXACT_CASE: tl.constexpr,
 ):
-    """Each query's code as +-1 signs (B * H, N, BLOCK_BITS) int8, which every iteration
-    reads. Cluster j starts at the query of rank floor((j + offset) n_real / C) among the real
-    queries, then the padded ones (kmeans.initial_centroid_positions). Program (p, bh) writes
+    """With SIGNS, each query's code as +-1 signs (B * H, N, BLOCK_BITS) int8, which every
+    iteration reads (else the hash wrote them). Cluster j starts at the query of rank
+    floor((j + offset) n_real / C) among the real queries, then the padded ones
+    (kmeans.initial_centroid_positions): in a chunk of real queries only, its position follows
+    from its rank; otherwise the chunk's ranks are counted. Program (p, bh) writes
     the clusters whose rank falls in its chunk: each cluster has exactly one writer. The
     first program of a head sets its flags (B * H, BLOCKS): iterate, unless EXACT_CASE and no
     more real queries than clusters (the final assignment gives each query its own)."""
@@ -100,10 +116,12 @@ def _hamming_initial_kernel(
         tl.store(flags_ptr + bh * BLOCKS + blocks, tl.zeros([FLAG_BLOCK], tl.int32) + iterate.to(tl.int32),
                  mask=blocks < BLOCKS)
     bit = tl.arange(0, BLOCK_BITS)
-    for first in range(start, stop, BLOCK_N):
-        rows = first + tl.arange(0, BLOCK_N)
-        signs = code_signs(tl.load(codes_row + rows, mask=rows < stop, other=0), BLOCK_BITS)
-        tl.store(signs_ptr + (bh * N + rows)[:, None] * BLOCK_BITS + bit[None, :], signs, mask=rows[:, None] < stop)
+    if SIGNS:
+        for first in range(start, stop, BLOCK_N):
+            rows = first + tl.arange(0, BLOCK_N)
+            signs = code_signs(tl.load(codes_row + rows, mask=rows < stop, other=0), BLOCK_BITS)
+            tl.store(signs_ptr + (bh * N + rows)[:, None] * BLOCK_BITS + bit[None, :], signs,
+                     mask=rows[:, None] < stop)
     offset = tl.load(offsets_ptr + head)
     # The clusters whose target rank can fall in this chunk's real ranks (with a cluster to
     # spare each side for rounding); with no real query, every target is the first padded one.
@@ -121,10 +139,14 @@ def _hamming_initial_kernel(
         padded_rank = (target >= n_real + padded_before) & (target < n_real + padded_before + padded_here)
         mine = (cols < C) & (real_rank | padded_rank)
         if tl.sum(mine.to(tl.int32), axis=0) > 0:
-            code = tl.zeros([BLOCK_C], tl.int64)
+            # A chunk of real queries only: rank real_before + i is its i-th query.
+            all_real = real_here == stop - start
+            direct = mine & (tl.zeros([BLOCK_C], tl.int32) + real_here == stop - start)
+            code = tl.load(codes_row + start + target - real_before, mask=direct, other=0)
             real_seen = real_before
             padded_seen = n_real + padded_before
-            for first in range(start, stop, BLOCK_N):
+            scan_stop = tl.where(all_real, start, stop)  # else the ranks are counted
+            for first in range(start, scan_stop, BLOCK_N):
                 rows = first + tl.arange(0, BLOCK_N)
                 in_range = rows < stop
                 real = (tl.load(mask_row + rows, mask=in_range, other=0) != 0) & in_range
@@ -230,20 +252,24 @@ def _store_votes(part_votes_ptr, part_counts_ptr, votes, part, cols, C, BLOCK_BI
 
 def hamming_kmeans_triton(
     codes: Tensor, query_mask: Tensor, clusters: int, iterations: int, offsets: Tensor, bits: int,
-    exact_case: bool = False,
+    exact_case: bool = False, sums: VectorSums | None = None, signs: Tensor | None = None,
 ) -> Tensor:
     """`kmeans.hamming_kmeans` on packed codes (B, H, N) int64 of `bits` bits.
 
     query_mask: (B, N) bool, True = real query; offsets: (H,) float32 on the codes' device.
     exact_case: a sequence with no more real queries than clusters gives each its own
     (kmeans.one_query_per_cluster). Returns assignments (B, H, N) int64 in [0, C], padded at C.
-    Launches, each of at least chunks x B x H programs: 1 + 1 per iteration + 1 for C <=
-    BLOCK_C, else 1 + 2 per iteration + 1.
+    sums (C <= BLOCK_C only): the final launch also writes the query vectors' per-chunk sums
+    under the assignments it returns (see VectorSums). signs: the codes as +-1 (B * H, N,
+    BLOCK_BITS) int8 where the hash wrote them (hash_codes_triton), else the first launch does. Launches, each of at least chunks x B x
+    H programs: 1 + 1 per iteration + 1 for C <= BLOCK_C, else 1 + 2 per iteration + 1.
     """
     b, h, n = codes.shape
     device = codes.device
     chunks, chunk = chunking(n, h, BLOCK_N)
     one_block = clusters <= BLOCK_C
+    if sums is not None and not one_block:
+        raise ValueError(f"the vector sums ride on the one-launch iteration: at most {BLOCK_C} clusters")
     per_program = cluster_block(clusters)
     blocks = 1 if one_block else triton.cdiv(clusters, per_program)
     mask = query_mask.contiguous()
@@ -252,7 +278,9 @@ def hamming_kmeans_triton(
     centroid_signs = torch.empty(pairs, b * h, clusters, BLOCK_BITS, dtype=torch.int8, device=device)
     flags = torch.empty(2, b * h, blocks, dtype=torch.int32, device=device)
     level = torch.empty(pairs, b * h, n, dtype=torch.int8, device=device)
-    signs = torch.empty(b * h, n, BLOCK_BITS, dtype=torch.int8, device=device)
+    write_signs = signs is None
+    if write_signs:
+        signs = torch.empty(b * h, n, BLOCK_BITS, dtype=torch.int8, device=device)
     part_levels = torch.empty(pairs, b * h, chunks, LEVELS, dtype=torch.int32, device=device)
     assign = torch.empty(b, h, n, dtype=torch.int64, device=device)
     grid = (chunks, b * h)
@@ -260,7 +288,7 @@ def hamming_kmeans_triton(
     _hamming_initial_kernel[grid](
         codes, mask, offsets, centroids, centroid_signs[-1], flags[1], signs, h, n, clusters, chunk, blocks,
         BLOCK_N=min(BLOCK_N, INITIAL_BLOCK_N), BLOCK_C=INITIAL_BLOCK_C, BLOCK_BITS=BLOCK_BITS, COUNT_BLOCK=COUNT_BLOCK,
-        FLAG_BLOCK=flag_block, EXACT_CASE=exact_case,
+        FLAG_BLOCK=flag_block, SIGNS=write_signs, EXACT_CASE=exact_case,
     )
     if one_block:
         # Launch s reads what launch s - 1 wrote: pairs of centroids, flags, levels and histograms
@@ -270,17 +298,25 @@ def hamming_kmeans_triton(
         totals[0].zero_()
         block_c = pow2_block(clusters, 16, BLOCK_C)
         scratch = torch.empty(b * h, chunks, block_c, BLOCK_BITS, dtype=torch.int8, device=device)
+        d = sums.x.shape[-1] if sums is not None else 1
+        # Launches that sum nothing get stand-ins, never read.
+        no_sums = (codes, totals, totals, totals, 0, 0, 0, 0)
+        summed = (sums.x, sums.buffers.part_sums, sums.buffers.part_counts, sums.buffers.moved[1],
+                  *sums.x.stride()) if sums is not None else no_sums
         step = dict(BLOCK_N=BLOCK_N, BLOCK_C=block_c, BLOCK_BITS=BLOCK_BITS, LEVELS=LEVELS,
                     CHUNK_BLOCK=pow2_block(chunks, 1), CHUNK_GROUP=chunk_group(chunks), SCAN=SCAN,
-                    COUNT_BLOCK=COUNT_BLOCK, CLEAR_BLOCK=CLEAR_BLOCK, UPCAST=upcast(codes), num_warps=NUM_WARPS)
+                    COUNT_BLOCK=COUNT_BLOCK, CLEAR_BLOCK=CLEAR_BLOCK, SUMS_BLOCK_N=means.BLOCK_N,
+                    SUMS_BLOCK_C=pow2_block(clusters, 16, means.BLOCK_C), HEAD_DIM=pow2_block(d),
+                    ALL_MOVED=sums is not None and sums.all_moved, UPCAST=upcast(codes), num_warps=NUM_WARPS)
         for s in range(iterations + 1):
             before, now = (s + 1) % 2, s % 2
+            final = s == iterations
             _hamming_step_kernel[grid](
                 codes, signs, mask, flags[before], flags[now], centroid_signs[before], centroid_signs[now],
                 totals[(s + 2) % 3], totals[s % 3], totals[(s + 1) % 3], level[before], level[now],
-                part_levels[before], part_levels[now], assign, scratch,
-                h, n, clusters, bits, chunk, chunks,
-                FIRST=s == 0, FINAL=s == iterations, EXACT_CASE=exact_case, **step,
+                part_levels[before], part_levels[now], assign, scratch, *(summed if final else no_sums),
+                h, n, clusters, bits, chunk, chunks, d,
+                FIRST=s == 0, FINAL=final, EXACT_CASE=exact_case, SUMS=final and sums is not None, **step,
             )
         return assign
     part_votes = torch.empty(b * h, chunks, clusters, BLOCK_BITS, dtype=torch.int32, device=device)

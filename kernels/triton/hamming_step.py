@@ -10,6 +10,10 @@ clusters fit one tile (hamming_triton runs it for C <= BLOCK_C, the defaults amo
                           new centroids; it then assigns its chunk's queries and adds the
                           chunk's votes to this launch's totals.
 
+With SUMS, the final launch also sums the chunk's query vectors by cluster under the final
+assignments, one-hot(cluster) @ rows, as the Euclidean refinement's first step (or the
+centroids) needs them (means_triton's per-chunk sums and flags).
+
 No program reads what another program of its launch writes. Launch s (s = 0 .. iterations; the last one FINAL writes the
 assignments) reads the centroids (as +-1 signs), flags, levels and level histograms of launch
 s - 1 and writes its own in the other half of a pair (the first program of a head writes the
@@ -25,6 +29,7 @@ import triton.language as tl
 
 from kernels.triton.hamming_update import _donor_position, _level_ranks
 from kernels.triton.helpers import code_signs, count_real, mma, one_hot
+from kernels.triton.means import chunk_sums
 
 
 @triton.jit
@@ -94,11 +99,14 @@ def _hamming_step_kernel(
     codes_ptr, signs_ptr, query_mask_ptr, flags_in_ptr, flags_out_ptr, centroids_in_ptr, centroids_out_ptr,
     votes_in_ptr, votes_out_ptr, votes_clear_ptr, level_in_ptr, level_out_ptr,
     part_levels_in_ptr, part_levels_out_ptr, assign_ptr, scratch_ptr,
-    H, N, C, BITS, CHUNK, CHUNKS,
+    x_ptr, part_sums_ptr, part_counts_ptr, moved_ptr,
+    stride_xb, stride_xh, stride_xn, stride_xd,
+    H, N, C, BITS, CHUNK, CHUNKS, D,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_BITS: tl.constexpr, LEVELS: tl.constexpr,
     CHUNK_BLOCK: tl.constexpr, CHUNK_GROUP: tl.constexpr, SCAN: tl.constexpr, COUNT_BLOCK: tl.constexpr,
     CLEAR_BLOCK: tl.constexpr, FIRST: tl.constexpr, FINAL: tl.constexpr, EXACT_CASE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    SUMS: tl.constexpr, ALL_MOVED: tl.constexpr, SUMS_BLOCK_N: tl.constexpr, SUMS_BLOCK_C: tl.constexpr,
+    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One chunk of one (batch, head), C <= BLOCK_C clusters, the centroids as +-1 signs
     (B * H, C, BLOCK_BITS) int8. Centroids: FIRST, the initial ones (centroids_in); else, where
@@ -109,8 +117,11 @@ def _hamming_step_kernel(
     does, each program adds its chunk's signed votes (B * H, C, BLOCK_BITS) int32 to votes_out
     and writes its queries' donor levels (level_out, int8) and their histogram (part_levels_out).
     FINAL writes the assignments (B, H, N) int64, padded queries at C, and with EXACT_CASE a
-    sequence with no more real queries than clusters gives each its rank. `scratch` is the
-    program's own."""
+    sequence with no more real queries than clusters gives each its rank; with SUMS, the
+    chunk's sums of x (B, H, N, D) by cluster (part_sums (B * H, CHUNKS, C, D) float32,
+    part_counts (B * H, CHUNKS, C) int32) and its flag in moved (B * H, CHUNKS): set, unless
+    the sequence is the exact case and not ALL_MOVED (the refinement then has nothing to move).
+    `scratch` is the program's own."""
     chunk = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     batch = bh // H
@@ -183,3 +194,12 @@ def _hamming_step_kernel(
             # Integer sums: the totals are the same whatever order the chunks add in.
             tl.atomic_add(votes_out_ptr + (bh * C + cols)[:, None] * BLOCK_BITS + bit[None, :], votes,
                           mask=in_c[:, None], sem="relaxed")
+        if FINAL and SUMS:
+            tl.debug_barrier()  # the assignments, stored above, are read back by other threads
+            chunk_sums(x_ptr + batch * stride_xb + (bh % H) * stride_xh, assign_ptr + bh * N,
+                       part_sums_ptr + (bh * CHUNKS + chunk) * C * D, part_counts_ptr + (bh * CHUNKS + chunk) * C,
+                       start, stop, C, D, stride_xn, stride_xd, SUMS_BLOCK_N, SUMS_BLOCK_C, HEAD_DIM, UPCAST)
+            if ALL_MOVED:
+                tl.store(moved_ptr + bh * CHUNKS + chunk, 1)
+            else:
+                tl.store(moved_ptr + bh * CHUNKS + chunk, 1 - exact.to(tl.int32))

@@ -7,8 +7,10 @@ into three parts of the half dtype, b = hi + mid / S + lo / S^2 with S = 1 for b
 has float32's exponent range) and 2^11 for float16, and a @ b = a @ hi + (a @ mid) / S +
 (a @ lo) / S^2: three tensor-core dots with float32 accumulation whose products are exact
 (half x half fits float32), against the FMA units of one float32 dot. The split carries 24
-bits of b, so decisions made on the result (signs, nearest centroids, top-k) agree with a
-float32 computation up to float32 rounding.
+bits of b, so decisions made on the result (signs) agree with a float32 computation up to
+float32 rounding. The nearest means and the centroids' logits (the top-k) take two parts,
+hi + mid: 16 bits of b for bfloat16, 22 for float16; their choices differ from float32's only
+within ~1e-5 (relative) of a tie.
 float32 inputs keep one float32 dot ("ieee": TF32 would round them to 10 bits).
 
 The upcast rule. Triton's interpreter multiplies bfloat16 bit patterns as integers in tl.dot
@@ -82,35 +84,48 @@ def split_parts(b, HALF: tl.constexpr):
 
 
 @triton.jit
-def dot_parts(a, parts, UPCAST: tl.constexpr):
+def dot_parts(a, parts, UPCAST: tl.constexpr, PARTS: tl.constexpr = 3):
     """a @ b for a half and b given as its split_parts (split once, used by many dots): the
-    small parts first, each dot accumulating onto the (scaled) sum of the ones before."""
+    small parts first, each dot accumulating onto the (scaled) sum of the ones before.
+    PARTS = 3: b to float32's 24 bits; 2 (hi + mid): to 16 bits for bfloat16 (22 for
+    float16), a relative error of at most 2^-17 per element: one tensor-core dot fewer, for
+    choices (a nearest mean, a top-k) that may then differ from float32's only within ~1e-5
+    of a tie."""
     hi, mid, lo, scale = parts
-    if hi.dtype == tl.bfloat16:
-        product = mma(a, hi, UPCAST, mma(a, mid, UPCAST, mma(a, lo, UPCAST)))
+    if PARTS == 2:
+        rest = mma(a, mid, UPCAST)
+    elif hi.dtype == tl.bfloat16:
+        rest = mma(a, mid, UPCAST, mma(a, lo, UPCAST))
     else:
-        product = mma(a, hi, UPCAST, mma(a, mid, UPCAST, mma(a, lo, UPCAST) / scale) / scale)
-    return product
+        rest = mma(a, mid, UPCAST, mma(a, lo, UPCAST) / scale)
+    if hi.dtype != tl.bfloat16:  # bfloat16's parts are unscaled (S = 1)
+        rest = rest / scale
+    return mma(a, hi, UPCAST, rest)
 
 
 @triton.jit
-def dot_parts_left(parts, b, UPCAST: tl.constexpr):
-    """a @ b for b half and a given as its split_parts."""
+def dot_parts_left(parts, b, UPCAST: tl.constexpr, PARTS: tl.constexpr = 3):
+    """a @ b for b half and a given as its split_parts (PARTS as dot_parts)."""
     hi, mid, lo, scale = parts
-    if hi.dtype == tl.bfloat16:
-        product = mma(hi, b, UPCAST, mma(mid, b, UPCAST, mma(lo, b, UPCAST)))
+    if PARTS == 2:
+        rest = mma(mid, b, UPCAST)
+    elif hi.dtype == tl.bfloat16:
+        rest = mma(mid, b, UPCAST, mma(lo, b, UPCAST))
     else:
-        product = mma(hi, b, UPCAST, mma(mid, b, UPCAST, mma(lo, b, UPCAST) / scale) / scale)
-    return product
+        rest = mma(mid, b, UPCAST, mma(lo, b, UPCAST) / scale)
+    if hi.dtype != tl.bfloat16:  # bfloat16's parts are unscaled (S = 1)
+        rest = rest / scale
+    return mma(hi, b, UPCAST, rest)
 
 
 @triton.jit
-def dot_split_right(a, b, UPCAST: tl.constexpr):
-    """a @ b for a in its dtype (half or float32) and b float32, with float32 accuracy."""
+def dot_split_right(a, b, UPCAST: tl.constexpr, PARTS: tl.constexpr = 3):
+    """a @ b for a in its dtype (half or float32) and b float32: float32 accuracy, or PARTS
+    as dot_parts."""
     if a.dtype == tl.float32:
         product = tl.dot(a, b, input_precision="ieee")
     else:
-        product = dot_parts(a, split_parts(b, a.dtype), UPCAST)
+        product = dot_parts(a, split_parts(b, a.dtype), UPCAST, PARTS)
     return product
 
 

@@ -16,7 +16,8 @@ result does not depend on which program ran first. A refinement step from assign
                         e-th empty cluster's centroid
     _nearest_kernel     (chunks, B * H)  argmax_c 2 x.c - |c|^2 (ties to the lowest cluster),
                         x in its dtype against the float32 means (split-precision dots), the
-                        chunk's sums under the new assignments for the next step
+                        chunk's sums under the new assignments for the next step (after the
+                        last step: for the final means, where the caller wants them)
 
 `_sums_kernel` (means_triton) writes the sums of the starting assignments. The reference
 stops once the assignments repeat; here a head none of whose queries moved in the previous
@@ -49,6 +50,9 @@ NEAREST_BLOCK_C = 256
 # Warps of the nearest-mean search: with tiles of up to 128 means, 4 warps (~245 registers)
 # fit two programs an SM where 8 fit one; wider tiles need 8 (4 would run out of registers).
 NEAREST_NARROW_C = 128
+# Half-precision parts of the means in the nearest-mean dots (helpers.dot_parts): two keep a
+# choice within ~1e-5 of a tie of float32's, for one tensor-core dot a tile fewer.
+NEAREST_PARTS = tl.constexpr(2)
 # Key of no query: below every real or padded query's key.
 NO_KEY = -(1 << 62)
 
@@ -151,13 +155,15 @@ def _nearest_kernel(
     H, N, C, D, CHUNK, CHUNKS,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
     COUNT_BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, LAST: tl.constexpr, EXACT_CASE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    MEANS: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One chunk's nearest means (B * H, C, D) float32, written to assign (B, H, N) in place,
     padded queries at C; moved_out (B * H, CHUNKS) says whether any query moved. Unless LAST,
     the chunk's sums and counts under the new assignments. A head that did not move in the
     previous step (moved_in) keeps its assignments. LAST with EXACT_CASE: a sequence with no
-    more real queries than clusters gives each its rank among them."""
+    more real queries than clusters gives each its rank among them. LAST with MEANS: every
+    chunk's sums and counts under the final assignments, and moved_out set (the means
+    launch after it reads every head)."""
     chunk = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     batch = bh // H
@@ -184,7 +190,7 @@ def _nearest_kernel(
                 if x_ptr.dtype.element_ty == tl.float32:
                     scores = 2 * tl.dot(x, centroids, input_precision="ieee") + bias[None, :]
                 else:
-                    scores = 2 * dot_parts(x, parts, UPCAST) + bias[None, :]
+                    scores = 2 * dot_parts(x, parts, UPCAST, NEAREST_PARTS) + bias[None, :]
                 best_cluster = tl.argmax(scores, axis=1).to(tl.int64)
             else:
                 best = tl.full([BLOCK_N], float("-inf"), tl.float32)
@@ -193,7 +199,7 @@ def _nearest_kernel(
                     cols = c_start + tl.arange(0, BLOCK_C)
                     centroids = tl.load(means_ptr + (bh * C + cols)[:, None] * D + dims[None, :],
                                         mask=(cols[:, None] < C) & (dims[None, :] < D), other=0.0)
-                    scores = (2 * dot_split_right(x, tl.trans(centroids), UPCAST)
+                    scores = (2 * dot_split_right(x, tl.trans(centroids), UPCAST, NEAREST_PARTS)
                               - tl.sum(centroids * centroids, axis=1)[None, :])
                     scores = tl.where(cols[None, :] < C, scores, float("-inf"))
                     block_best = tl.max(scores, axis=1)
@@ -211,7 +217,6 @@ def _nearest_kernel(
             chunk_sums(x_head, assign_row, part_sums_ptr + (bh * CHUNKS + chunk) * C * D,
                        part_counts_ptr + (bh * CHUNKS + chunk) * C, start, stop, C, D, stride_xn, stride_xd,
                        BLOCK_N, BLOCK_C, HEAD_DIM, UPCAST)
-    tl.store(moved_out_ptr + bh * CHUNKS + chunk, (moved > 0).to(tl.int32))
     if LAST and EXACT_CASE:
         rank_seen = count_real(mask_row, 0, start, COUNT_BLOCK)
         if rank_seen + count_real(mask_row, start, N, COUNT_BLOCK) <= C:
@@ -221,6 +226,13 @@ def _nearest_kernel(
                 rank = rank_seen + tl.cumsum(real.to(tl.int32), axis=0) - 1
                 tl.store(assign_row + rows, tl.where(real, rank.to(tl.int64), C), mask=rows < stop)
                 rank_seen += tl.sum(real.to(tl.int32), axis=0)
+    if LAST and MEANS:
+        tl.debug_barrier()  # the final assignments, stored above, are read back by other threads
+        chunk_sums(x_head, assign_row, part_sums_ptr + (bh * CHUNKS + chunk) * C * D,
+                   part_counts_ptr + (bh * CHUNKS + chunk) * C, start, stop, C, D, stride_xn, stride_xd,
+                   BLOCK_N, BLOCK_C, HEAD_DIM, UPCAST)
+        moved = 1
+    tl.store(moved_out_ptr + bh * CHUNKS + chunk, (moved > 0).to(tl.int32))
 
 
 
@@ -234,18 +246,44 @@ def refine_clusters_triton(
     sequence with no more real queries than clusters gives each its own (its rank).
     Launches: 1 + 4 per step.
     """
-    b, h, n, d = q.shape
+    b, h, n, _ = q.shape
     if iterations == 0:
         return assign.clone()
     chunks, chunk = chunking(n, h, means.BLOCK_N)
-    top = pow2_block(min(clusters, chunk), 1)
-    buffers = means.Buffers(q, clusters, chunks, top)
+    buffers = refine_buffers(q, clusters, chunk, chunks)
     out = torch.empty(b, h, n, dtype=torch.int64, device=q.device)
+    means.sums(q, assign, query_mask.contiguous(), out, buffers, clusters, chunk, chunks, exact_case)
+    _refine(q, out, query_mask, clusters, iterations, exact_case, buffers, chunk, with_means=False)
+    return out
+
+
+def refine_buffers(q: Tensor, clusters: int, chunk: int, chunks: int) -> means.Buffers:
+    """The scratch of a refinement of q (B, H, N, D) whose programs take chunks of `chunk`
+    queries (a whole number of means.BLOCK_N)."""
+    return means.Buffers(q, clusters, chunks, pow2_block(min(clusters, chunk), 1))
+
+
+def refine_summed_triton(
+    q: Tensor, assign: Tensor, query_mask: Tensor, clusters: int, iterations: int, buffers: means.Buffers,
+    chunk: int, exact_case: bool = False,
+) -> Tensor:
+    """refine_clusters_triton (iterations >= 1) of assign in place, from its per-chunk sums and
+    flags already in buffers (refine_buffers; hamming_triton's final launch writes them), and
+    the member means of the result in buffers.means (B * H, C, D): the last step sums them as
+    it assigns. Launches: 4 per step + 1."""
+    _refine(q, assign, query_mask, clusters, iterations, exact_case, buffers, chunk, with_means=True)
+    return assign
+
+
+def _refine(q: Tensor, out: Tensor, query_mask: Tensor, clusters: int, iterations: int, exact_case: bool,
+            buffers: means.Buffers, chunk: int, with_means: bool) -> None:
+    b, h, n, d = q.shape
+    chunks = buffers.part_sums.shape[1]
+    top = buffers.candidates.shape[-1]
     mask = query_mask.contiguous()
     grid = (chunks, b * h)
     flags = dict(HEAD_DIM=pow2_block(d), CHUNK_BLOCK=pow2_block(chunks, 1))
     nearest_block = pow2_block(clusters, 16, NEAREST_BLOCK_C if clusters <= NEAREST_BLOCK_C else 128)
-    means.sums(q, assign, mask, out, buffers, clusters, chunk, chunks, exact_case)
     for it in range(iterations):
         moved_in, moved_out = buffers.moved[(it + 1) % 2], buffers.moved[it % 2]
         means.means(q, buffers, moved_in, clusters, chunks)
@@ -263,7 +301,8 @@ def refine_clusters_triton(
             q, mask, buffers.means, moved_in, moved_out, out, buffers.part_sums, buffers.part_counts, *q.stride(),
             h, n, clusters, d, chunk, chunks,
             BLOCK_N=means.BLOCK_N, BLOCK_C=nearest_block, COUNT_BLOCK=means.COUNT_BLOCK, ONE_BLOCK=clusters <= nearest_block,
-            LAST=it == iterations - 1,
-            EXACT_CASE=exact_case, UPCAST=upcast(q), num_warps=4 if nearest_block <= NEAREST_NARROW_C else 8, **flags,
+            LAST=it == iterations - 1, EXACT_CASE=exact_case, MEANS=with_means, UPCAST=upcast(q),
+            num_warps=4 if nearest_block <= NEAREST_NARROW_C else 8, **flags,
         )
-    return out
+    if with_means:
+        means.means(q, buffers, buffers.moved[(iterations - 1) % 2], clusters, chunks)

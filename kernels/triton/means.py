@@ -33,11 +33,12 @@ from kernels.triton.helpers import (
     upcast,
 )
 
-# Queries per tile (a chunk is whole tiles; lloyd_triton's too) and centroids per tile of the
-# sums; the launches over queries run 8 warps (three split-precision dots and their operands).
+# Queries per tile (a chunk is whole tiles; lloyd_triton's too) and the most centroids per
+# tile of the sums (fewer clusters: the next power of two); the sums read a chunk's rows once
+# per tile of centroids, at 4 warps (~245 registers: two programs an SM).
 BLOCK_N = 64
-BLOCK_C = 64
-NUM_WARPS = 8
+BLOCK_C = 128
+NUM_WARPS = 4
 # Mask bytes per step of a count of real queries; chunks per load (at most) when the means
 # kernel sums the chunks' member sums (a (chunks, clusters, D) float32 load; their counts take
 # helpers.chunk_group).
@@ -172,7 +173,8 @@ def sums(x: Tensor, assign: Tensor, query_mask: Tensor | None, out: Tensor, buff
     _sums_kernel[(chunks, b * h)](
         x, mask, assign.contiguous(), out, buffers.part_sums, buffers.part_counts, buffers.moved[1], *x.stride(),
         h, n, clusters, d, chunk, chunks,
-        BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, HEAD_DIM=pow2_block(d), COUNT_BLOCK=COUNT_BLOCK, EXACT_CASE=exact_case,
+        BLOCK_N=BLOCK_N, BLOCK_C=pow2_block(clusters, 16, BLOCK_C), HEAD_DIM=pow2_block(d), COUNT_BLOCK=COUNT_BLOCK,
+        EXACT_CASE=exact_case,
         UPCAST=upcast(x), num_warps=NUM_WARPS,
     )
 

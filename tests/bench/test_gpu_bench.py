@@ -15,12 +15,14 @@ ROOT = Path(__file__).resolve().parents[2]
 FIELDS = {"method", "seq_len", "batch", "heads", "head_dim", "dtype", "ms", "speedup_vs_full", "peak_bytes",
           "rel_err", "device"}
 METHODS = {"full", "clustered", "i-clustered (paper)", "i-clustered", "smyrf", "banded"}
-# The backend's own stage lists (kernels/stages.py), less what a method's knobs skip.
+# The backend's own stage lists (kernels/stages.py), less what a method's knobs skip; the
+# triton backend runs hash, cluster, refine and centroids as one, "cluster" (cluster_means).
+FUSED = set(CLUSTERED_STAGES) - {"hash", "refine", "centroids"}
 STAGES = {
     "full": {"sdpa"},
-    "clustered": set(CLUSTERED_STAGES) - {"sparse"},
-    "i-clustered (paper)": set(CLUSTERED_STAGES) - {"refine", "broadcast"},
-    "i-clustered": set(CLUSTERED_STAGES) - {"broadcast"},
+    "clustered": FUSED - {"sparse"},
+    "i-clustered (paper)": FUSED - {"broadcast"},
+    "i-clustered": FUSED - {"broadcast"},
     "smyrf": set(SMYRF_STAGES),
     "banded": {"pool", "select", "attend"},
 }
