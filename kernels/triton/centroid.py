@@ -8,7 +8,7 @@ each cluster's top-k keys of A^c. A^c is never written.
                                 read once per head): the split's online softmax and, for the
                                 top-k, the largest logit of each of 2 TOP lanes (a key's column
                                 in its block, rotated by a hash of the block, mod 2 TOP)
-    _centroid_combine_kernel    (centroid blocks of 8, B * H)  V^c from the splits, each row's
+    _centroid_combine_kernel    (centroid blocks of 4, B * H)  V^c from the splits, each row's
                                 softmax max and sum, and its threshold: the TOP-th largest lane
                                 maximum, at most the row's TOP-th largest logit (lane maxima
                                 are distinct keys)
@@ -17,7 +17,7 @@ each cluster's top-k keys of A^c. A^c is never written.
                                 random logits ~1.5 TOP of a row's M), and only those are kept:
                                 a row's best candidate replaces the row's smallest kept key,
                                 repeated while a row has a candidate above it
-    _centroid_topk_combine_kernel  (centroid blocks of 8, B * H)  the splits' kept keys merged
+    _centroid_topk_combine_kernel  (centroid blocks of 4, B * H)  the splits' kept keys merged
                                 into the top-k, their indices and probabilities
 
 A block of keys costs the top-k a compare per logit and a few steps per candidate, instead of
@@ -43,10 +43,11 @@ LOG2E = 1.4426950408889634
 # The largest top-k (rounded up to a power of two) that the centroid pass selects on chip.
 MAX_TOPK_ON_CHIP = 256
 # Centroids per tile of the softmax pass (all of a head's up to this many), of the top-k
-# filter, and of the two merges (8: enough programs for the GPU at batch 1).
+# filter, and of the two merges (4: 25 programs a head at 100 clusters, 300 at batch 1, more
+# than the SMs; a merge's steps are short).
 SOFTMAX_BLOCK_C = 128
 TOPK_BLOCK_C = 64
-COMBINE_BLOCK_C = 8
+COMBINE_BLOCK_C = 4
 # Splits the merge loads a step (more spill on sm_80).
 COMBINE_SPLITS = 4
 # A logit at the threshold may come out an ulp lower when recomputed by a differently tiled dot:

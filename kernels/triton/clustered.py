@@ -5,9 +5,10 @@ they match is clustered.py.
     hash, cluster, refine, centroids   LSH codes (hashing_triton), Hamming K-means
                              (hamming_triton), Euclidean refinement (lloyd_triton) and cluster
                              means (means_triton), each spread over (chunks of queries, B * H);
-                             run as one (cluster_means_triton_stages), the K-means' final
-                             launch and the refinement's last step also sum the queries by
-                             cluster, so that no launch of their own does
+                             run as one (cluster_means_triton_stages), the hash also writes
+                             the K-means' +-1 signs, and the K-means' final launch and the
+                             refinement's last step sum the queries by cluster, so that no
+                             launch of their own does
     centroid_attention_triton    V^c = A^c V and each cluster's top-k keys of A^c, the keys
                                  split across programs (centroid_triton; A^c is never written)
     _broadcast_kernel            clustered: every query gets its centroid's row of V^c
@@ -22,9 +23,9 @@ float32; every dot of half-precision inputs runs on tensor cores (the split-prec
 kernels.triton.helpers, where a float32 operand decides something: the hash planes to float32
 accuracy, the means and the centroids' logits to within ~1e-5 of a tie), float32 inputs use
 input_precision="ieee" (TF32 alone would miss the reference by ~1e-3). Probabilities meet
-half-precision values rounded to their dtype, as in flash attention. No host synchronisation: sizes that the reference reads
-from the data (the number of tiles) use their static bound, so a whole forward can be
-captured in a CUDA graph.
+half-precision values rounded to their dtype, as in flash attention. No host synchronisation:
+sizes that the reference reads from the data (the number of tiles) use their static bound, so
+a whole forward can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ from kernels.reference.hashing import hash_planes, on_device
 from kernels.reference.kmeans import initial_offsets
 from kernels.spec import AttentionSpec
 from kernels.stages import CentroidAttention, ClusteredStages, applied_by_stages
+from kernels.triton import hamming, means
 from kernels.triton.centroid import centroid_attention_triton
 from kernels.triton.cluster_layout import cluster_layout_triton
 from kernels.triton.hamming import hamming_kmeans_triton
 from kernels.triton.hashing import hash_codes_triton
 from kernels.triton.helpers import chunking, mma, online_softmax_step, pow2_block, rounded, upcast
-from kernels.triton import hamming, means
 from kernels.triton.lloyd import refine_buffers, refine_clusters_triton, refine_summed_triton
 from kernels.triton.means import cluster_means_triton
 

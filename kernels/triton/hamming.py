@@ -52,6 +52,7 @@ from kernels.triton.helpers import (
     upcast,
 )
 
+
 class VectorSums(NamedTuple):
     """What the final launch sums besides the codes: the query vectors x (B, H, N, D) by
     cluster into buffers (means_triton's, sized for this module's chunking), each chunk's flag
@@ -261,8 +262,9 @@ def hamming_kmeans_triton(
     (kmeans.one_query_per_cluster). Returns assignments (B, H, N) int64 in [0, C], padded at C.
     sums (C <= BLOCK_C only): the final launch also writes the query vectors' per-chunk sums
     under the assignments it returns (see VectorSums). signs: the codes as +-1 (B * H, N,
-    BLOCK_BITS) int8 where the hash wrote them (hash_codes_triton), else the first launch does. Launches, each of at least chunks x B x
-    H programs: 1 + 1 per iteration + 1 for C <= BLOCK_C, else 1 + 2 per iteration + 1.
+    BLOCK_BITS) int8 where the hash wrote them (hash_codes_triton), else the first launch
+    writes them. Launches, each of at least chunks x B x H programs: 1 + 1 per iteration + 1
+    for C <= BLOCK_C, else 1 + 2 per iteration + 1.
     """
     b, h, n = codes.shape
     device = codes.device
