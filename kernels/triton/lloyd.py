@@ -19,9 +19,9 @@ result does not depend on which program ran first. A refinement step from assign
                         chunk's sums under the new assignments for the next step (after the
                         last step: for the final means, where the caller wants them)
 
-`_sums_kernel` (means_triton) writes the sums of the starting assignments. The reference
-stops once the assignments repeat; here a head none of whose queries moved in the previous
-step skips the rest on the device. Static shapes and no host synchronisation: one call is a CUDA graph.
+`_sums_kernel` (means_triton) or the Hamming K-means' final launch writes the starting sums.
+The reference stops once the assignments repeat; here a head none of whose queries moved in the
+previous step skips the rest on the device. No host synchronisation: one call is a CUDA graph.
 """
 
 from __future__ import annotations
