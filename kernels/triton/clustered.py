@@ -38,7 +38,7 @@ from torch import Tensor
 from kernels.reference.hashing import hash_planes, on_device
 from kernels.reference.kmeans import initial_offsets
 from kernels.spec import AttentionSpec
-from kernels.stages import CentroidAttention, ClusteredStages, applied_by_stages
+from kernels.stages import CentroidAttention, ClusteredStages, applied_by_stages, cluster_queries
 from kernels.triton import hamming, means
 from kernels.triton.centroid import centroid_attention_triton
 from kernels.triton.cluster_layout import cluster_layout_triton
@@ -168,13 +168,10 @@ def cluster_means_triton_stages(q: Tensor, query_mask: Tensor, spec: AttentionSp
     means (B, H, C, D) float32. Up to hamming.BLOCK_C clusters, the hash writes the signs that
     the Hamming K-means reads, whose final launch sums the query vectors under its
     assignments, and the refinement's last step sums them under its own: no launch of their
-    own converts codes or sums. More clusters run the stages one by one."""
+    own converts codes or sums. More clusters run the stages one by one (the driver's own order)."""
     b, h, n, d = q.shape
     if spec.clusters > hamming.BLOCK_C:
-        codes = hash_queries_triton(q, spec)
-        assign = cluster_codes_triton(codes, query_mask, spec)
-        if spec.refine:
-            assign = refine_assignments_triton(q, assign, query_mask, spec)
+        assign = cluster_queries(TRITON, q, query_mask, spec)
         return assign, centroids_triton(q, assign, spec.clusters)
     signs = torch.empty(b * h, n, hamming.BLOCK_BITS, dtype=torch.int8, device=q.device)
     codes = hash_codes_triton(q, on_device(hash_planes, (h, d, spec.bits, spec.seed), q.device), signs)

@@ -308,7 +308,7 @@ def hamming_kmeans_triton(
         step = dict(BLOCK_N=BLOCK_N, BLOCK_C=block_c, BLOCK_BITS=BLOCK_BITS, LEVELS=LEVELS,
                     CHUNK_BLOCK=pow2_block(chunks, 1), CHUNK_GROUP=chunk_group(chunks), SCAN=SCAN,
                     COUNT_BLOCK=COUNT_BLOCK, CLEAR_BLOCK=CLEAR_BLOCK, SUMS_BLOCK_N=means.BLOCK_N,
-                    SUMS_BLOCK_C=pow2_block(clusters, 16, means.BLOCK_C), HEAD_DIM=pow2_block(d),
+                    SUMS_BLOCK_C=means.sums_block(clusters), HEAD_DIM=pow2_block(d),
                     ALL_MOVED=sums is not None and sums.all_moved, UPCAST=upcast(codes), num_warps=NUM_WARPS)
         for s in range(iterations + 1):
             before, now = (s + 1) % 2, s % 2

@@ -165,6 +165,11 @@ class Buffers:
         self.candidates = empty(b * h, chunks, top, dtype=torch.int64)
 
 
+def sums_block(clusters: int) -> int:
+    """Centroids per tile of the sums (chunk_sums' BLOCK_C) for `clusters` clusters."""
+    return pow2_block(clusters, 16, BLOCK_C)
+
+
 def sums(x: Tensor, assign: Tensor, query_mask: Tensor | None, out: Tensor, buffers: Buffers, clusters: int,
           chunk: int, chunks: int, exact_case: bool) -> None:
     b, h, n, d = x.shape
@@ -173,7 +178,7 @@ def sums(x: Tensor, assign: Tensor, query_mask: Tensor | None, out: Tensor, buff
     _sums_kernel[(chunks, b * h)](
         x, mask, assign.contiguous(), out, buffers.part_sums, buffers.part_counts, buffers.moved[1], *x.stride(),
         h, n, clusters, d, chunk, chunks,
-        BLOCK_N=BLOCK_N, BLOCK_C=pow2_block(clusters, 16, BLOCK_C), HEAD_DIM=pow2_block(d), COUNT_BLOCK=COUNT_BLOCK,
+        BLOCK_N=BLOCK_N, BLOCK_C=sums_block(clusters), HEAD_DIM=pow2_block(d), COUNT_BLOCK=COUNT_BLOCK,
         EXACT_CASE=exact_case,
         UPCAST=upcast(x), num_warps=NUM_WARPS,
     )
