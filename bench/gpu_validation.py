@@ -25,7 +25,7 @@ from pathlib import Path
 from kernels import AttentionSpec
 
 from .common import RESULTS_DIR, print_table
-from .cpu import SPECS
+from .gpu import SPECS
 
 HEAD_DIM = 64
 # Kernels measured at under this many µs in all are left out of the spread (timer granularity).
@@ -75,7 +75,7 @@ def model_kernels(call: dict) -> dict[str, tuple[float, int]]:
 
 def compare(measured_rows: list[dict], profiles: dict, model: dict) -> dict:
     """The report: per (method, tokens) profiled, its kernels and its call, measured beside modelled."""
-    # A bench.gpu method's call is the modelled one with the same spec (bench.cpu.SPECS).
+    # A bench.gpu method's call is the modelled one with the same spec (bench.gpu.SPECS).
     calls = {(AttentionSpec(**c["spec"]), c["seq_len"]): c for c in model["calls"] if c["head_dim"] == HEAD_DIM}
     times = {(r["method"], r["seq_len"]): r for r in measured_rows
              if r.get("kind", "attention") == "attention" and r["head_dim"] == HEAD_DIM}
