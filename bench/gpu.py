@@ -142,7 +142,7 @@ def bench_attention(settings: Settings, encoder, n: int, rows: list, stage_rows:
             if settings.stages:
                 stage_rows += _stage_rows(settings, q, k, v, spec, scale, out, row)
             if n == settings.profile_length and head_dim == settings.head_dims[0]:
-                profile.append(_profile(settings, label, call))
+                profile.append(_profile(settings, f"{label}, {n} tokens", call))
             del out
         _speedups(group)
         rows += group

@@ -119,7 +119,7 @@ def compare(measured_rows: list[dict], profiles: dict, model: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--measured", type=Path, default=RESULTS_DIR / "2026-11-26-h100",
+    parser.add_argument("--measured", type=Path, default=RESULTS_DIR / "2026-11-27-h100",
                         help="stem of bench.gpu's files: STEM.json and STEM-profile.txt")
     parser.add_argument("--model", type=Path, default=RESULTS_DIR / "gpu_model.json")
     parser.add_argument("--out", type=Path, help="report (default: STEM-vs-model.json)")
@@ -127,6 +127,8 @@ def main() -> None:
     stem = args.measured
     rows = json.loads(stem.with_name(stem.name + ".json").read_text())
     profiles = parse_profile(stem.with_name(stem.name + "-profile.txt").read_text())
+    if not profiles:
+        raise SystemExit(f"{stem.name}-profile.txt: no section titled '== <method>, <n> tokens =='")
     model = json.loads(args.model.read_text())
     report = compare(rows, profiles, model)
     report = dict(measured=str(stem.name), device=rows[0]["device"] if rows else None, model_label=model["label"],

@@ -15,7 +15,7 @@ export GPU_TEST_LENGTHS=${GPU_TEST_LENGTHS:-"4096 16384"}
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
     test -d /usr/share/common-licenses || cp -r bench/out/model/common-licenses /usr/share/
     python3 -m bench.pack_model --fill bench/out/nomic-embed-text-v1.5
-    timeout "${TESTS_S:-180}" python3 -m pytest -m gpu tests/gpu -rA -p no:cacheprovider \
+    timeout "${TESTS_S:-240}" python3 -m pytest -m gpu tests/gpu -rA -p no:cacheprovider \
         -n "${TEST_WORKERS:-3}" --dist load --junitxml="$OUT/$STEM-tests.xml"
     echo "tests: rc=$?"
     timeout "${ATTENTION_S:-150}" python3 -m bench.gpu --model bench/out/model --head-dims 64 \

@@ -15,7 +15,8 @@ Every case runs one method both ways on the default model's Q, K, V of real text
   comparison is each backend's error to exact float32 attention.
 
 A case passes within tolerance, or when clusters differ and the Triton error to exact is no
-worse than the reference's (x1.05 + 1e-3). Also: exactness cases through the Triton backend
+worse than the reference's (x1.05 + 1e-3). The reference runs under torch's deterministic
+algorithms, so that its clusters and its output come from the same sums. Also: exactness cases through the Triton backend
 (one query per cluster, top-k >= N, one SMYRF cluster, a band over the sequence), padding,
 queries and keys of different lengths (not banded: self-attention only), head dims 32 and
 128, and on CUDA, per method, host synchronisations inside a call and a CUDA-graph capture
@@ -30,6 +31,7 @@ tests this module, not the kernels' speed or scale. GPU_TEST_MODEL names a check
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -96,6 +98,20 @@ def _no_grad():
         yield
 
 
+@contextlib.contextmanager
+def deterministic():
+    """The reference's cluster sums (index_add_) add with float atomics on CUDA, in whatever
+    order the threads run: two reference calls on the same inputs can break a K-means near-tie
+    differently, and the tie rule compares the clusters of one call with the output of another.
+    Deterministic algorithms fix the order; warn_only lets ops that have none run as they are."""
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 def compare(name: str, q: Tensor, k: Tensor, v: Tensor, label: str, mask: Tensor | None, exact: Tensor) -> None:
     """One method both ways at scale 1/sqrt(D); exact = exact_attention of the same inputs.
     Prints the case's figures; fails unless within tolerance or a tie as the docstring says."""
@@ -103,7 +119,8 @@ def compare(name: str, q: Tensor, k: Tensor, v: Tensor, label: str, mask: Tensor
     spec = spec_of(label)
     scale = 1.0 / math.sqrt(q.shape[-1])
     tri = attention(q, k, v, spec, key_padding_mask=mask, scale=scale, backend="triton")
-    ref = attention(q, k, v, spec, key_padding_mask=mask, scale=scale, backend="reference")
+    with deterministic():
+        ref = attention(q, k, v, spec, key_padding_mask=mask, scale=scale, backend="reference")
     diff = (tri.float() - ref.float()).abs()
     tol = 1e-4 if q.dtype == torch.float32 else 4 * UNIT_ROUNDOFF[q.dtype] * ref.float().abs().max().item()
     worst = diff.max().item()
@@ -137,7 +154,9 @@ def same_clusters(q: Tensor, k: Tensor, spec: AttentionSpec, mask: Tensor | None
     if spec.method != "smyrf":
         from kernels.triton.clustered import TRITON
 
-        same = cluster_queries(TRITON, q, query_mask, spec) == cluster_queries(REFERENCE, q.float(), query_mask, spec)
+        with deterministic():
+            expected = cluster_queries(REFERENCE, q.float(), query_mask, spec)
+        same = cluster_queries(TRITON, q, query_mask, spec) == expected
         return same.transpose(0, 1)[:, query_mask].float().mean().item()
     from kernels.triton.smyrf import smyrf_hashes_triton
 
