@@ -16,11 +16,11 @@ Every case runs one method both ways on the default model's Q, K, V of real text
 
 A case passes within tolerance, or when clusters differ and the Triton error to exact is no
 worse than the reference's (x1.05 + 1e-3). The reference runs under torch's deterministic
-algorithms, so that its clusters and its output come from the same sums. Also: exactness cases through the Triton backend
-(one query per cluster, top-k >= N, one SMYRF cluster, a band over the sequence), padding,
-queries and keys of different lengths (not banded: self-attention only), head dims 32 and
-128, and on CUDA, per method, host synchronisations inside a call and a CUDA-graph capture
-replayed against the eager output. Each case prints
+algorithms, so that its clusters and its output come from the same sums. Also: exactness
+cases through the Triton backend (one query per cluster, top-k >= N, one SMYRF cluster, a
+band over the sequence), padding, queries and keys of different lengths (not banded:
+self-attention only), head dims 32 and 128, and on CUDA, per method, host synchronisations
+inside a call and a CUDA-graph capture replayed against the eager output. Each case prints
 one line of figures (run with -s to see them).
 
 Without CUDA the module skips. With GPU_TEST_DRY_RUN=1 and TRITON_INTERPRET=1 it runs on CPU
