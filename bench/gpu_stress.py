@@ -45,7 +45,10 @@ def fill_free_memory(device: torch.device, step: int) -> None:
     blocks += [torch.empty(kib << 10, dtype=torch.uint8, device=device)
                for kib in (1, 4, 16, 64, 256, 512) for _ in range(40)]
     for block in blocks:
-        block.random_(0, 256) if fill is None else block.fill_(fill)
+        if fill is None:
+            block.random_(0, 256)
+        else:
+            block.fill_(fill)
 
 
 def differing(a: Tensor, b: Tensor) -> int:
