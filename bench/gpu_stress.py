@@ -16,7 +16,6 @@ bytes, 0xFF, 0x00 and 0x7F. Exits 1 if anything changed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -29,6 +28,7 @@ from kernels.stages import cluster_queries
 
 from .common import long_text_ids, real_qkv
 from .cpu import SPECS
+from .gpu import dry_run_spec
 
 FILLS = (None, 0xFF, 0x00, 0x7F)  # None: random bytes
 HEADS = 12
@@ -106,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     changed = 0
     for dtype in args.dtypes:
         for label in args.methods:
-            spec = SPECS[label]
-            if interpret:  # knobs the interpreter runs in seconds
-                spec = dataclasses.replace(spec, clusters=4, topk=8, iterations=2, refine=1)
+            spec = dry_run_spec(SPECS[label]) if interpret else SPECS[label]
             for case, queries in (("self, padded", q), ("1/4 of the queries", q[:, :, : n // 4])):
                 qd, kd, vd = (t.to(getattr(torch, dtype)) for t in (queries, k, v))
                 worst = repeat_case(qd, kd, vd, mask, spec, args.repeats)

@@ -7,6 +7,9 @@ spaced ranks of the real queries with a seeded offset per head, ties go to the l
 cluster index, and an empty cluster is re-seeded with the query farthest from its centroid
 (ties to the lowest position), the next empty cluster with the next farthest, and so on.
 Iterations stop early once the centroids no longer change; later ones would repeat it.
+On CUDA the cluster sums (index_add_) add with float atomics in whatever order the threads
+run, so a near-tie can break differently from call to call unless torch's deterministic
+algorithms are on.
 """
 
 from __future__ import annotations
