@@ -79,7 +79,8 @@ def _banded_kernel(
     out_ptr, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, N, H, NB, S, R, SIZE, BAND, PLANE, PLANE_N, scale_log2,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr,
+    TILES: tl.constexpr,
     UNIFORM: tl.constexpr, FAR_BIAS: tl.constexpr, UPCAST: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -130,21 +131,30 @@ def _banded_kernel(
     acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s_dots, s_values, UPCAST, scale_log2)
 
     # The counted keys of the far blocks chosen for each row's block: one flat loop over (query
-    # block, slot, tile of the far block), so that its loads pipeline.
+    # block, tile), so that its loads pipeline. A tile takes GROUP whole chosen blocks, lane l
+    # the l % SIZE-th key of block l // SIZE (GROUP > 1, a block shorter than half a tile), or
+    # a chosen block takes TILES tiles (GROUP = 1).
     steps = tl.arange(0, BLOCK_N)
+    if GROUP > 1:
+        lane_slot = steps // SIZE
+        lane_key = steps % SIZE
+    else:
+        lane_slot = tl.zeros([BLOCK_N], tl.int32)
+        lane_key = steps
     t_first = first // SIZE
-    for i in range(0, (last // SIZE + 1 - first // SIZE) * R * TILES):
-        if UNIFORM:  # one query block: no division by R
+    per_block = tl.cdiv(R, GROUP) * TILES  # tiles a query block takes
+    for i in range(0, (last // SIZE + 1 - first // SIZE) * tl.cdiv(R, GROUP) * TILES):
+        if UNIFORM:  # one query block: no division by per_block
             t = t_first
-            slot = i // TILES
+            j = i
         else:
-            t = t_first + i // (R * TILES)
-            slot = (i // TILES) % R
-        blk = tl.load(chosen_ptr + (bh * NB + t) * R + slot)
-        start = (i % TILES) * BLOCK_N
-        cols = tl.maximum(blk, 0) * SIZE + start + steps
-        width = tl.where(blk >= 0, SIZE, 0)  # -1: no block chosen in this slot
-        col_ok = (start + steps < width) & (cols < N)
+            t = t_first + i // per_block
+            j = i % per_block
+        slot = (j // TILES) * GROUP + lane_slot
+        start = (j % TILES) * BLOCK_N
+        blk = tl.load(chosen_ptr + (bh * NB + t) * R + slot, mask=(slot < R) & (lane_slot < GROUP), other=-1)
+        cols = tl.maximum(blk, 0) * SIZE + start + lane_key
+        col_ok = (blk >= 0) & (start + lane_key < SIZE) & (cols < N)  # -1: no block chosen in this slot
         keys, values, bias = _key_tile(k_head, v_head, bias_ptr + PLANE_N + b * N, cols, col_ok, dims, vdims,
                                        stride_kn, stride_vn, D, DV)
         dots = mma(q, keys, UPCAST) + bias
@@ -211,7 +221,7 @@ def attend(
     if n == 0:
         return out.to(dtype)
     block_m = query_tile(spec.block, q.device.type == "cpu")
-    block_n = 16 if q.device.type == "cpu" else 64
+    block_n = key_tile(max(d, dv), q.dtype, q.device.type == "cpu")
     grid = (b * h, triton.cdiv(n, block_m))
     uniform = spec.block % block_m == 0
     far_bias = pooled.far_bias if pooled.far_bias is not None else pooled.log_count  # read only with FAR_BIAS
@@ -221,11 +231,22 @@ def attend(
         n, h, blocks, pooled.sinks.shape[1], chosen.shape[-1], spec.block, min(spec.band, blocks), plane, b * n,
         scale * LOG2E,
         D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_S=pow2_block(pooled.sinks.shape[1]), BLOCK_R=pow2_block(chosen.shape[-1]), TILES=triton.cdiv(spec.block, block_n),
+        BLOCK_S=pow2_block(pooled.sinks.shape[1]), BLOCK_R=pow2_block(chosen.shape[-1]), GROUP=max(1, block_n // spec.block),
+        TILES=triton.cdiv(spec.block, block_n),
         UNIFORM=uniform, FAR_BIAS=uniform and pooled.far_bias is not None, UPCAST=upcast(q), num_stages=2,
     )
     return out.to(dtype)
 
+
+
+def key_tile(head_dim: int, dtype: torch.dtype, interpreted: bool) -> int:
+    """Keys a step of the attend kernel takes: 128 for half-precision heads up to 64 wide (a far
+    tile then takes two chosen blocks of 64, and a step's fixed work is spread over twice the
+    keys), 64 for wider heads and float32 (their tiles would spill on sm_90), 16 under the
+    interpreter."""
+    if interpreted:
+        return 16
+    return 128 if head_dim <= 64 and dtype in (torch.float16, torch.bfloat16) else 64
 
 
 def query_tile(block: int, interpreted: bool) -> int:

@@ -135,6 +135,26 @@ def test_triton_matches_reference(n, block, band, sinks, far, lengths, dtype):
     assert torch.allclose(out.float(), expected.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("key_tile, n, block, band, sinks, far, lengths", [
+    (32, 70, 16, 0, 2, 3, [70, 45]),  # a GPU's shape: one query block a program, two far blocks a tile
+    (64, 70, 16, 1, 1, 5, None),  # four far blocks a tile, the last one's slots partly empty
+    (32, 50, 7, 1, 3, 3, [41, 50]),  # blocks that do not divide the tile: lanes past the last block idle
+])
+def test_triton_far_tiles_of_several_blocks_match_reference(key_tile, n, block, band, sinks, far, lengths,
+                                                            monkeypatch):
+    """Key tiles longer than a block, as on a GPU (128 keys over blocks of 64): a far tile takes
+    several chosen blocks, lane by lane, and the band and pooled loops take the longer tiles too."""
+    from kernels.triton import banded as banded_triton
+
+    monkeypatch.setattr(banded_triton, "key_tile", lambda head_dim, dtype, interpreted: key_tile)
+    q, k, v = qkv(b=2, h=1, n=n, d=16, dtype=torch.float32, seed=n + block)
+    mask = padding_mask(2, n, lengths) if lengths else None
+    spec = banded(band, block, sinks, far)
+    expected = attention(q, k, v, spec, mask, backend="reference")
+    out = attention(q, k, v, spec, mask, backend="triton")
+    assert torch.allclose(out, expected, atol=2e-6, rtol=2e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_reads_packed_heads_in_place(dtype, monkeypatch):
     """q, k, v as the encoders pass them, heads of (B, N, H, D) tokens (rows H x D apart): the
