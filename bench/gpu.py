@@ -26,8 +26,8 @@ Writes under --out (default bench/results/): <date>-<gpu>.json, a list of rows
 {"method", "seq_len", "batch", "heads", "head_dim", "dtype", "ms", "speedup_vs_full",
 "peak_bytes", "rel_err", "device"} (plus "kind": attention | embed, and extras);
 <date>-<gpu>-stages.json; <date>-<gpu>.png (time and speed-up against length); with
---profile-length, <date>-<gpu>-profile.txt (one call per method at that length, attention alone
-and end to end, eager). Prints the tables. The JSON is rewritten after
+--profile-lengths, <date>-<gpu>-profile.txt (one call per method at each of those lengths,
+attention alone and end to end, eager). Prints the tables. The JSON is rewritten after
 every length, so a run cut short keeps what it measured.
 """
 
@@ -101,7 +101,7 @@ class Settings:
     stages: bool
     graphs: bool
     graph_max_length: int | None  # the encoder's cuda_graph_max_length; None: the loader's default
-    profile_length: int
+    profile_lengths: tuple[int, ...]
     specs: dict[str, AttentionSpec]
     model: str | None
     out: Path
@@ -141,7 +141,7 @@ def bench_attention(settings: Settings, encoder, n: int, rows: list, stage_rows:
             print(_progress(row), flush=True)
             if settings.stages:
                 stage_rows += _stage_rows(settings, q, k, v, spec, scale, out, row)
-            if n == settings.profile_length and head_dim == settings.head_dims[0]:
+            if n in settings.profile_lengths and head_dim == settings.head_dims[0]:
                 profile.append(_profile(settings, f"{label}, {n} tokens", call))
             del out
         _speedups(group)
@@ -242,7 +242,7 @@ def bench_embed(settings: Settings, encoder, n: int, rows: list, profile: list) 
             vector = call()
             ms = median_ms(call, settings.device, settings.e2e_repeats, min(settings.warmup, 1))
             peak = int(peak_memory_during(call))
-            if n == settings.profile_length:
+            if n in settings.profile_lengths:
                 profile.append(_profile(settings, f"embed {label}, {n} tokens", call))
         graph_ms, graph_cosine = _embed_graph_ms(settings, encoder, call, len(ids), vector)
         exact = vector if spec.method == "full" else exact
@@ -392,9 +392,10 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replay times")
     parser.add_argument("--graph-max-length", type=int,
                         help="end to end: the longest input replayed from CUDA graphs (default: the loader's 8192)")
-    parser.add_argument("--profile-length", type=int, default=16384,
-                        help="torch.profiler table per method at this length, attention alone and "
-                             "end to end (0: none)")
+    parser.add_argument("--profile-lengths", "--profile-length", type=int, nargs="*", default=[16384],
+                        dest="profile_lengths",
+                        help="torch.profiler table per method at each of these lengths, attention alone "
+                             "and end to end (default 16384; none or 0: no profile)")
     parser.add_argument("--dry-run", "--interpret", action="store_true", dest="dry_run",
                         help="CPU, Triton's interpreter, tiny sizes and knobs: tests the script, measures nothing")
     parser.add_argument("--model", help="checkpoint folder (default: the default model, nomic-embed-text-v1.5)")
@@ -419,9 +420,9 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
         label: dry_run_spec(spec) if args.dry_run and spec.method != "full" else spec
         for label, spec in SPECS.items() if label in args.methods or spec.method == "full"
     }
-    profile_length = args.profile_length
-    if args.dry_run and profile_length not in (0, *pick["lengths"]):
-        profile_length = pick["lengths"][0]  # so that the dry run goes through the profiler too
+    profile_lengths = tuple(n for n in args.profile_lengths if n > 0)
+    if args.dry_run and profile_lengths and not set(profile_lengths) & set(pick["lengths"]):
+        profile_lengths = (pick["lengths"][0],)  # so that the dry run goes through the profiler too
     machine = "cpu-interpret" if args.dry_run else device_name()
     stem = args.name or f"{datetime.date.today().isoformat()}-{_slug(machine)}"
     settings = Settings(
@@ -430,7 +431,7 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
         e2e_dtype=getattr(torch, args.e2e_dtype),
         repeats=pick["repeats"], warmup=pick["warmup"], e2e_repeats=pick["e2e_repeats"],
         stages=not args.no_stages, graphs=not args.no_graphs,
-        graph_max_length=args.graph_max_length, profile_length=profile_length,
+        graph_max_length=args.graph_max_length, profile_lengths=profile_lengths,
         specs=specs, model=args.model, out=args.out, stem=stem, dry_run=args.dry_run,
     )
     return settings

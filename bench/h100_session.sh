@@ -19,11 +19,12 @@ export GPU_TEST_LENGTHS=${GPU_TEST_LENGTHS:-"4096 16384"}
         -n "${TEST_WORKERS:-3}" --dist load --junitxml="$OUT/$STEM-tests.xml"
     echo "tests: rc=$?"
     timeout "${ATTENTION_S:-150}" python3 -m bench.gpu --model bench/out/model --head-dims 64 \
-        --lengths ${LENGTHS:-4096 16384 65536} --e2e-lengths --out "$OUT" --name "$STEM"
+        --lengths ${LENGTHS:-4096 16384 65536} --profile-lengths ${PROFILE_LENGTHS:-4096 16384 65536} \
+        --e2e-lengths --out "$OUT" --name "$STEM"
     echo "attention: rc=$?"
     timeout "${E2E_S:-150}" python3 -m bench.gpu --model bench/out/nomic-embed-text-v1.5 --lengths \
         --e2e-lengths ${E2E_LENGTHS:-2048 8192 16384} --e2e-dtype bfloat16 --no-stages \
-        --graph-max-length "${GRAPH_MAX_LENGTH:-16384}" --profile-length "${E2E_PROFILE_LENGTH:-16384}" \
+        --graph-max-length "${GRAPH_MAX_LENGTH:-16384}" --profile-lengths ${E2E_PROFILE_LENGTHS:-16384} \
         --out "$OUT" --name "$STEM-nomic-e2e"
     echo "end to end: rc=$?"
 } 2>&1 | tee "$OUT/$STEM-console.log"

@@ -42,7 +42,7 @@ def dry_run(out: Path, *args: str) -> str:
 
 
 def test_dry_run_writes_every_field_with_sane_values(tmp_path):
-    stdout = dry_run(tmp_path, "--head-dims", "64")
+    stdout = dry_run(tmp_path, "--head-dims", "64", "--profile-lengths", "64", "65536")
     assert "do not reproduce the backend" not in stdout
 
     rows = json.loads((tmp_path / "dry.json").read_text())
@@ -76,8 +76,9 @@ def test_dry_run_writes_every_field_with_sane_values(tmp_path):
         total = next(s for s in got if s["stage"] == "sum of stages")
         assert total["triton_launches"] >= (0 if method == "full" else 1)
     assert (tmp_path / "dry.png").stat().st_size > 10_000
-    # bench.gpu_validation finds a call's kernels by these titles
-    assert "== smyrf, 64 tokens ==" in (tmp_path / "dry-profile.txt").read_text()
+    # bench.gpu_validation finds a call's kernels by these titles; a profile length not run has none
+    profiles = (tmp_path / "dry-profile.txt").read_text()
+    assert "== smyrf, 64 tokens ==" in profiles and "65536 tokens" not in profiles
 
 
 def test_gpu_acceptance_module_runs_on_the_interpreter():
