@@ -12,8 +12,8 @@ views of its packed tokens, are not copied.
                - the band: the span from the first row's band to the last row's, in tiles of
                  BLOCK_N keys masked to real keys,
                - the sinks (one tile) outside each row's band,
-               - the chosen far blocks' counted keys: one flat loop over (query block, slot,
-                 tile of the block), so that its loads pipeline,
+               - the chosen far blocks' counted keys: one flat loop over (query block, tile)
+                 that pipelines its loads; a tile holds whole blocks, or part of a long one,
                - the mean keys and values of the blocks outside the band not chosen, logits
                  raised by their log count (the mean key's hi and mid split parts against
                  q: 16 bits of it, not a rounded key's 8).
