@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-tool call on a GPU machine: the GPU tests, attention alone, the default model end
-# to end. Prepared here (bench/README.md, "The H100 session"), run there from the repository
+# to end, the launch-shape variants. Prepared here (bench/README.md, "The H100 session"), run there from the repository
 # root; every step has its own time limit and writes as it goes, so a step cut short keeps
 # what it measured and the next one still runs. Results land in $OUT (the device tool's folder;
 # bench/out/gpu elsewhere).
@@ -27,4 +27,10 @@ export GPU_TEST_LENGTHS=${GPU_TEST_LENGTHS:-"4096 16384"}
         --graph-max-length "${GRAPH_MAX_LENGTH:-16384}" --profile-lengths ${E2E_PROFILE_LENGTHS:-16384} \
         --out "$OUT" --name "$STEM-nomic-e2e"
     echo "end to end: rc=$?"
+    timeout "${SHAPES_S:-90}" python3 -m bench.gpu_shapes --model bench/out/model --lengths ${SHAPE_LENGTHS:-4096 16384} \
+        --out "$OUT" --name "$STEM"
+    echo "shapes: rc=$?"
 } 2>&1 | tee "$OUT/$STEM-console.log"
+# The device tool brings back 8 files a call: every result but the console log travels in one archive.
+(cd "$OUT" && files=$(ls | grep -v -e '-console\.log$' -e '\.tar\.gz$') && [ -n "$files" ] &&
+    tar -czf "$STEM-results.tar.gz" $files && rm -f $files)
