@@ -10,7 +10,7 @@ Per method, length and variant: the median time of the call replayed from a CUDA
 to the shipped shape's output (0 when the variant computes the same: the K-means' votes are
 integers, but chunk boundaries change the order of the float sums of the refinement) and to
 exact attention. A variant patches module constants of kernels.triton for its calls only.
-Writes <STEM>-shapes.json under --out (default bench/out/gpu).
+Writes <STEM>-shapes.json under --out (default bench/out/gpu), again after every row.
 """
 
 from __future__ import annotations
@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     encoder = load_encoder(args.model, max_input_tokens=max(max(args.lengths), 512), device=device,
                            dtype=torch.float32)
     dtype = torch.float32 if interpret else torch.bfloat16
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.name or f"{datetime.date.today().isoformat()}-{_slug('cpu-interpret' if interpret else device_name())}"
+    path = args.out / f"{stem}-shapes.json"
     rows = []
     for n in args.lengths:
         q, k, v = real_qkv(encoder, long_text_ids(encoder, n), 64, 2 if interpret else HEADS, dtype)
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         for label in (*CLUSTERED, "banded"):
             spec = dry_run_spec(SPECS[label]) if interpret else SPECS[label]
             shipped_ms = shipped_out = None
-            for variant in ["shipped", *(v for v in args.variants if v != "shipped")]:
+            for variant in ["shipped", *(name for name in args.variants if name != "shipped")]:
                 methods, overrides = VARIANTS[variant]
                 if label not in methods:
                     continue
@@ -118,13 +121,10 @@ def main(argv: list[str] | None = None) -> int:
                            err_to_shipped=rel_err(out, shipped_out) if shipped_out is not None else None,
                            err_to_exact=rel_err(out, exact), device=device_name())
                 rows.append(row)
+                path.write_text(json.dumps(rows, indent=1) + "\n")  # after every row: a run cut short keeps them
                 print(f"{label:22s} {n:6d} {variant:20s} {ms:8.3f} ms  x{row['vs_shipped'] or 0:.3f} of shipped  "
                       f"err to shipped {row['err_to_shipped'] or 0:.2e}, to exact {row['err_to_exact']:.3f}", flush=True)
                 del out
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.name or f"{datetime.date.today().isoformat()}-{_slug('cpu-interpret' if interpret else device_name())}"
-    path = args.out / f"{stem}-shapes.json"
-    path.write_text(json.dumps(rows, indent=1) + "\n")
     print("wrote", path)
     return 0
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device-tool call on a GPU machine: the GPU tests, attention alone, the default model end
-# to end, the launch-shape variants. Prepared here (bench/README.md, "The H100 session"), run there from the repository
-# root; every step has its own time limit and writes as it goes, so a step cut short keeps
-# what it measured and the next one still runs. Results land in $OUT (the device tool's folder;
+# to end, the launch-shape variants. Prepared here (bench/README.md, "The H100 session"), run
+# there from the repository root; every step has its own time limit (together within the
+# call's 560 s) and writes as it goes, so a step cut short keeps what it measured and the next
+# one still runs. Results land in $OUT (the device tool's folder;
 # bench/out/gpu elsewhere).
 set -u
 OUT=${OUT:-bench/out/gpu}
@@ -22,12 +23,12 @@ export GPU_TEST_LENGTHS=${GPU_TEST_LENGTHS:-"4096 16384"}
         --lengths ${LENGTHS:-4096 16384 65536} --profile-lengths ${PROFILE_LENGTHS:-4096 16384 65536} \
         --e2e-lengths --out "$OUT" --name "$STEM"
     echo "attention: rc=$?"
-    timeout "${E2E_S:-150}" python3 -m bench.gpu --model bench/out/nomic-embed-text-v1.5 --lengths \
+    timeout "${E2E_S:-100}" python3 -m bench.gpu --model bench/out/nomic-embed-text-v1.5 --lengths \
         --e2e-lengths ${E2E_LENGTHS:-2048 8192 16384} --e2e-dtype bfloat16 --no-stages \
         --graph-max-length "${GRAPH_MAX_LENGTH:-16384}" --profile-lengths ${E2E_PROFILE_LENGTHS:-16384} \
         --out "$OUT" --name "$STEM-nomic-e2e"
     echo "end to end: rc=$?"
-    timeout "${SHAPES_S:-90}" python3 -m bench.gpu_shapes --model bench/out/model --lengths ${SHAPE_LENGTHS:-4096 16384} \
+    timeout "${SHAPES_S:-60}" python3 -m bench.gpu_shapes --model bench/out/model --lengths ${SHAPE_LENGTHS:-4096 16384} \
         --out "$OUT" --name "$STEM"
     echo "shapes: rc=$?"
 } 2>&1 | tee "$OUT/$STEM-console.log"
