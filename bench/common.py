@@ -176,6 +176,16 @@ def peak_memory_during(fn: Callable[[], object]) -> int:
     return max(0, peak_rss_bytes() - before)
 
 
+def cuda_or_interpreter() -> torch.device:
+    """The device of a GPU script: CPU under TRITON_INTERPRET=1 (the script tested on the
+    interpreter), else CUDA, which must be there."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU, or under TRITON_INTERPRET=1 to test the script")
+    return torch.device("cuda")
+
+
 def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()

@@ -19,7 +19,6 @@ import argparse
 import datetime
 import importlib
 import json
-import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 
 from kernels import attention
 
-from .common import device_name, exact_attention, long_text_ids, real_qkv, rel_err
+from .common import cuda_or_interpreter, device_name, exact_attention, long_text_ids, real_qkv, rel_err
 from .gpu import SPECS, _slug, dry_run_spec
 from .timing import capture_graph, median_ms
 
@@ -37,12 +36,8 @@ CLUSTERED = ("clustered (default)", "i-clustered (default)")
 # name -> (methods it applies to, {"module.attribute": value}); "shipped" is the reference.
 VARIANTS = {
     "shipped": (CLUSTERED + ("banded",), {}),
-    "programs x2": (CLUSTERED, {"kernels.triton.helpers.TARGET_PROGRAMS": 528,
-                                "kernels.triton.centroid.TARGET_PROGRAMS": 528}),
-    "programs x4": (CLUSTERED, {"kernels.triton.helpers.TARGET_PROGRAMS": 1056,
-                                "kernels.triton.centroid.TARGET_PROGRAMS": 1056}),
-    "programs /2": (CLUSTERED, {"kernels.triton.helpers.TARGET_PROGRAMS": 132,
-                                "kernels.triton.centroid.TARGET_PROGRAMS": 132}),
+    **{name: (CLUSTERED, {"kernels.triton.helpers.TARGET_PROGRAMS": programs})
+       for name, programs in (("programs x2", 528), ("programs x4", 1056), ("programs /2", 132))},
     "Hamming 8 warps": (CLUSTERED, {"kernels.triton.hamming.NUM_WARPS": 8}),
     "banded 64-key tiles": (("banded",), {"kernels.triton.banded.key_tile": lambda head_dim, dtype, interpreted:
                                           16 if interpreted else 64}),
@@ -88,10 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from models import load_encoder
 
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if not interpret and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run on a GPU, or under TRITON_INTERPRET=1 to test the script")
-    device = torch.device("cpu" if interpret else "cuda")
+    device = cuda_or_interpreter()
+    interpret = device.type == "cpu"
     torch.set_grad_enabled(False)
     encoder = load_encoder(args.model, max_input_tokens=max(max(args.lengths), 512), device=device,
                            dtype=torch.float32)

@@ -16,7 +16,6 @@ bytes, 0xFF, 0x00 and 0x7F. Exits 1 if anything changed.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -26,7 +25,7 @@ from kernels import AttentionSpec, attention
 from kernels.reference.masks import token_masks
 from kernels.stages import cluster_queries
 
-from .common import long_text_ids, real_qkv
+from .common import cuda_or_interpreter, long_text_ids, real_qkv
 from .cpu import SPECS
 from .gpu import dry_run_spec
 
@@ -93,10 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from models import load_encoder
 
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if not interpret and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run on a GPU, or under TRITON_INTERPRET=1 to test the script")
-    device = torch.device("cpu" if interpret else "cuda")
+    device = cuda_or_interpreter()
+    interpret = device.type == "cpu"
     n = args.tokens
     torch.set_grad_enabled(False)
     encoder = load_encoder(args.model, max_input_tokens=max(n, 512), device=device, dtype=torch.float32)

@@ -143,6 +143,7 @@ def _banded_kernel(
         lane_key = steps
     t_first = first // SIZE
     per_block = tl.cdiv(R, GROUP) * TILES  # tiles a query block takes
+    # (the bound spelled out in the launch's arguments: bench.trip_counts evaluates it)
     for i in range(0, (last // SIZE + 1 - first // SIZE) * tl.cdiv(R, GROUP) * TILES):
         if UNIFORM:  # one query block: no division by per_block
             t = t_first

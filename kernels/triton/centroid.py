@@ -37,7 +37,8 @@ from torch import Tensor
 from kernels import fallbacks
 from kernels.reference.clustered import centroid_attention
 from kernels.stages import CentroidAttention
-from kernels.triton.helpers import TARGET_PROGRAMS, dot_parts_left, online_softmax_step, pow2_block, split_parts, upcast
+from kernels.triton import helpers
+from kernels.triton.helpers import dot_parts_left, online_softmax_step, pow2_block, split_parts, upcast
 
 LOG2E = 1.4426950408889634
 # The largest top-k (rounded up to a power of two) that the centroid pass selects on chip.
@@ -290,8 +291,9 @@ def _centroid_topk_combine_kernel(
 
 
 def _splits(m: int, programs_per_split: int, block_m: int) -> tuple[int, int]:
-    """(splits, keys per split): enough splits for TARGET_PROGRAMS in all, whole blocks each."""
-    splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, programs_per_split), triton.cdiv(m, block_m)))
+    """(splits, keys per split): enough splits for helpers.TARGET_PROGRAMS in all (read at the
+    call, as chunking reads it), whole blocks each."""
+    splits = max(1, min(triton.cdiv(helpers.TARGET_PROGRAMS, programs_per_split), triton.cdiv(m, block_m)))
     chunk = triton.cdiv(triton.cdiv(m, splits), block_m) * block_m
     return triton.cdiv(m, chunk), chunk
 
