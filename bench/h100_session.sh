@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One device-tool call on a GPU machine: the GPU tests, attention alone, the default model end
-# to end, the launch-shape variants. Prepared here (bench/README.md, "The H100 session"), run
-# there from the repository root; every step has its own time limit (together within the
-# call's 560 s) and writes as it goes, so a step cut short keeps what it measured and the next
-# one still runs. Results land in $OUT (the device tool's folder;
-# bench/out/gpu elsewhere).
+# One device-tool call on a GPU machine: attention alone, the default model end to end, the
+# launch-shape variants, then the GPU tests on the Triton cache the benchmarks filled. Prepared
+# here (bench/README.md, "The H100 session"), run there from the repository root; every step
+# has its own time limit (together within the call's 560 s) and writes as it goes, so a step
+# cut short keeps what it measured and the next one still runs. Results land in $OUT (the
+# device tool's folder; bench/out/gpu elsewhere).
 set -u
 OUT=${OUT:-bench/out/gpu}
 STEM=${STEM:-$(date +%F)-h100}
@@ -16,9 +16,6 @@ export GPU_TEST_LENGTHS=${GPU_TEST_LENGTHS:-"4096 16384"}
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
     test -d /usr/share/common-licenses || cp -r bench/out/model/common-licenses /usr/share/
     python3 -m bench.pack_model --fill bench/out/nomic-embed-text-v1.5
-    timeout "${TESTS_S:-240}" python3 -m pytest -m gpu tests/gpu -rA -p no:cacheprovider \
-        -n "${TEST_WORKERS:-3}" --dist load --junitxml="$OUT/$STEM-tests.xml"
-    echo "tests: rc=$?"
     timeout "${ATTENTION_S:-150}" python3 -m bench.gpu --model bench/out/model --head-dims 64 \
         --lengths ${LENGTHS:-4096 16384 65536} --profile-lengths ${PROFILE_LENGTHS:-4096 16384 65536} \
         --e2e-lengths --out "$OUT" --name "$STEM"
@@ -28,9 +25,12 @@ export GPU_TEST_LENGTHS=${GPU_TEST_LENGTHS:-"4096 16384"}
         --graph-max-length "${GRAPH_MAX_LENGTH:-16384}" --profile-lengths ${E2E_PROFILE_LENGTHS:-16384} \
         --out "$OUT" --name "$STEM-nomic-e2e"
     echo "end to end: rc=$?"
-    timeout "${SHAPES_S:-60}" python3 -m bench.gpu_shapes --model bench/out/model --lengths ${SHAPE_LENGTHS:-4096 16384} \
+    timeout "${SHAPES_S:-90}" python3 -m bench.gpu_shapes --model bench/out/model --lengths ${SHAPE_LENGTHS:-4096 16384} \
         --out "$OUT" --name "$STEM"
     echo "shapes: rc=$?"
+    timeout "${TESTS_S:-180}" python3 -m pytest -m gpu tests/gpu -rA -p no:cacheprovider \
+        -n "${TEST_WORKERS:-3}" --dist load --junitxml="$OUT/$STEM-tests.xml"
+    echo "tests: rc=$?"
 } 2>&1 | tee "$OUT/$STEM-console.log"
 # The device tool brings back 8 files a call: every result but the console log travels in one archive.
 (cd "$OUT" && files=$(ls | grep -v -e '-console\.log$' -e '\.tar\.gz$') && [ -n "$files" ] &&
