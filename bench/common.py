@@ -186,6 +186,19 @@ def cuda_or_interpreter() -> torch.device:
     return torch.device("cuda")
 
 
+def gpu_script_setup(model: str | None, lengths: list[int]):
+    """(device, encoder, dtype) of a GPU script that feeds attention real projections: the
+    device (cuda_or_interpreter), the encoder loaded in float32 for the longest of `lengths`,
+    and the attention's dtype (bfloat16 on CUDA, float32 under the interpreter). Turns
+    autograd off."""
+    from models import load_encoder
+
+    device = cuda_or_interpreter()
+    torch.set_grad_enabled(False)
+    encoder = load_encoder(model, max_input_tokens=max(max(lengths), 512), device=device, dtype=torch.float32)
+    return device, encoder, torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
 def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()

@@ -27,7 +27,7 @@ import torch
 
 from kernels import attention
 
-from .common import cuda_or_interpreter, device_name, exact_attention, long_text_ids, real_qkv, rel_err
+from .common import device_name, exact_attention, gpu_script_setup, long_text_ids, real_qkv, rel_err
 from .gpu import SPECS, _slug, dry_run_spec
 from .timing import capture_graph, median_ms
 
@@ -39,8 +39,15 @@ VARIANTS = {
     **{name: (CLUSTERED, {"kernels.triton.helpers.TARGET_PROGRAMS": programs})
        for name, programs in (("programs x2", 528), ("programs x4", 1056), ("programs /2", 132))},
     "Hamming 8 warps": (CLUSTERED, {"kernels.triton.hamming.NUM_WARPS": 8}),
-    "banded 64-key tiles": (("banded",), {"kernels.triton.banded.key_tile": lambda head_dim, dtype, interpreted:
-                                          16 if interpreted else 64}),
+    **{f"means {per} a program, {group} chunks a load": (CLUSTERED, {"kernels.triton.means.PER_PROGRAM": per,
+                                                                     "kernels.triton.means.SUMS_GROUP": group})
+       for per, group in ((8, 8), (2, 32))},
+    **{f"top-k {rows} centroids a program": (CLUSTERED[1:], {"kernels.triton.centroid.TOPK_BLOCK_C": rows})
+       for rows in (32, 16)},
+    "merges 8 splits a load": (CLUSTERED, {"kernels.triton.centroid.COMBINE_SPLITS": 8}),
+    "banded 128-key tiles": (("banded",), {"kernels.triton.banded.key_tile": lambda head_dim, dtype, interpreted:
+                                           16 if interpreted else 128 if head_dim <= 64 and dtype != torch.float32
+                                           else 64}),
 }
 
 
@@ -81,14 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu"))
     parser.add_argument("--name", help="file stem (default <date>-<gpu>)")
     args = parser.parse_args(argv)
-    from models import load_encoder
-
-    device = cuda_or_interpreter()
+    device, encoder, dtype = gpu_script_setup(args.model, args.lengths)
     interpret = device.type == "cpu"
-    torch.set_grad_enabled(False)
-    encoder = load_encoder(args.model, max_input_tokens=max(max(args.lengths), 512), device=device,
-                           dtype=torch.float32)
-    dtype = torch.float32 if interpret else torch.bfloat16
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"{datetime.date.today().isoformat()}-{_slug('cpu-interpret' if interpret else device_name())}"
     path = args.out / f"{stem}-shapes.json"
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                            err_to_exact=rel_err(out, exact), device=device_name())
                 rows.append(row)
                 path.write_text(json.dumps(rows, indent=1) + "\n")  # after every row: a run cut short keeps them
-                print(f"{label:22s} {n:6d} {variant:20s} {ms:8.3f} ms  x{row['vs_shipped'] or 0:.3f} of shipped  "
+                print(f"{label:22s} {n:6d} {variant:38s} {ms:8.3f} ms  x{row['vs_shipped'] or 0:.3f} of shipped  "
                       f"err to shipped {row['err_to_shipped'] or 0:.2e}, to exact {row['err_to_exact']:.3f}", flush=True)
                 del out
     print("wrote", path)

@@ -10,7 +10,10 @@ graph. No GPU needed; it reads committed files.
 method and length, sections titled "== <method>, <n> tokens =="). The report,
 `<STEM>-vs-model.json`, lists per kernel `measured_us`, `model_us` and their ratio, per call the
 measured and estimated graph time, and the spread of the ratios over every kernel of at least
-MIN_US measured: what the model's estimates are worth, kernel by kernel.
+MIN_US measured: what the model's estimates are worth, kernel by kernel. Where a kernel was
+profiled at several lengths, `fits` splits its measured time a launch into a fixed part and a
+multiple of the model's estimate (fixed_launch_cost): what the model misses per launch, and
+what it misses per unit of the work it counts.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ HEAD_DIM = 64
 # Kernels measured at under this many µs in all are left out of the spread (timer granularity).
 MIN_US = 5.0
 LIBRARY = "library kernels"  # PyTorch's and cuDNN's, by their total
+# A kernel whose modelled time a launch spans less than this factor over the lengths profiled
+# gets no slope of its own in fixed_launch_cost: its measured excess is all fixed cost.
+MIN_MODEL_SPAN = 2.0
 
 
 def parse_profile(text: str) -> dict[tuple[str, int], dict[str, tuple[float, int]]]:
@@ -114,12 +120,46 @@ def compare(measured_rows: list[dict], profiles: dict, model: dict) -> dict:
         max_ratio=round(max(ratios), 3) if ratios else None,
         within_25_percent=sum(0.8 <= r <= 1.25 for r in ratios),
     )
-    return dict(kernels=kernel_rows, calls=call_rows, spread=spread)
+    return dict(kernels=kernel_rows, calls=call_rows, spread=spread, fits=fits(kernel_rows))
+
+
+def fixed_launch_cost(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(fixed µs, slope) with measured ≈ fixed + slope x modelled, a launch, by least squares
+    over (modelled µs, measured µs) points at several lengths; the fixed part is at least 0
+    (else the slope alone, through the origin). Where the modelled times span less than
+    MIN_MODEL_SPAN, the slope is 1 and the fixed part the mean excess."""
+    model = [m for m, _ in points]
+    if max(model) < MIN_MODEL_SPAN * min(model):
+        return sum(t - m for m, t in points) / len(points), 1.0
+    mean_m, mean_t = sum(model) / len(points), sum(t for _, t in points) / len(points)
+    slope = sum((m - mean_m) * (t - mean_t) for m, t in points) / sum((m - mean_m) ** 2 for m in model)
+    fixed = mean_t - slope * mean_m
+    if fixed < 0:
+        return 0.0, sum(m * t for m, t in points) / sum(m * m for m in model)
+    return fixed, slope
+
+
+def fits(kernel_rows: list[dict]) -> list[dict]:
+    """Per method and Triton kernel profiled at two lengths or more: fixed_launch_cost's split."""
+    points: dict[tuple[str, str], list[tuple[int, float, float]]] = defaultdict(list)
+    for r in kernel_rows:
+        if r["kernel"] != LIBRARY and r["measured_us"] and r["model_us"]:
+            points[(r["method"], r["kernel"])].append(
+                (r["tokens"], r["model_us"] / r["launches"], r["measured_us"] / r["launches"]))
+    rows = []
+    for (method, kernel), seen in sorted(points.items()):
+        if len(seen) < 2:
+            continue
+        fixed, slope = fixed_launch_cost([(m, t) for _, m, t in seen])
+        rows.append(dict(method=method, kernel=kernel, tokens=[n for n, _, _ in seen],
+                         fixed_us=round(fixed, 1), slope=round(slope, 2),
+                         worst_residual_us=round(max(abs(t - fixed - slope * m) for _, m, t in seen), 1)))
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--measured", type=Path, default=RESULTS_DIR / "2026-11-27-h100",
+    parser.add_argument("--measured", type=Path, default=RESULTS_DIR / "2026-11-27-h100-2",
                         help="stem of bench.gpu's files: STEM.json and STEM-profile.txt")
     parser.add_argument("--model", type=Path, default=RESULTS_DIR / "gpu_model.json")
     parser.add_argument("--out", type=Path, help="report (default: STEM-vs-model.json)")
@@ -139,6 +179,9 @@ def main() -> None:
                                   "model_ms", "model"])
     print()
     print("kernels of at least", MIN_US, "µs measured, measured / model:", report["spread"])
+    if report["fits"]:
+        print("\na launch measured as fixed_us + slope x modelled, over the lengths profiled:")
+        print_table(report["fits"], ["method", "kernel", "tokens", "fixed_us", "slope", "worst_residual_us"])
     out = args.out or stem.with_name(stem.name + "-vs-model.json")
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {out}")

@@ -2,9 +2,9 @@
 # One device-tool call on a GPU machine: attention alone, the default model end to end, the
 # launch-shape variants, then the GPU tests on the Triton cache the benchmarks filled. Prepared
 # here (bench/README.md, "The H100 session"), run there from the repository root; every step
-# has its own time limit (together within the call's 560 s) and writes as it goes, so a step
-# cut short keeps what it measured and the next one still runs. Results land in $OUT (the
-# device tool's folder; bench/out/gpu elsewhere).
+# has its own time limit (the tests whatever is left of TOTAL_S, within the call's 560 s) and
+# writes as it goes, so a step cut short keeps what it measured and the next one still runs.
+# Results land in $OUT (the device tool's folder; bench/out/gpu elsewhere).
 set -u
 OUT=${OUT:-bench/out/gpu}
 STEM=${STEM:-$(date +%F)-h100}
@@ -28,7 +28,9 @@ export GPU_TEST_LENGTHS=${GPU_TEST_LENGTHS:-"4096 16384"}
     timeout "${SHAPES_S:-90}" python3 -m bench.gpu_shapes --model bench/out/model --lengths ${SHAPE_LENGTHS:-4096 16384} \
         --out "$OUT" --name "$STEM"
     echo "shapes: rc=$?"
-    timeout "${TESTS_S:-180}" python3 -m pytest -m gpu tests/gpu -rA -p no:cacheprovider \
+    # The tests take what the call has left (TOTAL_S in all): the steps above rarely use their limits.
+    tests_s=${TESTS_S:-$(( ${TOTAL_S:-540} - SECONDS ))}
+    timeout "$(( tests_s > 30 ? tests_s : 30 ))" python3 -m pytest -m gpu tests/gpu -rA -p no:cacheprovider \
         -n "${TEST_WORKERS:-3}" --dist load --junitxml="$OUT/$STEM-tests.xml"
     echo "tests: rc=$?"
 } 2>&1 | tee "$OUT/$STEM-console.log"

@@ -3,24 +3,26 @@ variant beside the shipped shape, and a variant's constants hold for its calls o
 
 import json
 
+import torch
+
 from bench import gpu_shapes
 from kernels.triton import banded, helpers
 
 
 def test_a_variant_patches_its_constants_and_restores_them():
     before = helpers.TARGET_PROGRAMS, banded.key_tile
-    with gpu_shapes.patched(gpu_shapes.VARIANTS["programs x2"][1] | gpu_shapes.VARIANTS["banded 64-key tiles"][1]):
-        assert helpers.TARGET_PROGRAMS == 528 and banded.key_tile(64, None, False) == 64
+    with gpu_shapes.patched(gpu_shapes.VARIANTS["programs x2"][1] | gpu_shapes.VARIANTS["banded 128-key tiles"][1]):
+        assert helpers.TARGET_PROGRAMS == 528 and banded.key_tile(64, torch.bfloat16, False) == 128
     assert (helpers.TARGET_PROGRAMS, banded.key_tile) == before
 
 
 def test_the_script_times_each_method_under_its_variants(tmp_path):
-    assert gpu_shapes.main(["--lengths", "48", "--repeats", "1", "--variants", "programs x2", "banded 64-key tiles",
+    assert gpu_shapes.main(["--lengths", "48", "--repeats", "1", "--variants", "programs x2", "banded 128-key tiles",
                             "--out", str(tmp_path), "--name", "dry"]) == 0
     rows = json.loads((tmp_path / "dry-shapes.json").read_text())
     got = {(r["method"], r["variant"]) for r in rows}
     assert got == {(m, "shipped") for m in (*gpu_shapes.CLUSTERED, "banded")} | \
-        {(m, "programs x2") for m in gpu_shapes.CLUSTERED} | {("banded", "banded 64-key tiles")}
+        {(m, "programs x2") for m in gpu_shapes.CLUSTERED} | {("banded", "banded 128-key tiles")}
     for row in rows:
         assert row["graph_ms"] > 0 and 0 <= row["err_to_exact"] < 3
         # one chunk a head at 48 tokens: every variant computes what the shipped shape does

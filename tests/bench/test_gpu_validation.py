@@ -11,7 +11,7 @@ from bench.gpu_validation import LIBRARY, compare, parse_profile
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 # Each H100 run: its stem, and the (method, length) calls it profiled that the model estimates.
-RUNS = {"2026-11-26-h100": 15, "2026-11-27-h100": 7}
+RUNS = {"2026-11-26-h100": 15, "2026-11-27-h100": 7, "2026-11-27-h100-2": 21}
 
 def row(name: str, self_cpu: str, self_cuda: str, calls: int) -> str:
     """A line of torch.profiler's table: its 11 columns, two spaces or more apart."""
