@@ -23,7 +23,6 @@ from kernels.triton.helpers import (
     any_set,
     chunk_group,
     chunking,
-    cluster_block,
     count_real,
     mma,
     one_hot,
@@ -39,11 +38,19 @@ from kernels.triton.helpers import (
 BLOCK_N = 64
 BLOCK_C = 128
 NUM_WARPS = 4
-# Mask bytes per step of a count of real queries; chunks per load (at most) when the means
-# kernel sums the chunks' member sums (a (chunks, clusters, D) float32 load; their counts take
-# helpers.chunk_group).
+# Mask bytes per step of a count of real queries.
 COUNT_BLOCK = 4096
-SUMS_GROUP = 8
+# The means kernel: about MEANS_PROGRAMS programs a head of at least 2 clusters each, each
+# summing its clusters' member sums over SUMS_TILE / clusters-a-program chunks a load (a
+# (chunks, clusters, D) float32 load of ~32 registers; the counts take helpers.chunk_group).
+# Its time is the chain of loads of one program: on an H100, 100 clusters at 4 a program and 16
+# chunks a load made a clustered call 3-6% faster than 8 and 8, and within 2% of 2 and 32,
+# which read every cluster's count twice as often (bench/results/2026-11-27-h100-3-shapes.json).
+# PER_PROGRAM and SUMS_GROUP, when set, override the rule (bench.gpu_shapes' variants).
+MEANS_PROGRAMS = 25
+SUMS_TILE = 64
+PER_PROGRAM = None
+SUMS_GROUP = None
 
 
 @triton.jit
@@ -184,15 +191,22 @@ def sums(x: Tensor, assign: Tensor, query_mask: Tensor | None, out: Tensor, buff
     )
 
 
+def means_block(clusters: int) -> int:
+    """Clusters per program of the means kernel: about MEANS_PROGRAMS programs a head, a power of
+    two from 2 to 256 (PER_PROGRAM, when set)."""
+    return PER_PROGRAM or min(256, max(2, triton.next_power_of_2(triton.cdiv(clusters, MEANS_PROGRAMS))))
+
+
 def means(x: Tensor, buffers: Buffers, moved: Tensor, clusters: int, chunks: int) -> None:
     b, h, _, d = x.shape
-    per_program = cluster_block(clusters)
+    per_program = means_block(clusters)
+    block_c = min(per_program, 16)
     group = chunk_group(chunks)
     _means_kernel[(triton.cdiv(clusters, per_program), b * h)](
         buffers.part_sums, buffers.part_counts, moved, buffers.means, buffers.members, buffers.empty_list,
         buffers.n_empty, clusters, d, chunks, per_program,
-        BLOCK_C=min(per_program, 16), COUNT_C=pow2_block(clusters, 16, 256), HEAD_DIM=pow2_block(d),
-        CHUNK_BLOCK=pow2_block(chunks, 1), CHUNK_GROUP=group, SUMS_GROUP=min(SUMS_GROUP, group),
+        BLOCK_C=block_c, COUNT_C=pow2_block(clusters, 16, 256), HEAD_DIM=pow2_block(d),
+        CHUNK_BLOCK=pow2_block(chunks, 1), CHUNK_GROUP=group, SUMS_GROUP=min(SUMS_GROUP or SUMS_TILE // block_c, group),
     )
 
 
