@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_validation import LIBRARY, compare, parse_profile
+from bench.gpu_validation import LIBRARY, compare, fixed_launch_cost, parse_profile
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 # Each H100 run: its stem, and the (method, length) calls it profiled that the model estimates.
@@ -49,3 +49,14 @@ def test_the_committed_comparison_is_what_the_committed_files_give(stem, calls):
     # Every approximate method's profiled call was found in the model.
     compared = {(c["method"], c["tokens"]) for c in fresh["calls"] if c["method"] != "full"}
     assert len(compared) == calls
+
+
+def test_a_launch_splits_into_a_fixed_cost_and_a_multiple_of_the_model():
+    # on a line: the intercept and the slope
+    fixed, slope = fixed_launch_cost([(10.0, 25.0), (40.0, 85.0), (160.0, 325.0)])
+    assert fixed == pytest.approx(5.0) and slope == pytest.approx(2.0)
+    # a model that hardly moves with length: all the excess is fixed, the slope 1
+    assert fixed_launch_cost([(4.0, 11.0), (4.2, 13.4), (4.2, 14.0)]) == (pytest.approx(26.0 / 3), 1.0)
+    # a negative intercept is no cost: the slope alone, through the origin
+    fixed, slope = fixed_launch_cost([(10.0, 5.0), (20.0, 25.0), (40.0, 65.0)])
+    assert fixed == 0.0 and slope == pytest.approx((50 + 500 + 2600) / (100 + 400 + 1600))
