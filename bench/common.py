@@ -199,6 +199,13 @@ def gpu_script_setup(model: str | None, lengths: list[int]):
     return device, encoder, torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
+def gpu_script_qkv(encoder, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """A GPU script's q, k, v: real_qkv of n tokens of real text at head dim 64, 12 heads on
+    CUDA (the cost model's shape) and 2 under the interpreter."""
+    heads = 2 if encoder.device.type == "cpu" else 12
+    return real_qkv(encoder, long_text_ids(encoder, n), 64, heads, dtype)
+
+
 def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()

@@ -27,10 +27,9 @@ import torch
 
 from kernels import attention
 
-from .common import gpu_script_setup, long_text_ids, real_qkv
+from .common import gpu_script_qkv, gpu_script_setup
 from .gpu import SPECS, dry_run_spec
 
-HEADS = 12
 METHODS = ("clustered (default)", "i-clustered (default)", "banded")
 # ncu's metric name -> the summary's key
 SUMMARY = {
@@ -98,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     device, encoder, dtype = gpu_script_setup(args.model, args.lengths)
     interpret = device.type == "cpu"
     for n in args.lengths:
-        q, k, v = real_qkv(encoder, long_text_ids(encoder, n), 64, 2 if interpret else HEADS, dtype)
+        q, k, v = gpu_script_qkv(encoder, n, dtype)
         for label in args.methods:
             spec = dry_run_spec(SPECS[label]) if interpret else SPECS[label]
             call = lambda: attention(q, k, v, spec, scale=q.shape[-1] ** -0.5, backend="triton")  # noqa: E731

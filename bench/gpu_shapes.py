@@ -27,11 +27,10 @@ import torch
 
 from kernels import attention
 
-from .common import device_name, exact_attention, gpu_script_setup, long_text_ids, real_qkv, rel_err
+from .common import device_name, exact_attention, gpu_script_qkv, gpu_script_setup, rel_err
 from .gpu import SPECS, _slug, dry_run_spec
 from .timing import capture_graph, median_ms
 
-HEADS = 12
 CLUSTERED = ("clustered (default)", "i-clustered (default)")
 # name -> (methods it applies to, {"module.attribute": value}); "shipped" is the reference.
 VARIANTS = {
@@ -95,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / f"{stem}-shapes.json"
     rows = []
     for n in args.lengths:
-        q, k, v = real_qkv(encoder, long_text_ids(encoder, n), 64, 2 if interpret else HEADS, dtype)
+        q, k, v = gpu_script_qkv(encoder, n, dtype)
         scale = q.shape[-1] ** -0.5
         exact = exact_attention(q, k, v, None, scale)
         for label in (*CLUSTERED, "banded"):

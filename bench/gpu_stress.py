@@ -25,12 +25,11 @@ from kernels import AttentionSpec, attention
 from kernels.reference.masks import token_masks
 from kernels.stages import cluster_queries
 
-from .common import cuda_or_interpreter, long_text_ids, real_qkv
+from .common import gpu_script_qkv, gpu_script_setup
 from .cpu import SPECS
 from .gpu import dry_run_spec
 
 FILLS = (None, 0xFF, 0x00, 0x7F)  # None: random bytes
-HEADS = 12
 
 
 def fill_free_memory(device: torch.device, step: int) -> None:
@@ -90,15 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--methods", nargs="+", default=["clustered", "i-clustered"], choices=["clustered", "i-clustered"])
     args = parser.parse_args(argv)
-    from models import load_encoder
-
-    device = cuda_or_interpreter()
-    interpret = device.type == "cpu"
     n = args.tokens
-    torch.set_grad_enabled(False)
-    encoder = load_encoder(args.model, max_input_tokens=max(n, 512), device=device, dtype=torch.float32)
-    heads = 2 if interpret else HEADS
-    q, k, v = (torch.cat([t, t]) for t in real_qkv(encoder, long_text_ids(encoder, n), 64, heads, torch.float32))
+    device, encoder, _ = gpu_script_setup(args.model, [n])
+    interpret = device.type == "cpu"
+    q, k, v = (torch.cat([t, t]) for t in gpu_script_qkv(encoder, n, torch.float32))
     mask = torch.arange(n, device=device)[None, :] < torch.tensor([n, int(0.7 * n)], device=device)[:, None]
     changed = 0
     for dtype in args.dtypes:
