@@ -8,14 +8,17 @@ The data-dependent ones are set from the reference on real text: the refinement'
 leave no cluster empty (its candidates and donor launches find nothing to do); the Hamming
 update's empty clusters are about 2 x (C / 100)^2 a head in the first of 10 iterations,
 almost none after, the slowest block taking all of a launch's share, a donor found in one
-chunk. The centroid top-k's are not: they assume 1.3 TOP keys a row at or above its threshold,
-spread evenly (random logits). On the default model's real projections a row has 2.7-5 TOP, and
-the slowest program runs 2.3-3.7x these rounds (bench.topk_filter; docs/benchmarks.md).
+chunk. The centroid top-k's merges of its candidate buffers are bench.topk_filter's replay
+of the kernel on the default model's real text (bench/results/topk-filter-nomic.json): a row
+there has 2.7-11 TOP keys at or above its threshold (4k-64k), where random logits leave 1.3 TOP.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+from pathlib import Path
 from typing import Callable
 
 Bounds = Callable[[dict], dict]
@@ -44,18 +47,34 @@ def band_span(a: dict) -> dict:
     return {"lo": 0, "hi": min(a["N"], (row_blocks + 2 * a["BAND"]) * size), "first": 0, "last": (row_blocks - 1) * size}
 
 
-def topk_rounds(a: dict) -> dict:
-    """The centroid top-k's split and its rounds of candidates per block of keys: a row's
-    ~1.3 TOP keys at or above its threshold spread over the M keys; a block's rounds are the
-    most any of its rows has (a Poisson maximum)."""
-    per_row = 1.3 * a["TOP"] * a["BLOCK_M"] / max(a["M"], 1)
-    cdf, term, rounds, k = 0.0, math.exp(-per_row), 0.0, 0
-    while cdf < 1 - 1e-9 and k < a["BLOCK_M"]:
-        cdf += term
-        rounds += 1 - cdf ** a["BLOCK_C"]  # P(max > k)
-        k += 1
-        term *= per_row / k
-    return {"first": 0, "stop": min(a["CHUNK"], a["M"]), "candidates": rounds}
+# bench.topk_filter's replay of the centroid top-k on the default model's real text (i-clustered
+# 100/32, TOP 32): per length, the slowest program's merges of full buffers within its split.
+TOPK_REPLAY = Path(__file__).resolve().parent / "results" / "topk-filter-nomic.json"
+
+
+@functools.cache
+def _replayed_merges() -> list[tuple[int, float, int]]:
+    """(tokens, merges within the split a block of keys, chunks of the last merge) of the
+    slowest program at each replayed length."""
+    rows = json.loads(TOPK_REPLAY.read_text())["rows"]
+    return sorted((r["tokens"], r["merges_max"] / r["blocks"], r["last_max"]) for r in rows if r["lanes"] == "rotated")
+
+
+def topk_merges(a: dict) -> dict:
+    """The centroid top-k's split and its merges, as the slowest program on real text makes
+    them: the replay's at the nearest replayed lengths (interpolated in log length, held
+    beyond them). A block's merges are the chance of a full buffer after it (scaled by TOP / 32:
+    candidates grow with TOP) times the BUFFER / TOP chunks a merge of full buffers takes."""
+    m, top = a["M"], a["TOP"]
+    replayed = _replayed_merges()
+    lower = max((r for r in replayed if r[0] <= m), default=replayed[0])
+    upper = min((r for r in replayed if r[0] >= m), default=replayed[-1])
+    weight = 0.0 if upper[0] == lower[0] else math.log(m / lower[0]) / math.log(upper[0] / lower[0])
+    rate = lower[1] + weight * (upper[1] - lower[1])
+    last = lower[2] + weight * (upper[2] - lower[2])
+    # The last merge runs at least once where no merge ran before (it writes the kept keys).
+    return {"first": 0, "stop": min(a["CHUNK"], m), "merges": rate * top / 32 * (a["BUFFER"] // top),
+            "last_merges": last if rate > 0 else max(1.0, last)}
 
 
 def first_tile_keys(a: dict) -> dict:
@@ -75,7 +94,7 @@ LOOP_BOUNDS: dict[str, dict[str, Bounds]] = {
     "kernels.triton.banded": {"_banded_kernel": band_span},
     "kernels.triton.centroid": {
         "_centroid_attention_kernel": lambda a: {"first": 0, "stop": min(a["CHUNK"], a["M"])},
-        "_centroid_topk_kernel": topk_rounds,
+        "_centroid_topk_kernel": topk_merges,
     },
     "kernels.triton.cluster_layout": {
         "_layout_counts_kernel": lambda a: {**_by_rows(a), "zero_stop": _by_rows(a)["start"]},  # no padding
@@ -85,6 +104,7 @@ LOOP_BOUNDS: dict[str, dict[str, Bounds]] = {
         "_hamming_initial_kernel": lambda a: {  # all queries real: no rank is counted
             **slowest_chunk(a["N"], a["CHUNK"]), "c_first": 0, "c_last": a["C"] / -(-a["N"] // a["CHUNK"]) + 3,
             "scan_stop": slowest_chunk(a["N"], a["CHUNK"])["start"],
+            "lo": 0, "hi": -(-a["C"] * a["BLOCK_BITS"] // a["CHUNKS"]),  # its slice of the first totals
         },
         "_hamming_assign_kernel": _by_rows,
     },

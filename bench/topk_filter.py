@@ -1,16 +1,20 @@
 """How much work the centroid top-k's filter leaves on real text (kernels/triton/centroid.py), on
 the CPU: the filter of `_centroid_topk_kernel` replayed on a model's projections, per length.
 
-    python -m bench.topk_filter [--model nomic] [--lengths 4096 8192 16384] [--head-dim D] [--lanes rotated mod]
+    python -m bench.topk_filter [--model nomic] [--lengths 4096 8192 16384 32768 65536] [--head-dim D] [--lanes rotated mod]
 
 i-clustered 100/32 (the benchmark's) clusters layer 0's queries with the reference; then, per
 head and cluster, the threshold is the TOP-th largest of the 2 TOP lane maxima of the centroid's
 logits, and the top-k kernel's programs (TOPK_BLOCK_C centroids, one split of the keys) scan
-their blocks of keys: a block's rounds are the most candidates any of its rows has, a
-candidate being a logit at or above the row's floor (the threshold, then its TOP-th kept
-logit). Printed per length and lane scheme: keys at or above the threshold per row (mean,
-max), rounds per program (mean, max), also in bench/results/NAME.json. `rotated` is the kernel's lanes (a key's column in its
-block, rotated by _lane_shift); `mod` is key index mod 2 TOP, for comparison.
+their blocks of TOPK_BLOCK_M keys: a candidate is a logit at or above the row's threshold,
+appended to the row's buffer of TOPK_BUFFER; when a row's buffer could not take another
+block's, the program merges all its buffers into the kept keys (TOPK_BUFFER / TOP chunks of
+TOP keys), and once more at the end (as many chunks as its fullest buffer needs). Printed per
+length and lane scheme: keys at or above the threshold per row (mean, max), the chunks a
+program merges (mean, and the slowest program's: its merges within the split and its last
+merge's chunks), also in bench/results/NAME.json; bench.loop_bounds reads the slowest
+program's from bench/results/topk-filter-nomic.json. `rotated` is the kernel's lanes (a key's
+column in its block, rotated by _lane_shift); `mod` is key index mod 2 TOP, for comparison.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import triton
 from kernels.reference.clustered import REFERENCE
 from kernels.reference.kmeans import cluster_means
 from kernels.reference.masks import token_masks
-from kernels.triton.centroid import LOG2E, THRESHOLD_MARGIN, TOPK_BLOCK_C, _splits
+from kernels.triton.centroid import LOG2E, THRESHOLD_MARGIN, TOPK_BLOCK_C, TOPK_BLOCK_M, TOPK_BUFFER, _splits
 
 from .common import long_text_ids, print_table, real_qkv, write_report
 from .cpu import SPECS
@@ -57,7 +61,9 @@ def centroid_logits(encoder, n: int, head_dim: int | None = None) -> tuple[torch
 
 
 def replay(logits: torch.Tensor, top: int, scheme: str) -> dict:
-    """The filter's counts on (H, C, M) logits under a lane scheme."""
+    """The filter's work on (H, C, M) logits under a lane scheme: keys at or above each row's
+    threshold, and per program (TOPK_BLOCK_C rows, one split) its merges of full buffers
+    within the split and the TOP-key chunks its last merge takes (the kernel's loop bounds)."""
     heads, clusters, m = logits.shape
     block_m, lanes = max(64, 2 * top), 2 * top
     lane = lanes_of(m, block_m, lanes, scheme).expand(heads, clusters, m)
@@ -67,25 +73,27 @@ def replay(logits: torch.Tensor, top: int, scheme: str) -> dict:
     above = (logits >= threshold[..., None]).sum(-1).float()
     blocks = triton.cdiv(clusters, TOPK_BLOCK_C)
     splits, chunk = _splits(m, heads * blocks, block_m)
-    rounds = []
+    buffer = max(TOPK_BUFFER, top)
+    merges, last, chunks = [], [], []
     for head in range(heads):
         for first in range(0, clusters, TOPK_BLOCK_C):
             rows = slice(first, min(clusters, first + TOPK_BLOCK_C))
             for split in range(splits):
-                floor = threshold[head, rows].clone()
-                kept = torch.full((floor.numel(), top), float("-inf"))
-                count = 0
-                for start in range(split * chunk, min(m, (split + 1) * chunk), block_m):
-                    block = logits[head, rows, start : start + block_m]
-                    live = block >= floor[:, None]
-                    count += int(live.sum(1).max())
-                    candidates = torch.where(live, block, float("-inf"))
-                    kept = torch.cat([kept, candidates], dim=1).topk(top, dim=1).values
-                    floor = torch.maximum(floor, kept[:, -1])  # -inf until a row keeps TOP
-                rounds.append(count)
-    rounds_t = torch.tensor(rounds, dtype=torch.float32)
+                floor = threshold[head, rows, None]
+                count = torch.zeros(floor.numel(), dtype=torch.int64)
+                full = 0
+                for start in range(split * chunk, min(m, (split + 1) * chunk), TOPK_BLOCK_M):
+                    count += (logits[head, rows, start : start + TOPK_BLOCK_M] >= floor).sum(1)
+                    if int(count.max()) > buffer - TOPK_BLOCK_M:
+                        full += 1
+                        count[:] = 0
+                merges.append(full)
+                last.append(triton.cdiv(int(count.max()), top))
+                chunks.append(full * (buffer // top) + last[-1])
+    slowest = max(range(len(chunks)), key=chunks.__getitem__)
     return dict(keys_above_mean=above.mean().item(), keys_above_max=above.max().item(),
-                rounds_mean=rounds_t.mean().item(), rounds_max=rounds_t.max().item())
+                chunks_mean=sum(chunks) / len(chunks), chunks_max=chunks[slowest],
+                merges_max=merges[slowest], last_max=last[slowest], blocks=triton.cdiv(chunk, TOPK_BLOCK_M))
 
 
 def main() -> None:
@@ -93,7 +101,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="nomic", help="a load_encoder name or folder (default: nomic)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
     parser.add_argument("--head-dim", type=int, help="default: the model's (64 for nomic; bench.gpu runs 64)")
     parser.add_argument("--name", default="topk-filter", help="report: bench/results/NAME.json")
     parser.add_argument("--lanes", nargs="+", default=["rotated", "mod"], choices=["rotated", "mod"])

@@ -14,14 +14,17 @@ each cluster's top-k keys of A^c. A^c is never written.
                                 are distinct keys)
     _centroid_topk_kernel       (centroid blocks of 64, top splits, B * H)  the logits again;
                                 only keys at or above the threshold can be in the top-k (on
-                                random logits ~1.5 TOP of a row's M), and only those are kept:
-                                a row's best candidate replaces the row's smallest kept key,
-                                repeated while a row has a candidate above it
+                                random logits ~1.3 TOP of a row's M; on real text 2.7-11 TOP,
+                                many of them near-ties), and only those are kept: appended
+                                to a per-row buffer in scratch, merged into the row's kept
+                                keys by a sort of TOP at a time when a row's buffer is full
+                                and at the end
     _centroid_topk_combine_kernel  (centroid blocks of 4, B * H)  the splits' kept keys merged
                                 into the top-k, their indices and probabilities
 
-A block of keys costs the top-k a compare per logit and a few steps per candidate, instead of
-a sorting network over every logit. Softmaxes run in base 2 (kernels.triton.helpers). The
+A block of keys costs the top-k a compare and a predicated store per logit, and a candidate a
+share of a sort of 2 TOP keys, instead of a sorting network over every logit or a step per
+candidate. Softmaxes run in base 2 (kernels.triton.helpers). The
 centroids (float32) meet half-precision keys as split-precision dots of two parts (LOGIT_PARTS),
 split once per program: the top-k differs from float32's only within ~1e-5 of a tie. The
 probabilities meet half-precision values rounded to the values' dtype, as flash attention's do.
@@ -59,14 +62,20 @@ THRESHOLD_MARGIN = 1e-5
 LOGIT_PARTS = tl.constexpr(2)
 # Key of no key: below every logit's.
 NO_KEY = -(1 << 63)
-# A candidate no longer left in a round (_ordered): below every logit's.
-NOT_LEFT = -(1 << 31)
+# Keys per block of the top-k filter (32 cost the model's estimate 1.3x at 16k: twice the
+# blocks at little less a block), and candidates a row of its buffers (at least TOP): a merge
+# every (TOPK_BUFFER - TOPK_BLOCK_M) / TOPK_BLOCK_M blocks at most.
+TOPK_BLOCK_M = 64
+TOPK_BUFFER = 128
+# Keys a step of a merge of the buffers sorts: GROUP rows of 2 TOP (a whole block's rows at
+# once made ptxas spill).
+MERGE_KEYS = 1024
 
 
 @triton.jit
 def _ordered(logits):
     """The float32 bits of logits as signed int32s that order like them (negatives flip their
-    magnitude bits); -inf is above NOT_LEFT."""
+    magnitude bits)."""
     bits = logits.to(tl.int32, bitcast=True)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
@@ -199,26 +208,53 @@ def _centroid_combine_kernel(
 
 
 @triton.jit
+def _merge_kept(kept_ptr, buffer_ptr, counts_ptr, count, C, merges, fresh, BLOCK_C: tl.constexpr, TOP: tl.constexpr,
+                BUFFER: tl.constexpr, GROUP: tl.constexpr, NO_KEY: tl.constexpr):
+    """Each of a program's BLOCK_C rows keeps the TOP largest of its kept keys (kept_ptr: C rows
+    of TOP; none yet if `fresh`; rows past C have none) and the first `count` (BLOCK_C,) keys of
+    its buffer (buffer_ptr: BLOCK_C rows of BUFFER), all int64: `merges` x TOP buffered keys of
+    GROUP rows at a time, so that a sort holds GROUP x 2 TOP keys, not BLOCK_C x 2 TOP. All of
+    it inside the loop over `merges` (0: nothing is touched); the counts pass through the
+    program's counts_ptr (BLOCK_C int32s) to the threads that hold each group."""
+    slots = tl.arange(0, TOP)
+    for first in range(0, merges * TOP, TOP):
+        tl.store(counts_ptr + tl.arange(0, BLOCK_C), count, mask=tl.full([BLOCK_C], first, tl.int32) == 0)
+        tl.debug_barrier()  # the counts, stored on the first step, are read back by other threads
+        for group in tl.static_range(0, BLOCK_C, GROUP):
+            rows = group + tl.arange(0, GROUP)
+            present = (rows < C)[:, None]
+            kept = kept_ptr + rows[:, None] * TOP + slots[None, :]
+            held = tl.load(kept, mask=present & ((first > 0) | (fresh == 0)), other=NO_KEY)
+            filled = first + slots[None, :] < tl.load(counts_ptr + rows)[:, None]
+            buffered = tl.load(buffer_ptr + rows[:, None] * BUFFER + first + slots[None, :], mask=filled, other=NO_KEY)
+            tl.store(kept, tl.topk(tl.reshape(tl.join(held, buffered), (GROUP, 2 * TOP)), TOP), mask=present)
+
+
+@triton.jit
 def _centroid_topk_kernel(
-    centroids_ptr, k_ptr, key_mask_ptr, threshold_ptr, part_top_ptr,
+    centroids_ptr, k_ptr, key_mask_ptr, threshold_ptr, part_top_ptr, buffer_ptr, counts_ptr,
     stride_kb, stride_kh, stride_km, stride_kd,
     H, M, C, D, SPLITS, CHUNK, scale,
     BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, TOP: tl.constexpr,
-    MARGIN: tl.constexpr, NO_KEY: tl.constexpr, NOT_LEFT: tl.constexpr, UPCAST: tl.constexpr,
+    BUFFER: tl.constexpr, GROUP: tl.constexpr, MARGIN: tl.constexpr, NO_KEY: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """A block of centroids against one split of the keys: the TOP largest keys of each row
     (int64: the logit as _ordered above M - 1 - index, so the lower index wins a tie) among
     those whose logit is at least its threshold, to part_top (B * H, SPLITS, C, TOP) int64
-    (unsorted; NO_KEY where fewer). A block's logits are filtered as floats (against the
-    threshold, then the row's smallest kept logit); while a row has a candidate left, its
-    best one replaces the row's smallest kept key if larger, and leaves them. The candidates
-    are int32 (_ordered) and only a round's best of each row is packed into a key."""
+    (unsorted; NO_KEY where fewer), which holds the kept keys as they change. Each block's
+    candidates are appended to the row's BUFFER keys of scratch (buffer: (B * H, SPLITS, C
+    blocks x BLOCK_C, BUFFER) int64, the program's own rows) at the places a running count
+    gives them, one writer each; once a row could not take another block's, every row merges
+    its buffer into its kept keys (_merge_kept; counts: (B * H, SPLITS, C blocks x BLOCK_C)
+    int32 scratch), as all do at the end. A block costs a compare and a predicated store per
+    logit, whatever its candidates."""
     split = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
     batch, head = bh // H, bh % H
-    rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    first_row = tl.program_id(0) * BLOCK_C
+    rows = first_row + tl.arange(0, BLOCK_C)
     dims = tl.arange(0, HEAD_DIM)
-    slots = tl.arange(0, TOP)
     block_cols = tl.arange(0, BLOCK_M)
     in_rows = rows < C
     centroids = tl.load(centroids_ptr + (bh * C + rows)[:, None] * D + dims[None, :],
@@ -226,10 +262,12 @@ def _centroid_topk_kernel(
     parts = split_parts(centroids, k_ptr.dtype.element_ty)  # loop invariant
     k_head = k_ptr + batch * stride_kb + head * stride_kh
     threshold = tl.load(threshold_ptr + bh * C + rows, mask=in_rows, other=0.0)
-    threshold = tl.where(in_rows, threshold - MARGIN * (tl.abs(threshold) + 1.0), float("inf"))
-    top = tl.full([BLOCK_C, TOP], NO_KEY, tl.int64)
-    top_min, min_slot = tl.min(top, axis=1, return_indices=True)  # each row's smallest kept key and its slot
-    floor = threshold  # a logit below it cannot enter: the threshold, then the smallest kept logit
+    floor = tl.where(in_rows, threshold - MARGIN * (tl.abs(threshold) + 1.0), float("inf"))
+    kept = part_top_ptr + ((bh * SPLITS + split) * C + first_row) * TOP  # the block's rows
+    program_row = (bh * SPLITS + split) * tl.num_programs(0) * BLOCK_C + first_row
+    buffer, counts = buffer_ptr + program_row * BUFFER, counts_ptr + program_row
+    count = tl.zeros([BLOCK_C], tl.int32)
+    fresh = 1  # nothing kept yet
     first = split * CHUNK
     stop = tl.minimum(first + CHUNK, M)
     for start in range(first, stop, BLOCK_M):
@@ -240,26 +278,22 @@ def _centroid_topk_kernel(
                        mask=real[:, None] & (dims[None, :] < D), other=0.0)
         logits = tl.where(real[None, :], _logits(parts, centroids, keys, scale, UPCAST), float("-inf"))
         live = in_split[None, :] & (logits >= floor[:, None])
-        candidates = tl.max(tl.sum(live.to(tl.int32), axis=1), axis=0)  # a row takes at most one a round
-        if candidates > 0:
-            # Each row's candidates as int32s that order like their logits (NOT_LEFT: none); a
-            # round's best is the largest, the lowest column among equals, and only it is
-            # packed into a key.
-            left = tl.where(live, _ordered(logits), NOT_LEFT)
-            for _ in range(0, candidates):
-                best_ordered = tl.max(left, axis=1)
-                if tl.max(best_ordered, axis=0) > NOT_LEFT:  # what is left may all be below the kept
-                    best_col = tl.min(tl.where(left == best_ordered[:, None], block_cols[None, :], BLOCK_M), axis=1)
-                    best = tl.where(best_ordered > NOT_LEFT,
-                                    (best_ordered.to(tl.int64) << 32) | (M - 1 - start - best_col).to(tl.int64), NO_KEY)
-                    replace = (slots[None, :] == min_slot[:, None]) & (best > top_min)[:, None]
-                    top = tl.where(replace, best[:, None], top)
-                    top_min, min_slot = tl.min(top, axis=1, return_indices=True)
-                    kept = (top_min >> 32).to(tl.int32)  # NOT_LEFT while a row keeps fewer than TOP
-                    left = tl.where((block_cols[None, :] != best_col[:, None]) & (left >= kept[:, None]), left, NOT_LEFT)
-            floor = tl.maximum(floor, tl.where(top_min > NO_KEY, _key_logits(top_min), floor))
-    part = (bh * SPLITS + split) * C + rows
-    tl.store(part_top_ptr + part[:, None] * TOP + slots[None, :], top, mask=in_rows[:, None])
+        place = count[:, None] + tl.cumsum(live.to(tl.int32), axis=1) - 1
+        candidates = (_ordered(logits).to(tl.int64) << 32) | (M - 1 - cols).to(tl.int64)[None, :]
+        tl.store(buffer + tl.arange(0, BLOCK_C)[:, None] * BUFFER + place, candidates, mask=live)
+        count += tl.sum(live.to(tl.int32), axis=1)
+        most = tl.max(count, axis=0)
+        # A row that could not take another block's: every row merges its buffer (rare: on the
+        # default model's real text, 0-4 times a split up to 64k tokens).
+        merges = tl.where(most > BUFFER - BLOCK_M, tl.cdiv(most, TOP), 0)
+        tl.debug_barrier()  # the candidates, stored above, are read back by other threads
+        _merge_kept(kept, buffer, counts, count, C - first_row, merges, fresh, BLOCK_C, TOP, BUFFER, GROUP, NO_KEY)
+        tl.debug_barrier()  # and read before the next block's overwrite them
+        fresh = tl.where(merges > 0, 0, fresh)
+        count = tl.where(merges > 0, 0, count)
+    tl.debug_barrier()  # the candidates, stored above, are read back by other threads
+    last_merges = tl.maximum(tl.cdiv(tl.max(count, axis=0), TOP), fresh)  # once at least: the kept keys' stores
+    _merge_kept(kept, buffer, counts, count, C - first_row, last_merges, fresh, BLOCK_C, TOP, BUFFER, GROUP, NO_KEY)
 
 
 @triton.jit
@@ -345,12 +379,16 @@ def centroid_attention_triton(
     blocks = triton.cdiv(c, topk_block_c)
     top_splits, top_chunk = _splits(m, b * h * blocks, block_m)
     part_top = torch.empty(b * h, top_splits, c, top, dtype=torch.int64, device=device)
+    buffer_keys = max(TOPK_BUFFER, top)
+    buffer = torch.empty(b * h, top_splits, blocks * topk_block_c, buffer_keys, dtype=torch.int64, device=device)
+    counts = torch.empty(b * h, top_splits, blocks * topk_block_c, dtype=torch.int32, device=device)
     _centroid_topk_kernel[(blocks, top_splits, b * h)](
-        centroids, k, mask, threshold, part_top,
+        centroids, k, mask, threshold, part_top, buffer, counts,
         *k.stride(),
         h, m, c, d, top_splits, top_chunk, scale * LOG2E,
-        BLOCK_C=topk_block_c, BLOCK_M=block_m, HEAD_DIM=pow2_block(d), TOP=top,
-        MARGIN=THRESHOLD_MARGIN, NO_KEY=NO_KEY, NOT_LEFT=NOT_LEFT, UPCAST=upcast(k),
+        BLOCK_C=topk_block_c, BLOCK_M=TOPK_BLOCK_M, HEAD_DIM=pow2_block(d), TOP=top, BUFFER=buffer_keys,
+        GROUP=min(topk_block_c, max(1, MERGE_KEYS // (2 * top))), MARGIN=THRESHOLD_MARGIN, NO_KEY=NO_KEY,
+        UPCAST=upcast(k),
     )
     top_index = torch.empty(b, h, c, topk, dtype=torch.int64, device=device)
     top_probs = torch.empty(b, h, c, topk, dtype=torch.float32, device=device)

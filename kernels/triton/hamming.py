@@ -37,7 +37,14 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.triton import means
-from kernels.triton.hamming_step import _exact_case, _hamming_step_kernel, _key_bias, _nearest_key, _ranked
+from kernels.triton.hamming_step import (
+    _clear_slice,
+    _exact_case,
+    _hamming_step_kernel,
+    _key_bias,
+    _nearest_key,
+    _ranked,
+)
 from kernels.triton.hamming_update import _hamming_update_kernel
 from kernels.triton.helpers import (
     any_set,
@@ -87,10 +94,11 @@ CLEAR_BLOCK = 1024
 
 @triton.jit
 def _hamming_initial_kernel(
-    codes_ptr, query_mask_ptr, offsets_ptr, centroids_ptr, centroid_signs_ptr, flags_ptr, signs_ptr,
-    H, N, C, CHUNK, BLOCKS,
+    codes_ptr, query_mask_ptr, offsets_ptr, centroids_ptr, centroid_signs_ptr, flags_ptr, signs_ptr, votes_clear_ptr,
+    H, N, C, CHUNK, CHUNKS, BLOCKS,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_BITS: tl.constexpr, COUNT_BLOCK: tl.constexpr,
-    FLAG_BLOCK: tl.constexpr, SIGNS: tl.constexpr, EXACT_CASE: tl.constexpr,
+    FLAG_BLOCK: tl.constexpr, SIGNS: tl.constexpr, EXACT_CASE: tl.constexpr, CLEAR: tl.constexpr,
+    CLEAR_BLOCK: tl.constexpr,
 ):
     """With SIGNS, each query's code as +-1 signs (B * H, N, BLOCK_BITS) int8, which every
     iteration reads (else the hash wrote them). Cluster j starts at the query of rank
@@ -99,9 +107,13 @@ def _hamming_initial_kernel(
     from its rank; otherwise the chunk's ranks are counted. Program (p, bh) writes
     the clusters whose rank falls in its chunk: each cluster has exactly one writer. The
     first program of a head sets its flags (B * H, BLOCKS): iterate, unless EXACT_CASE and no
-    more real queries than clusters (the final assignment gives each query its own)."""
+    more real queries than clusters (the final assignment gives each query its own). With
+    CLEAR, the programs zero the first step launch's vote totals (B * H, C, BLOCK_BITS) int32, a
+    slice each."""
     bh = tl.program_id(1).to(tl.int64)
     batch, head = bh // H, bh % H
+    if CLEAR:
+        _clear_slice(votes_clear_ptr + bh * C * BLOCK_BITS, tl.program_id(0), CHUNKS, C * BLOCK_BITS, CLEAR_BLOCK)
     start = tl.program_id(0) * CHUNK
     stop = tl.minimum(start + CHUNK, N)
     mask_row = query_mask_ptr + batch * N
@@ -287,17 +299,18 @@ def hamming_kmeans_triton(
     assign = torch.empty(b, h, n, dtype=torch.int64, device=device)
     grid = (chunks, b * h)
     flag_block = pow2_block(blocks, 1)
-    _hamming_initial_kernel[grid](
-        codes, mask, offsets, centroids, centroid_signs[-1], flags[1], signs, h, n, clusters, chunk, blocks,
+    # One launch an iteration: launch s reads what launch s - 1 wrote: pairs of centroids,
+    # flags, levels and histograms (s - 1 at (s + 1) % 2), and three vote totals (it adds to
+    # s % 3, reads (s - 1) % 3, clears (s + 1) % 3 for the next); the initial launch clears the
+    # first launch's.
+    totals = torch.empty(3, b * h, clusters, BLOCK_BITS, dtype=torch.int32, device=device) if one_block else None
+    _hamming_initial_kernel[grid](  # without the totals nothing is cleared: the codes stand in
+        codes, mask, offsets, centroids, centroid_signs[-1], flags[1], signs, totals[0] if one_block else codes,
+        h, n, clusters, chunk, chunks, blocks,
         BLOCK_N=min(BLOCK_N, INITIAL_BLOCK_N), BLOCK_C=INITIAL_BLOCK_C, BLOCK_BITS=BLOCK_BITS, COUNT_BLOCK=COUNT_BLOCK,
-        FLAG_BLOCK=flag_block, SIGNS=write_signs, EXACT_CASE=exact_case,
+        FLAG_BLOCK=flag_block, SIGNS=write_signs, EXACT_CASE=exact_case, CLEAR=one_block, CLEAR_BLOCK=CLEAR_BLOCK,
     )
     if one_block:
-        # Launch s reads what launch s - 1 wrote: pairs of centroids, flags, levels and histograms
-        # (s - 1 at (s + 1) % 2), and three vote totals (it adds to s % 3, reads (s - 1) % 3,
-        # clears (s + 1) % 3 for the next); the first launch's totals start at zero.
-        totals = torch.empty(3, b * h, clusters, BLOCK_BITS, dtype=torch.int32, device=device)
-        totals[0].zero_()
         block_c = pow2_block(clusters, 16, BLOCK_C)
         scratch = torch.empty(b * h, chunks, block_c, BLOCK_BITS, dtype=torch.int8, device=device)
         d = sums.x.shape[-1] if sums is not None else 1

@@ -1,7 +1,8 @@
 """bench.topk_filter's replay of the centroid top-k's filter: the kernel's rotated lanes spread
 each block's keys over every lane, and keys that repeat every 512 positions over many lanes;
 on random logits the threshold leaves ~1.3 TOP keys a row, and on periodic ones the rotation
-keeps it under 2 TOP where key index mod 2 TOP does not."""
+keeps it under 2 TOP where key index mod 2 TOP does not; tied logits fill the candidate
+buffers, which merge as the kernel's do."""
 
 import torch
 
@@ -30,4 +31,18 @@ def test_the_threshold_leaves_few_keys_on_random_logits_and_on_periodic_ones_wit
         periodic[..., offset::512] += 10.0
     rotated, mod = replay(periodic, TOP, "rotated"), replay(periodic, TOP, "mod")
     assert rotated["keys_above_mean"] <= 2 * TOP < mod["keys_above_mean"]
-    assert rotated["rounds_max"] < mod["rounds_max"]
+    assert random["merges_max"] == 0 and random["last_max"] == 1
+
+
+def test_tied_logits_merge_a_full_buffer_every_few_blocks(monkeypatch):
+    """One split a program: every key of 1024 tied logits is a candidate, TOPK_BLOCK_M a block;
+    a buffer of TOPK_BUFFER keys merges once it could not take another block's."""
+    from kernels.triton import helpers
+    from kernels.triton.centroid import TOPK_BLOCK_M, TOPK_BUFFER
+
+    monkeypatch.setattr(helpers, "TARGET_PROGRAMS", 1)
+    tied = replay(torch.zeros(1, 8, 1024), TOP, "rotated")
+    per_merge = TOPK_BUFFER // TOPK_BLOCK_M  # blocks a buffer takes
+    assert tied["blocks"] == 1024 // TOPK_BLOCK_M
+    assert tied["merges_max"] == tied["blocks"] // per_merge and tied["last_max"] == 0
+    assert tied["chunks_max"] == tied["merges_max"] * TOPK_BUFFER // TOP

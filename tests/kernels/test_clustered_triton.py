@@ -229,6 +229,40 @@ def test_centroid_top_k_of_tied_logits_equals_the_reference(poisoned):
     assert_topk_agree(got.top_index, expected.topk(8, dim=-1).indices, expected)
 
 
+@pytest.mark.parametrize("tied", [300, 150])
+def test_centroid_top_k_merges_full_buffers_within_a_split(tied, poisoned, monkeypatch):
+    """One split a head (TARGET_PROGRAMS 1): its first `tied` keys are one vector, so every
+    block of them puts all its keys in the candidate buffers; full buffers merge into the kept
+    keys mid-split (300 keys: after the second and fourth blocks, then the last merge), where
+    the lowest indices among the equal keys must survive, after the keys above them. Integer
+    scratch starts at the largest key, so a kept key or a buffer slot read before it is written
+    shows."""
+    monkeypatch.setattr(triton_helpers, "TARGET_PROGRAMS", 1)
+    empty = torch.empty  # integer scratch read before it is written would now win the top-k
+
+    def poisoned_high(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(torch.iinfo(out.dtype).max) if out.dtype == torch.int64 else out
+
+    monkeypatch.setattr(torch, "empty", poisoned_high)
+    _, k, v = qkv(m=300, d=16)
+    k = k.clone()
+    k[:, :, :tied] = k[:, :, :1]
+    centroids = torch.randn(2, 2, 3, 16, generator=torch.Generator().manual_seed(4))
+    centroids[:, :, 0] = k[:, :, 0] * 4  # row 0 of each head: the tied keys are its largest
+    mask = padding_mask(2, 300, [300, 280])
+    assert centroid_triton._splits(300, 4, 64) == (1, 320)
+    got = centroid_triton.centroid_attention_triton(centroids, k, v, mask, 0.25, 8)
+    expected = _centroid_attention(centroids, k, mask, 0.25)
+    assert torch.allclose(got.top_probs, expected.topk(8, dim=-1).values, atol=1e-6, rtol=0)
+    assert_topk_agree(got.top_index, expected.topk(8, dim=-1).indices, expected)
+    for b, h in ((0, 0), (0, 1), (1, 0), (1, 1)):  # row 0: the keys above the tie, then the lowest tied ones
+        probs = expected[b, h, 0]
+        above = (probs > probs[0]).nonzero().flatten()
+        want = torch.cat([above, torch.arange(8 - len(above))]).sort().values
+        assert torch.equal(got.top_index[b, h, 0].sort().values, want)
+
+
 def test_centroid_attention_beyond_the_on_chip_topk_equals_the_reference(monkeypatch):
     monkeypatch.setattr(centroid_triton, "MAX_TOPK_ON_CHIP", 4)
     _, k, v = qkv(m=30, d=16)
