@@ -262,7 +262,7 @@ def _centroid_topk_kernel(
     parts = split_parts(centroids, k_ptr.dtype.element_ty)  # loop invariant
     k_head = k_ptr + batch * stride_kb + head * stride_kh
     threshold = tl.load(threshold_ptr + bh * C + rows, mask=in_rows, other=0.0)
-    floor = tl.where(in_rows, threshold - MARGIN * (tl.abs(threshold) + 1.0), float("inf"))
+    threshold = tl.where(in_rows, threshold - MARGIN * (tl.abs(threshold) + 1.0), float("inf"))
     kept = part_top_ptr + ((bh * SPLITS + split) * C + first_row) * TOP  # the block's rows
     program_row = (bh * SPLITS + split) * tl.num_programs(0) * BLOCK_C + first_row
     buffer, counts = buffer_ptr + program_row * BUFFER, counts_ptr + program_row
@@ -277,7 +277,7 @@ def _centroid_topk_kernel(
         keys = tl.load(k_head + cols[:, None] * stride_km + dims[None, :] * stride_kd,
                        mask=real[:, None] & (dims[None, :] < D), other=0.0)
         logits = tl.where(real[None, :], _logits(parts, centroids, keys, scale, UPCAST), float("-inf"))
-        live = in_split[None, :] & (logits >= floor[:, None])
+        live = in_split[None, :] & (logits >= threshold[:, None])
         place = count[:, None] + tl.cumsum(live.to(tl.int32), axis=1) - 1
         candidates = (_ordered(logits).to(tl.int64) << 32) | (M - 1 - cols).to(tl.int64)[None, :]
         tl.store(buffer + tl.arange(0, BLOCK_C)[:, None] * BUFFER + place, candidates, mask=live)

@@ -47,10 +47,10 @@ def several_programs_per_head(monkeypatch):
         monkeypatch.setattr(module, name, 2)
 
 
-def poison_empty(monkeypatch):
-    """Make torch.empty return filled tensors (NaN for floats, the most negative integer,
-    True), so an output element or a scratch entry that a kernel reads without writing it
-    shows up in the results."""
+def poison_empty(monkeypatch, integers_high: bool = False):
+    """Make torch.empty return filled tensors (NaN for floats, the most negative integer, or
+    with integers_high the largest, True), so an output element or a scratch entry that a
+    kernel reads without writing it shows up in the results."""
     empty = torch.empty
 
     def poisoned(*args, **kwargs):
@@ -59,7 +59,8 @@ def poison_empty(monkeypatch):
             return out.fill_(float("nan"))
         if out.dtype == torch.bool:
             return out.fill_(True)
-        return out.fill_(torch.iinfo(out.dtype).min)
+        limits = torch.iinfo(out.dtype)
+        return out.fill_(limits.max if integers_high else limits.min)
 
     monkeypatch.setattr(torch, "empty", poisoned)
 

@@ -230,7 +230,7 @@ def test_centroid_top_k_of_tied_logits_equals_the_reference(poisoned):
 
 
 @pytest.mark.parametrize("tied", [300, 150])
-def test_centroid_top_k_merges_full_buffers_within_a_split(tied, poisoned, monkeypatch):
+def test_centroid_top_k_merges_full_buffers_within_a_split(tied, monkeypatch):
     """One split a head (TARGET_PROGRAMS 1): its first `tied` keys are one vector, so every
     block of them puts all its keys in the candidate buffers; full buffers merge into the kept
     keys mid-split (300 keys: after the second and fourth blocks, then the last merge), where
@@ -238,13 +238,7 @@ def test_centroid_top_k_merges_full_buffers_within_a_split(tied, poisoned, monke
     scratch starts at the largest key, so a kept key or a buffer slot read before it is written
     shows."""
     monkeypatch.setattr(triton_helpers, "TARGET_PROGRAMS", 1)
-    empty = torch.empty  # integer scratch read before it is written would now win the top-k
-
-    def poisoned_high(*args, **kwargs):
-        out = empty(*args, **kwargs)
-        return out.fill_(torch.iinfo(out.dtype).max) if out.dtype == torch.int64 else out
-
-    monkeypatch.setattr(torch, "empty", poisoned_high)
+    poison_empty(monkeypatch, integers_high=True)  # integer scratch read unwritten would win the top-k
     _, k, v = qkv(m=300, d=16)
     k = k.clone()
     k[:, :, :tied] = k[:, :, :1]
