@@ -54,18 +54,19 @@ TOPK_REPLAY = Path(__file__).resolve().parent / "results" / "topk-filter-nomic.j
 
 @functools.cache
 def _replayed_merges() -> list[tuple[int, float, int]]:
-    """(tokens, merges within the split a block of keys, chunks of the last merge) of the
-    slowest program at each replayed length."""
+    """(tokens, chunks merged within the split a block of keys, chunks of the last merge) of
+    the slowest program at each replayed length."""
     rows = json.loads(TOPK_REPLAY.read_text())["rows"]
-    return sorted((r["tokens"], r["merges_max"] / r["blocks"], r["last_max"]) for r in rows if r["lanes"] == "rotated")
+    return sorted((r["tokens"], r["inner_chunks_max"] / r["blocks"], r["last_max"]) for r in rows
+                  if r["lanes"] == "rotated")
 
 
 def topk_merges(a: dict) -> dict:
     """The centroid top-k's split and its merges, as the slowest program on real text makes
     them: the replay's at the nearest replayed lengths (interpolated in log length, held
-    beyond them). A block's merges are the chance of a full buffer after it (scaled by TOP / 32:
-    candidates grow with TOP) times the BUFFER / TOP chunks a merge of full buffers takes."""
-    m, top = a["M"], a["TOP"]
+    beyond them). A block's merges are the chunks merged within the split a block, replayed at
+    TOP 32 (the kernel's loop runs a merge's chunks; other TOPs are priced alike)."""
+    m = a["M"]
     replayed = _replayed_merges()
     lower = max((r for r in replayed if r[0] <= m), default=replayed[0])
     upper = min((r for r in replayed if r[0] >= m), default=replayed[-1])
@@ -73,8 +74,7 @@ def topk_merges(a: dict) -> dict:
     rate = lower[1] + weight * (upper[1] - lower[1])
     last = lower[2] + weight * (upper[2] - lower[2])
     # The last merge runs at least once where no merge ran before (it writes the kept keys).
-    return {"first": 0, "stop": min(a["CHUNK"], m), "merges": rate * top / 32 * (a["BUFFER"] // top),
-            "last_merges": last if rate > 0 else max(1.0, last)}
+    return {"first": 0, "stop": min(a["CHUNK"], m), "merges": rate, "last_merges": last if rate > 0 else max(1.0, last)}
 
 
 def first_tile_keys(a: dict) -> dict:

@@ -6,12 +6,13 @@ the CPU: the filter of `_centroid_topk_kernel` replayed on a model's projections
 i-clustered 100/32 (the benchmark's) clusters layer 0's queries with the reference; then, per
 head and cluster, the threshold is the TOP-th largest of the 2 TOP lane maxima of the centroid's
 logits, and the top-k kernel's programs (TOPK_BLOCK_C centroids, one split of the keys) scan
-their blocks of TOPK_BLOCK_M keys: a candidate is a logit at or above the row's threshold,
-appended to the row's buffer of TOPK_BUFFER; when a row's buffer could not take another
-block's, the program merges all its buffers into the kept keys (TOPK_BUFFER / TOP chunks of
-TOP keys), and once more at the end (as many chunks as its fullest buffer needs). Printed per
-length and lane scheme: keys at or above the threshold per row (mean, max), the chunks a
-program merges (mean, and the slowest program's: its merges within the split and its last
+their blocks of TOPK_BLOCK_M keys: a candidate is a logit at or above the row's floor (first
+its threshold), appended to the row's buffer of TOPK_BUFFER; when a row's buffer could not
+take another block's, the program merges all its buffers into the kept keys (as many chunks
+of TOP keys as its fullest buffer holds), after which a row that keeps TOP keys takes only
+logits above the least of them; and once more at the end. Printed per length and lane
+scheme: keys at or above the threshold per row (mean, max), the chunks a program merges
+(mean, and the slowest program's: its merges within the split, their chunks, and its last
 merge's chunks), also in bench/results/NAME.json; bench.loop_bounds reads the slowest
 program's from bench/results/topk-filter-nomic.json. `rotated` is the kernel's lanes (a key's
 column in its block, rotated by _lane_shift); `mod` is key index mod 2 TOP, for comparison.
@@ -63,7 +64,8 @@ def centroid_logits(encoder, n: int, head_dim: int | None = None) -> tuple[torch
 def replay(logits: torch.Tensor, top: int, scheme: str) -> dict:
     """The filter's work on (H, C, M) logits under a lane scheme: keys at or above each row's
     threshold, and per program (TOPK_BLOCK_C rows, one split) its merges of full buffers
-    within the split and the TOP-key chunks its last merge takes (the kernel's loop bounds)."""
+    within the split, their TOP-key chunks, and the chunks its last merge takes (the kernel's
+    loop bounds)."""
     heads, clusters, m = logits.shape
     block_m, lanes = max(64, 2 * top), 2 * top
     lane = lanes_of(m, block_m, lanes, scheme).expand(heads, clusters, m)
@@ -74,26 +76,35 @@ def replay(logits: torch.Tensor, top: int, scheme: str) -> dict:
     blocks = triton.cdiv(clusters, TOPK_BLOCK_C)
     splits, chunk = _splits(m, heads * blocks, block_m)
     buffer = max(TOPK_BUFFER, top)
-    merges, last, chunks = [], [], []
+    merges, inner, last, chunks = [], [], [], []
     for head in range(heads):
         for first in range(0, clusters, TOPK_BLOCK_C):
             rows = slice(first, min(clusters, first + TOPK_BLOCK_C))
             for split in range(splits):
-                floor = threshold[head, rows, None]
+                begin = split * chunk
+                floor = threshold[head, rows]
                 count = torch.zeros(floor.numel(), dtype=torch.int64)
-                full = 0
-                for start in range(split * chunk, min(m, (split + 1) * chunk), TOPK_BLOCK_M):
-                    count += (logits[head, rows, start : start + TOPK_BLOCK_M] >= floor).sum(1)
+                full = taken = 0
+                for start in range(begin, min(m, begin + chunk), TOPK_BLOCK_M):
+                    count += (logits[head, rows, start : start + TOPK_BLOCK_M] >= floor[:, None]).sum(1)
                     if int(count.max()) > buffer - TOPK_BLOCK_M:
                         full += 1
+                        taken += triton.cdiv(int(count.max()), top)
                         count[:] = 0
+                        # Every key so far at or above its floor was buffered, so the kept keys are
+                        # the split's TOP largest so far (where that many reached the threshold).
+                        seen = logits[head, rows, begin : start + TOPK_BLOCK_M]
+                        least = seen.topk(min(top, seen.shape[-1]), dim=-1).values[:, -1]
+                        risen = torch.nextafter(least, torch.full_like(least, float("inf")))
+                        floor = torch.where(least >= threshold[head, rows], torch.maximum(floor, risen), floor)
                 merges.append(full)
+                inner.append(taken)
                 last.append(triton.cdiv(int(count.max()), top))
-                chunks.append(full * (buffer // top) + last[-1])
+                chunks.append(taken + max(last[-1], 0 if full else 1))
     slowest = max(range(len(chunks)), key=chunks.__getitem__)
     return dict(keys_above_mean=above.mean().item(), keys_above_max=above.max().item(),
-                chunks_mean=sum(chunks) / len(chunks), chunks_max=chunks[slowest],
-                merges_max=merges[slowest], last_max=last[slowest], blocks=triton.cdiv(chunk, TOPK_BLOCK_M))
+                chunks_mean=sum(chunks) / len(chunks), chunks_max=chunks[slowest], merges_max=merges[slowest],
+                inner_chunks_max=inner[slowest], last_max=last[slowest], blocks=triton.cdiv(chunk, TOPK_BLOCK_M))
 
 
 def main() -> None:

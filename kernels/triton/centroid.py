@@ -18,7 +18,8 @@ each cluster's top-k keys of A^c. A^c is never written.
                                 many of them near-ties), and only those are kept: appended
                                 to a per-row buffer in scratch, merged into the row's kept
                                 keys by a sort of TOP at a time when a row's buffer is full
-                                and at the end
+                                and at the end; after a merge a row's floor rises above the
+                                least of the TOP keys it keeps
     _centroid_topk_combine_kernel  (centroid blocks of 4, B * H)  the splits' kept keys merged
                                 into the top-k, their indices and probabilities
 
@@ -208,14 +209,19 @@ def _centroid_combine_kernel(
 
 
 @triton.jit
-def _merge_kept(kept_ptr, buffer_ptr, counts_ptr, count, C, merges, fresh, BLOCK_C: tl.constexpr, TOP: tl.constexpr,
-                BUFFER: tl.constexpr, GROUP: tl.constexpr, NO_KEY: tl.constexpr):
+def _merge_kept(kept_ptr, buffer_ptr, counts_ptr, floors_ptr, count, C, merges, fresh, BLOCK_C: tl.constexpr,
+                TOP: tl.constexpr, BUFFER: tl.constexpr, GROUP: tl.constexpr, NO_KEY: tl.constexpr,
+                FLOORS: tl.constexpr):
     """Each of a program's BLOCK_C rows keeps the TOP largest of its kept keys (kept_ptr: C rows
     of TOP; none yet if `fresh`; rows past C have none) and the first `count` (BLOCK_C,) keys of
     its buffer (buffer_ptr: BLOCK_C rows of BUFFER), all int64: `merges` x TOP buffered keys of
     GROUP rows at a time, so that a sort holds GROUP x 2 TOP keys, not BLOCK_C x 2 TOP. All of
     it inside the loop over `merges` (0: nothing is touched); the counts pass through the
-    program's counts_ptr (BLOCK_C int32s) to the threads that hold each group."""
+    program's counts_ptr (BLOCK_C int32s) to the threads that hold each group. With FLOORS the
+    last step leaves each row's floor in floors_ptr (BLOCK_C float32s): the least logit a later
+    key of the split needs to enter, the float just above the least kept key's (a later key
+    with that logit has a higher index and loses the tie); -inf while the row keeps fewer than
+    TOP keys."""
     slots = tl.arange(0, TOP)
     for first in range(0, merges * TOP, TOP):
         tl.store(counts_ptr + tl.arange(0, BLOCK_C), count, mask=tl.full([BLOCK_C], first, tl.int32) == 0)
@@ -227,12 +233,18 @@ def _merge_kept(kept_ptr, buffer_ptr, counts_ptr, count, C, merges, fresh, BLOCK
             held = tl.load(kept, mask=present & ((first > 0) | (fresh == 0)), other=NO_KEY)
             filled = first + slots[None, :] < tl.load(counts_ptr + rows)[:, None]
             buffered = tl.load(buffer_ptr + rows[:, None] * BUFFER + first + slots[None, :], mask=filled, other=NO_KEY)
-            tl.store(kept, tl.topk(tl.reshape(tl.join(held, buffered), (GROUP, 2 * TOP)), TOP), mask=present)
+            merged = tl.topk(tl.reshape(tl.join(held, buffered), (GROUP, 2 * TOP)), TOP)
+            tl.store(kept, merged, mask=present)
+            if FLOORS:
+                if first + TOP == merges * TOP:
+                    least = tl.min(merged, axis=1)  # one above it in the logit's bits: the next float up
+                    risen = _key_logits(least + (1 << 32))
+                    tl.store(floors_ptr + rows, tl.where(least > NO_KEY, risen, float("-inf")))
 
 
 @triton.jit
 def _centroid_topk_kernel(
-    centroids_ptr, k_ptr, key_mask_ptr, threshold_ptr, part_top_ptr, buffer_ptr, counts_ptr,
+    centroids_ptr, k_ptr, key_mask_ptr, threshold_ptr, part_top_ptr, buffer_ptr, counts_ptr, floors_ptr,
     stride_kb, stride_kh, stride_km, stride_kd,
     H, M, C, D, SPLITS, CHUNK, scale,
     BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, TOP: tl.constexpr,
@@ -246,9 +258,10 @@ def _centroid_topk_kernel(
     candidates are appended to the row's BUFFER keys of scratch (buffer: (B * H, SPLITS, C
     blocks x BLOCK_C, BUFFER) int64, the program's own rows) at the places a running count
     gives them, one writer each; once a row could not take another block's, every row merges
-    its buffer into its kept keys (_merge_kept; counts: (B * H, SPLITS, C blocks x BLOCK_C)
-    int32 scratch), as all do at the end. A block costs a compare and a predicated store per
-    logit, whatever its candidates."""
+    its buffer into its kept keys (_merge_kept; counts and floors: (B * H, SPLITS, C blocks x
+    BLOCK_C) int32 and float32 scratch), as all do at the end. After a merge a row that keeps
+    TOP keys takes only logits above the least of them: its floor rises. A block costs a
+    compare and a predicated store per logit, whatever its candidates."""
     split = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
     batch, head = bh // H, bh % H
@@ -262,10 +275,10 @@ def _centroid_topk_kernel(
     parts = split_parts(centroids, k_ptr.dtype.element_ty)  # loop invariant
     k_head = k_ptr + batch * stride_kb + head * stride_kh
     threshold = tl.load(threshold_ptr + bh * C + rows, mask=in_rows, other=0.0)
-    threshold = tl.where(in_rows, threshold - MARGIN * (tl.abs(threshold) + 1.0), float("inf"))
+    floor = tl.where(in_rows, threshold - MARGIN * (tl.abs(threshold) + 1.0), float("inf"))
     kept = part_top_ptr + ((bh * SPLITS + split) * C + first_row) * TOP  # the block's rows
     program_row = (bh * SPLITS + split) * tl.num_programs(0) * BLOCK_C + first_row
-    buffer, counts = buffer_ptr + program_row * BUFFER, counts_ptr + program_row
+    buffer, counts, floors = buffer_ptr + program_row * BUFFER, counts_ptr + program_row, floors_ptr + program_row
     count = tl.zeros([BLOCK_C], tl.int32)
     fresh = 1  # nothing kept yet
     first = split * CHUNK
@@ -277,7 +290,7 @@ def _centroid_topk_kernel(
         keys = tl.load(k_head + cols[:, None] * stride_km + dims[None, :] * stride_kd,
                        mask=real[:, None] & (dims[None, :] < D), other=0.0)
         logits = tl.where(real[None, :], _logits(parts, centroids, keys, scale, UPCAST), float("-inf"))
-        live = in_split[None, :] & (logits >= threshold[:, None])
+        live = in_split[None, :] & (logits >= floor[:, None])
         place = count[:, None] + tl.cumsum(live.to(tl.int32), axis=1) - 1
         candidates = (_ordered(logits).to(tl.int64) << 32) | (M - 1 - cols).to(tl.int64)[None, :]
         tl.store(buffer + tl.arange(0, BLOCK_C)[:, None] * BUFFER + place, candidates, mask=live)
@@ -287,13 +300,17 @@ def _centroid_topk_kernel(
         # default model's real text, 0-4 times a split up to 64k tokens).
         merges = tl.where(most > BUFFER - BLOCK_M, tl.cdiv(most, TOP), 0)
         tl.debug_barrier()  # the candidates, stored above, are read back by other threads
-        _merge_kept(kept, buffer, counts, count, C - first_row, merges, fresh, BLOCK_C, TOP, BUFFER, GROUP, NO_KEY)
-        tl.debug_barrier()  # and read before the next block's overwrite them
+        _merge_kept(kept, buffer, counts, floors, count, C - first_row, merges, fresh, BLOCK_C, TOP, BUFFER, GROUP,
+                    NO_KEY, True)
+        tl.debug_barrier()  # and read before the next block's overwrite them; the floors read back
+        floor = tl.maximum(floor, tl.load(floors + tl.arange(0, BLOCK_C), mask=tl.full([BLOCK_C], merges, tl.int32) > 0,
+                                          other=float("-inf")))
         fresh = tl.where(merges > 0, 0, fresh)
         count = tl.where(merges > 0, 0, count)
     tl.debug_barrier()  # the candidates, stored above, are read back by other threads
     last_merges = tl.maximum(tl.cdiv(tl.max(count, axis=0), TOP), fresh)  # once at least: the kept keys' stores
-    _merge_kept(kept, buffer, counts, count, C - first_row, last_merges, fresh, BLOCK_C, TOP, BUFFER, GROUP, NO_KEY)
+    _merge_kept(kept, buffer, counts, floors, count, C - first_row, last_merges, fresh, BLOCK_C, TOP, BUFFER, GROUP,
+                NO_KEY, False)
 
 
 @triton.jit
@@ -330,6 +347,15 @@ def _splits(m: int, programs_per_split: int, block_m: int) -> tuple[int, int]:
     splits = max(1, min(triton.cdiv(helpers.TARGET_PROGRAMS, programs_per_split), triton.cdiv(m, block_m)))
     chunk = triton.cdiv(triton.cdiv(m, splits), block_m) * block_m
     return triton.cdiv(m, chunk), chunk
+
+
+def _topk_scratch(heads: int, splits: int, rows: int, buffer_keys: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    """The top-k filter's scratch, per head, split and row of its programs: the candidate
+    buffers (int64 keys), and what a merge reads and leaves (counts, floors)."""
+    buffer = torch.empty(heads, splits, rows, buffer_keys, dtype=torch.int64, device=device)
+    counts = torch.empty(heads, splits, rows, dtype=torch.int32, device=device)
+    floors = torch.empty(heads, splits, rows, dtype=torch.float32, device=device)
+    return buffer, counts, floors
 
 
 def centroid_attention_triton(
@@ -380,10 +406,9 @@ def centroid_attention_triton(
     top_splits, top_chunk = _splits(m, b * h * blocks, block_m)
     part_top = torch.empty(b * h, top_splits, c, top, dtype=torch.int64, device=device)
     buffer_keys = max(TOPK_BUFFER, top)
-    buffer = torch.empty(b * h, top_splits, blocks * topk_block_c, buffer_keys, dtype=torch.int64, device=device)
-    counts = torch.empty(b * h, top_splits, blocks * topk_block_c, dtype=torch.int32, device=device)
+    buffer, counts, floors = _topk_scratch(b * h, top_splits, blocks * topk_block_c, buffer_keys, device)
     _centroid_topk_kernel[(blocks, top_splits, b * h)](
-        centroids, k, mask, threshold, part_top, buffer, counts,
+        centroids, k, mask, threshold, part_top, buffer, counts, floors,
         *k.stride(),
         h, m, c, d, top_splits, top_chunk, scale * LOG2E,
         BLOCK_C=topk_block_c, BLOCK_M=TOPK_BLOCK_M, HEAD_DIM=pow2_block(d), TOP=top, BUFFER=buffer_keys,

@@ -231,14 +231,17 @@ def test_centroid_top_k_of_tied_logits_equals_the_reference(poisoned):
 
 @pytest.mark.parametrize("tied", [300, 150])
 def test_centroid_top_k_merges_full_buffers_within_a_split(tied, monkeypatch):
-    """One split a head (TARGET_PROGRAMS 1): its first `tied` keys are one vector, so every
-    block of them puts all its keys in the candidate buffers; full buffers merge into the kept
-    keys mid-split (300 keys: after the second and fourth blocks, then the last merge), where
-    the lowest indices among the equal keys must survive, after the keys above them. Integer
-    scratch starts at the largest key, so a kept key or a buffer slot read before it is written
-    shows."""
+    """One split a head (TARGET_PROGRAMS 1): its first `tied` keys are one vector, so the first
+    blocks put all their keys in the candidate buffers; full buffers merge into the kept keys
+    mid-split (after the second block), where the lowest indices among the equal keys must
+    survive, after the keys above them. With all 300 tied, every row's floor then rises above
+    the tie: no later key enters (the last merge read the 128 of the first). Integer scratch
+    starts at the largest key, so a kept key or a buffer slot read before it is written shows."""
     monkeypatch.setattr(triton_helpers, "TARGET_PROGRAMS", 1)
     poison_empty(monkeypatch, integers_high=True)  # integer scratch read unwritten would win the top-k
+    scratch = []
+    allocate = centroid_triton._topk_scratch
+    monkeypatch.setattr(centroid_triton, "_topk_scratch", lambda *a: scratch.append(allocate(*a)) or scratch[-1])
     _, k, v = qkv(m=300, d=16)
     k = k.clone()
     k[:, :, :tied] = k[:, :, :1]
@@ -255,6 +258,27 @@ def test_centroid_top_k_merges_full_buffers_within_a_split(tied, monkeypatch):
         above = (probs > probs[0]).nonzero().flatten()
         want = torch.cat([above, torch.arange(8 - len(above))]).sort().values
         assert torch.equal(got.top_index[b, h, 0].sort().values, want)
+    if tied == 300:
+        _, counts, floors = scratch[0]
+        assert torch.equal(counts[:, 0, :3], torch.full((4, 3), 128, dtype=torch.int32))
+        logits = (centroids @ k[:, :, :1].transpose(-1, -2)).flatten(0, 1)[:, :, 0] * 0.25 * centroid_triton.LOG2E
+        assert torch.allclose(floors[:, 0, :3], logits, rtol=1e-5, atol=1e-6)  # the tie's, an ulp up
+
+
+def test_centroid_top_k_takes_a_later_key_between_the_kept_ones(monkeypatch):
+    """All keys on one line, their logits scaled by the key: keys 0-3 at 1.2, 4-127 tied at 1.0
+    fill the buffers and merge after the second block; key 200 at 1.1 comes later, above the
+    least kept key (1.0) but below the greatest (1.2), and must enter: a row's floor rises to
+    its least kept key, no higher."""
+    monkeypatch.setattr(triton_helpers, "TARGET_PROGRAMS", 1)
+    line = torch.randn(16, generator=torch.Generator().manual_seed(5))
+    scales = torch.full((300,), 0.5)
+    scales[:128], scales[:4], scales[200] = 1.0, 1.2, 1.1
+    k = (scales[:, None] * line).expand(1, 1, 300, 16).contiguous()
+    centroids = (line * 2).expand(1, 1, 2, 16).contiguous()
+    mask = padding_mask(1, 300, [300])
+    got = centroid_triton.centroid_attention_triton(centroids, k, k, mask, 0.25, 8)
+    assert torch.equal(got.top_index[0, 0].sort().values, torch.tensor([[0, 1, 2, 3, 4, 5, 6, 200]] * 2))
 
 
 def test_centroid_attention_beyond_the_on_chip_topk_equals_the_reference(monkeypatch):
