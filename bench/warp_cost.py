@@ -56,11 +56,12 @@ _IMAD = ("IMAD", "IMUL")
 _XU = ("MUFU", "F2F.", "F2I", "I2F.", "FRND", "POPC", "FLO", "BREV", "FCHK")
 _SHFL = ("SHFL", "REDUX", "MATCH")
 _SHARED = ("LDS", "STS", "LDSM", "STSM", "ATOMS")
-_GLOBAL = ("LDG.", "STG", "LDGSTS", "RED", "ATOM", "ATOMG", "LD.", "ST.", "LDL", "STL")
+# Global reductions are RED. / REDG.; REDUX (a warp's reduction into a register) is a shuffle.
+_GLOBAL = ("LDG.", "STG", "LDGSTS", "RED.", "REDG", "ATOM", "ATOMG", "LD.", "ST.", "LDL", "STL")
 _ISSUE_ONLY = ("BRA", "BAR", "EXIT", "NOP", "U", "S2R", "S2UR", "R2UR", "LDC", "CS2R", "DEPBAR", "LDGDEPBAR",
                "WARPSYNC", "WARPGROUP", "BSSY", "BSYNC", "MEMBAR", "FENCE", "CALL", "RET", "ENDCOLLECTIVE",
                "ERRBAR", "CCTL", "YIELD", "SYNCS", "ELECT", "BMOV", "PMTRIG", "VOTEU")
-_NO_DEST = _ISSUE_ONLY + ("STS", "STSM", "STG", "STL", "ST.", "RED", "LDGSTS", "UTMA")
+_NO_DEST = _ISSUE_ONLY + ("STS", "STSM", "STG", "STL", "ST.", "RED.", "REDG", "LDGSTS", "UTMA")
 _REGISTER = re.compile(r"(?<![\w.])(U?R\d+|U?P\d)(?:\.64)?(?![\w])")
 
 

@@ -68,6 +68,20 @@ def test_warp_cost_multiplies_each_block_by_its_loops_trips():
     assert cost.latency > 3 * 5 * 4  # the inner loop's dependent adds alone
 
 
+def test_a_warp_reduction_is_a_shuffle_and_a_global_reduction_moves_bytes():
+    listing = sass.parse_listing("""
+        /*0000*/                   REDUX.SUM.S32 UR4, R2 ;
+        /*0010*/                   REDG.E.ADD.STRONG.GPU desc[UR6][R4.64], R3 ;
+        /*0020*/                   RED.E.ADD.STRONG.GPU [R4.64], R3 ;
+""")
+    redux, redg, red = listing.instructions
+    assert warp_cost.unit(redux) == "shfl" and warp_cost.registers(redux)[0] == ["UR4"]
+    assert warp_cost.unit(redg) == warp_cost.unit(red) == "global"
+    assert warp_cost.registers(redg)[0] == warp_cost.registers(red)[0] == []
+    cost = warp_cost.warp_cost(listing, [], lambda loop: 1)
+    assert cost.global_bytes == 2 * 32 * 4  # the two global reductions, 4 bytes a thread
+
+
 @triton.jit
 def _toy_sum(x_ptr, n, BLOCK: tl.constexpr):
     total = tl.zeros([BLOCK], tl.float32)

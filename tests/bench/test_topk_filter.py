@@ -2,7 +2,7 @@
 each block's keys over every lane, and keys that repeat every 512 positions over many lanes;
 on random logits the threshold leaves ~1.3 TOP keys a row, and on periodic ones the rotation
 keeps it under 2 TOP where key index mod 2 TOP does not; tied logits fill the candidate
-buffers, which merge as the kernel's do."""
+buffers once, and the floor a merge leaves keeps the rest of the tie out."""
 
 import torch
 
@@ -34,15 +34,15 @@ def test_the_threshold_leaves_few_keys_on_random_logits_and_on_periodic_ones_wit
     assert random["merges_max"] == 0 and random["last_max"] == 1
 
 
-def test_tied_logits_merge_a_full_buffer_every_few_blocks(monkeypatch):
-    """One split a program: every key of 1024 tied logits is a candidate, TOPK_BLOCK_M a block;
-    a buffer of TOPK_BUFFER keys merges once it could not take another block's."""
+def test_tied_logits_fill_the_buffers_once_then_the_floor_rises_above_them(monkeypatch):
+    """One split a program: every key of 1024 tied logits is a candidate, TOPK_BLOCK_M a block,
+    until a buffer of TOPK_BUFFER keys could not take another block's and merges; the kept
+    keys are then TOP of the tie, and no later key of it enters."""
     from kernels.triton import helpers
     from kernels.triton.centroid import TOPK_BLOCK_M, TOPK_BUFFER
 
     monkeypatch.setattr(helpers, "TARGET_PROGRAMS", 1)
     tied = replay(torch.zeros(1, 8, 1024), TOP, "rotated")
-    per_merge = TOPK_BUFFER // TOPK_BLOCK_M  # blocks a buffer takes
     assert tied["blocks"] == 1024 // TOPK_BLOCK_M
-    assert tied["merges_max"] == tied["blocks"] // per_merge and tied["last_max"] == 0
-    assert tied["chunks_max"] == tied["merges_max"] * TOPK_BUFFER // TOP
+    assert tied["merges_max"] == 1 and tied["last_max"] == 0
+    assert tied["inner_chunks_max"] == tied["chunks_max"] == TOPK_BUFFER // TOP
