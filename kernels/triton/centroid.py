@@ -209,7 +209,7 @@ def _centroid_combine_kernel(
 
 
 @triton.jit
-def _merge_kept(kept_ptr, buffer_ptr, counts_ptr, floors_ptr, count, C, merges, fresh, BLOCK_C: tl.constexpr,
+def _merge_kept(kept_ptr, buffer_ptr, counts_ptr, floors_ptr, floor, count, C, merges, fresh, BLOCK_C: tl.constexpr,
                 TOP: tl.constexpr, BUFFER: tl.constexpr, GROUP: tl.constexpr, NO_KEY: tl.constexpr,
                 FLOORS: tl.constexpr):
     """Each of a program's BLOCK_C rows keeps the TOP largest of its kept keys (kept_ptr: C rows
@@ -218,10 +218,10 @@ def _merge_kept(kept_ptr, buffer_ptr, counts_ptr, floors_ptr, count, C, merges, 
     GROUP rows at a time, so that a sort holds GROUP x 2 TOP keys, not BLOCK_C x 2 TOP. All of
     it inside the loop over `merges` (0: nothing is touched); the counts pass through the
     program's counts_ptr (BLOCK_C int32s) to the threads that hold each group. With FLOORS the
-    last step leaves each row's floor in floors_ptr (BLOCK_C float32s): the least logit a later
-    key of the split needs to enter, the float just above the least kept key's (a later key
-    with that logit has a higher index and loses the tie); -inf while the row keeps fewer than
-    TOP keys."""
+    last step raises each row's `floor` (BLOCK_C,), returned, through floors_ptr (BLOCK_C
+    float32s) to the least logit a later key of the split needs to enter: the float just above
+    the least kept key's (a later key with that logit has a higher index and loses the tie);
+    unchanged while the row keeps fewer than TOP keys."""
     slots = tl.arange(0, TOP)
     for first in range(0, merges * TOP, TOP):
         tl.store(counts_ptr + tl.arange(0, BLOCK_C), count, mask=tl.full([BLOCK_C], first, tl.int32) == 0)
@@ -240,6 +240,11 @@ def _merge_kept(kept_ptr, buffer_ptr, counts_ptr, floors_ptr, count, C, merges, 
                     least = tl.min(merged, axis=1)  # one above it in the logit's bits: the next float up
                     risen = _key_logits(least + (1 << 32))
                     tl.store(floors_ptr + rows, tl.where(least > NO_KEY, risen, float("-inf")))
+        if FLOORS:
+            if first + TOP == merges * TOP:
+                tl.debug_barrier()  # the floors, stored above, are read back by other threads
+                floor = tl.maximum(floor, tl.load(floors_ptr + tl.arange(0, BLOCK_C)))
+    return floor
 
 
 @triton.jit
@@ -286,9 +291,10 @@ def _centroid_topk_kernel(
     for start in range(first, stop, BLOCK_M):
         cols = start + block_cols
         in_split = cols < stop
-        real = in_split & (tl.load(key_mask_ptr + batch * M + cols, mask=in_split, other=0) != 0)
+        # The keys load does not wait for the mask's: a padded key's logit is set to -inf.
         keys = tl.load(k_head + cols[:, None] * stride_km + dims[None, :] * stride_kd,
-                       mask=real[:, None] & (dims[None, :] < D), other=0.0)
+                       mask=in_split[:, None] & (dims[None, :] < D), other=0.0)
+        real = in_split & (tl.load(key_mask_ptr + batch * M + cols, mask=in_split, other=0) != 0)
         logits = tl.where(real[None, :], _logits(parts, centroids, keys, scale, UPCAST), float("-inf"))
         live = in_split[None, :] & (logits >= floor[:, None])
         place = count[:, None] + tl.cumsum(live.to(tl.int32), axis=1) - 1
@@ -300,17 +306,15 @@ def _centroid_topk_kernel(
         # default model's real text, 0-4 times a split up to 64k tokens).
         merges = tl.where(most > BUFFER - BLOCK_M, tl.cdiv(most, TOP), 0)
         tl.debug_barrier()  # the candidates, stored above, are read back by other threads
-        _merge_kept(kept, buffer, counts, floors, count, C - first_row, merges, fresh, BLOCK_C, TOP, BUFFER, GROUP,
-                    NO_KEY, True)
-        tl.debug_barrier()  # and read before the next block's overwrite them; the floors read back
-        floor = tl.maximum(floor, tl.load(floors + tl.arange(0, BLOCK_C), mask=tl.full([BLOCK_C], merges, tl.int32) > 0,
-                                          other=float("-inf")))
+        floor = _merge_kept(kept, buffer, counts, floors, floor, count, C - first_row, merges, fresh, BLOCK_C, TOP,
+                            BUFFER, GROUP, NO_KEY, True)
+        tl.debug_barrier()  # and read before the next block's overwrite them
         fresh = tl.where(merges > 0, 0, fresh)
         count = tl.where(merges > 0, 0, count)
     tl.debug_barrier()  # the candidates, stored above, are read back by other threads
     last_merges = tl.maximum(tl.cdiv(tl.max(count, axis=0), TOP), fresh)  # once at least: the kept keys' stores
-    _merge_kept(kept, buffer, counts, floors, count, C - first_row, last_merges, fresh, BLOCK_C, TOP, BUFFER, GROUP,
-                NO_KEY, False)
+    _merge_kept(kept, buffer, counts, floors, floor, count, C - first_row, last_merges, fresh, BLOCK_C, TOP, BUFFER,
+                GROUP, NO_KEY, False)
 
 
 @triton.jit
