@@ -42,7 +42,7 @@ from kernels import fallbacks
 from kernels.reference.clustered import centroid_attention
 from kernels.stages import CentroidAttention
 from kernels.triton import helpers
-from kernels.triton.helpers import dot_parts_left, online_softmax_step, pow2_block, split_parts, upcast
+from kernels.triton.helpers import dot_parts_left, mma, online_softmax_step, pow2_block, split_parts, upcast
 
 LOG2E = 1.4426950408889634
 # The largest top-k (rounded up to a power of two) that the centroid pass selects on chip.
@@ -284,6 +284,8 @@ def _centroid_topk_kernel(
     kept = part_top_ptr + ((bh * SPLITS + split) * C + first_row) * TOP  # the block's rows
     program_row = (bh * SPLITS + split) * tl.num_programs(0) * BLOCK_C + first_row
     buffer, counts, floors = buffer_ptr + program_row * BUFFER, counts_ptr + program_row, floors_ptr + program_row
+    # A row's running count of candidates in a block on the tensor cores: live @ (j <= c).
+    prefix = (block_cols[:, None] <= block_cols[None, :]).to(tl.int8)
     count = tl.zeros([BLOCK_C], tl.int32)
     fresh = 1  # nothing kept yet
     first = split * CHUNK
@@ -297,7 +299,7 @@ def _centroid_topk_kernel(
         real = in_split & (tl.load(key_mask_ptr + batch * M + cols, mask=in_split, other=0) != 0)
         logits = tl.where(real[None, :], _logits(parts, centroids, keys, scale, UPCAST), float("-inf"))
         live = in_split[None, :] & (logits >= floor[:, None])
-        place = count[:, None] + tl.cumsum(live.to(tl.int32), axis=1) - 1
+        place = count[:, None] + mma(live.to(tl.int8), prefix, UPCAST).to(tl.int32) - 1
         candidates = (_ordered(logits).to(tl.int64) << 32) | (M - 1 - cols).to(tl.int64)[None, :]
         tl.store(buffer + tl.arange(0, BLOCK_C)[:, None] * BUFFER + place, candidates, mask=live)
         count += tl.sum(live.to(tl.int32), axis=1)
