@@ -25,8 +25,10 @@ from torch import Tensor
 
 from kernels.triton.helpers import chunking, pow2_block
 
-# Queries per tile of a chunk, and clusters per step of the counts and the scatter.
+# Queries per tile of a chunk (of the counts: several tiles a load, so that a program waits for
+# fewer loads in turn), and clusters per step of the counts and the scatter.
 BLOCK_N = 64
+COUNT_BLOCK_N = 256
 BLOCK_C = 128
 
 
@@ -124,14 +126,19 @@ def _layout_scatter_kernel(
     before = tl.arange(0, BLOCK_N)[None, :] < tl.arange(0, BLOCK_N)[:, None]  # (i, j): j before i
     for c_start in range(0, C, BLOCK_C):
         seen = tl.zeros([BLOCK_C], tl.int32)  # members of each cluster in the tiles before
+        # Each tile's clusters are loaded a tile ahead.
+        rows = start + tl.arange(0, BLOCK_N)
+        ahead = tl.load(assign_ptr + bh * N + rows, mask=rows < stop, other=C).to(tl.int32)
         for first in range(start, stop, BLOCK_N):
             rows = first + tl.arange(0, BLOCK_N)
-            cluster = tl.load(assign_ptr + bh * N + rows, mask=rows < stop, other=C).to(tl.int32)
+            cluster = ahead
+            ahead = tl.load(assign_ptr + bh * N + BLOCK_N + rows, mask=BLOCK_N + rows < stop, other=C).to(tl.int32)
             local = cluster - c_start
             mine = (local >= 0) & (local < BLOCK_C) & (cluster < C)
+            # Loaded before the rank is counted, which does not wait for it.
+            offset = tl.load(offsets_ptr + (bh * CHUNKS + chunk) * C + cluster, mask=mine, other=0)
             same = tl.sum(((cluster[:, None] == cluster[None, :]) & before).to(tl.int32), axis=1)
             rank = tl.gather(seen, tl.where(mine, local, 0), 0) + same
-            offset = tl.load(offsets_ptr + (bh * CHUNKS + chunk) * C + cluster, mask=mine, other=0)
             tl.store(order_ptr + bh * N + offset + rank, rows, mask=mine)
             seen += tl.histogram(local, BLOCK_C, mask=mine)
 
@@ -152,7 +159,7 @@ def cluster_layout_triton(assign: Tensor, clusters: int, tile: int, out: Tensor 
     dv = out.shape[-1] if out is not None else 1
     _layout_counts_kernel[(chunks, b * h)](  # without `out` nothing is written to its stand-in
         assign, part_counts, out if out is not None else part_counts, *(out.stride() if out is not None else (0,) * 4),
-        h, n, clusters, dv, chunk, chunks, BLOCK_N=BLOCK_N, BLOCK_C=block_c, VALUE_DIM=pow2_block(dv),
+        h, n, clusters, dv, chunk, chunks, BLOCK_N=COUNT_BLOCK_N, BLOCK_C=block_c, VALUE_DIM=pow2_block(dv),
         ZERO=out is not None,
     )
     _layout_offsets_kernel[(b * h,)](

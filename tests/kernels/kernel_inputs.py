@@ -29,7 +29,8 @@ def padding_mask(b, m, lengths):
 
 
 def several_programs_per_head(monkeypatch):
-    """Shrink the row tiles of the Triton kernels that cut a head into chunks to 16 rows, so
+    """Shrink the row tiles of the Triton kernels that cut a head into chunks to 16 rows (32
+    for the layout's counts), so
     the few dozen tokens of a test give each head several programs: the per-chunk partials
     and the launches that reduce them across programs really run; and their sums over the
     chunks to 2 chunks a load, so those loops take several steps."""
@@ -45,6 +46,7 @@ def several_programs_per_head(monkeypatch):
         monkeypatch.setattr(module, name, 16)
     for module, name in ((triton_helpers, "CHUNK_GROUP"), (means_triton, "SUMS_GROUP")):
         monkeypatch.setattr(module, name, 2)
+    monkeypatch.setattr(cluster_layout_triton, "COUNT_BLOCK_N", 32)  # two tiles of a chunk of 64
 
 
 def poison_empty(monkeypatch, integers_high: bool = False):

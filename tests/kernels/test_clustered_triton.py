@@ -159,8 +159,13 @@ def test_cluster_means_equal_the_reference(poisoned):
 
 
 @pytest.mark.parametrize("n, clusters, lengths, tile", [(50, 4, [50, 37], 4), (45, 7, [45, 45], 8), (40, 3, [40, 0], 32)])
-def test_cluster_layout_equals_the_reference(n, clusters, lengths, tile, poisoned):
-    """The counting sort across programs lays out the tiles exactly as clustered.cluster_tiles."""
+@pytest.mark.parametrize("programs", [None, 1])
+def test_cluster_layout_equals_the_reference(n, clusters, lengths, tile, programs, poisoned, monkeypatch):
+    """The counting sort across programs lays out the tiles exactly as clustered.cluster_tiles;
+    with one program a head (TARGET_PROGRAMS 1) a chunk is several tiles, each loaded a tile
+    ahead by the scatter."""
+    if programs:
+        monkeypatch.setattr(triton_helpers, "TARGET_PROGRAMS", programs)
     assign = torch.randint(0, clusters, (2, 2, n), generator=torch.Generator().manual_seed(3))
     assign = torch.where(padding_mask(2, n, lengths)[:, None, :], assign, clusters)
     assign[0, 1][assign[0, 1] == 1] = 2  # an empty cluster
