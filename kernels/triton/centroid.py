@@ -301,7 +301,7 @@ def _centroid_topk_kernel(
         live = in_split[None, :] & (logits >= floor[:, None])
         place = count[:, None] + mma(live.to(tl.int8), prefix, UPCAST).to(tl.int32) - 1
         candidates = (_ordered(logits).to(tl.int64) << 32) | (M - 1 - cols).to(tl.int64)[None, :]
-        tl.store(buffer + tl.arange(0, BLOCK_C)[:, None] * BUFFER + place, candidates, mask=live)
+        tl.store(buffer + (tl.arange(0, BLOCK_C)[:, None] * BUFFER + place), candidates, mask=live)  # int32 offsets
         count += tl.sum(live.to(tl.int32), axis=1)
         most = tl.max(count, axis=0)
         # A row that could not take another block's: every row merges its buffer (rare: on the
