@@ -90,6 +90,14 @@ def _by_rows(a: dict) -> dict:
     return slowest_chunk(a["N"], a["CHUNK"])
 
 
+def exact_case_counts(a: dict) -> dict:
+    """helpers.exact_case's counts of the rest of the row: none where the slowest chunk holds
+    more real queries than clusters (the modelled inputs are all real)."""
+    rows = _by_rows(a)
+    few = rows["stop"] - rows["start"] <= a["C"]
+    return {**rows, "before_stop": rows["start"] if few else 0, "after_start": rows["stop"] if few else a["N"]}
+
+
 LOOP_BOUNDS: dict[str, dict[str, Bounds]] = {
     "kernels.triton.banded": {"_banded_kernel": band_span},
     "kernels.triton.centroid": {
@@ -106,11 +114,11 @@ LOOP_BOUNDS: dict[str, dict[str, Bounds]] = {
             "scan_stop": slowest_chunk(a["N"], a["CHUNK"])["start"],
             "lo": 0, "hi": -(-a["C"] * a["BLOCK_BITS"] // a["CHUNKS"]),  # its slice of the first totals
         },
-        "_hamming_assign_kernel": _by_rows,
+        "_hamming_assign_kernel": exact_case_counts,
     },
     "kernels.triton.hamming_step": {
         "_hamming_step_kernel": lambda a: {
-            **slowest_chunk(a["N"], a["CHUNK"]), "chunk": max(0, a["N"] // a["CHUNK"] - 1),
+            **exact_case_counts(a), "chunk": max(0, a["N"] // a["CHUNK"] - 1),
             "lo": 0, "hi": -(-a["C"] * a["BLOCK_BITS"] // a["CHUNKS"]), "n_empty": 0.2 * (a["C"] / 100) ** 2,
         },
     },
@@ -124,7 +132,7 @@ LOOP_BOUNDS: dict[str, dict[str, Bounds]] = {
     "kernels.triton.lloyd": {
         "_candidates_kernel": lambda a: {"start": 0, "stop": 0},
         "_donor_kernel": lambda a: {"wanted": 0, "empties": 0},
-        "_nearest_kernel": _by_rows,
+        "_nearest_kernel": exact_case_counts,
     },
     "kernels.triton.means": {
         "_sums_kernel": _by_rows,

@@ -39,7 +39,6 @@ from torch import Tensor
 from kernels.triton import means
 from kernels.triton.hamming_step import (
     _clear_slice,
-    _exact_case,
     _hamming_step_kernel,
     _key_bias,
     _nearest_key,
@@ -53,6 +52,7 @@ from kernels.triton.helpers import (
     cluster_block,
     code_signs,
     count_real,
+    exact_case,
     mma,
     one_hot,
     pow2_block,
@@ -213,7 +213,7 @@ def _hamming_assign_kernel(
     else:
         active = any_set(flags_in_ptr + bh * BLOCKS, BLOCKS, FLAG_BLOCK)
     if active:
-        rank_seen, exact = _exact_case(mask_row, start, N, C, COUNT_BLOCK, FINAL and EXACT_CASE)
+        rank_seen, exact = exact_case(mask_row, start, stop, N, C, COUNT_BLOCK, FINAL and EXACT_CASE)
         cols = tl.arange(0, BLOCK_C)
         histogram = tl.zeros([LEVELS], tl.int32)
         for first in range(start, stop, BLOCK_N):

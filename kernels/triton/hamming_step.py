@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.hamming_update import _donor_position, _level_ranks
-from kernels.triton.helpers import code_signs, count_real, mma, one_hot
+from kernels.triton.helpers import code_signs, exact_case, mma, one_hot
 from kernels.triton.means import chunk_sums
 
 
@@ -46,19 +46,6 @@ def _nearest_key(query_signs, centroid_signs, bias, UPCAST: tl.constexpr):
     max. KEY_SCALE = 2^13 > any cluster index (spec.clusters <= 4096)."""
     similarity = mma(query_signs, tl.trans(centroid_signs), UPCAST).to(tl.int32)
     return ((64 + similarity) << 13) + bias[None, :]
-
-
-@triton.jit
-def _exact_case(mask_row, start, N, C, COUNT_BLOCK: tl.constexpr, EXACT_CASE: tl.constexpr):
-    """With EXACT_CASE, the real queries before a chunk and whether its sequence has no more
-    real queries than clusters (each real query is then its own cluster: _ranked); else 0 and
-    False."""
-    rank_seen = tl.full([], 0, tl.int32)
-    exact = rank_seen < 0
-    if EXACT_CASE:
-        rank_seen = count_real(mask_row, 0, start, COUNT_BLOCK)
-        exact = rank_seen + count_real(mask_row, start, N, COUNT_BLOCK) <= C
-    return rank_seen, exact
 
 
 @triton.jit
@@ -170,7 +157,7 @@ def _hamming_step_kernel(
         centroid_signs = tl.load(scratch)
     if assigns | FINAL:
         bias = _key_bias(cols, C)
-        rank_seen, exact = _exact_case(mask_row, start, N, C, COUNT_BLOCK, FINAL and EXACT_CASE)
+        rank_seen, exact = exact_case(mask_row, start, stop, N, C, COUNT_BLOCK, FINAL and EXACT_CASE)
         histogram = tl.zeros([LEVELS], tl.int32)
         votes = tl.zeros([BLOCK_C, BLOCK_BITS], tl.int32)
         for first in range(start, stop, BLOCK_N):

@@ -169,6 +169,24 @@ def count_real(mask_row, start, stop, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def exact_case(mask_row, start, stop, N, C, BLOCK: tl.constexpr, EXACT_CASE: tl.constexpr):
+    """With EXACT_CASE, the real queries before the chunk [start, stop) of a (N,) mask row, and
+    whether the row has no more real queries than the C clusters (each real query is then its
+    own cluster); else 0 and False. A chunk of more than C real queries settles it alone: the
+    rest of the row is not counted (on long inputs, the slowest chunk's count of the row)."""
+    rank_seen = tl.full([], 0, tl.int32)
+    exact = rank_seen < 0
+    if EXACT_CASE:
+        here = count_real(mask_row, start, stop, BLOCK)
+        few = here <= C
+        before_stop = tl.where(few, start, 0)
+        after_start = tl.where(few, stop, N)
+        rank_seen = count_real(mask_row, 0, before_stop, BLOCK)
+        exact = few & (rank_seen + here + count_real(mask_row, after_start, N, BLOCK) <= C)
+    return rank_seen, exact
+
+
+@triton.jit
 def rounded(x, dtype: tl.constexpr):
     """float32 x in dtype, rounded to nearest even as torch's .to(dtype) does. bfloat16 is
     rounded by hand: Triton's interpreter truncates a plain cast (a GPU would round)."""

@@ -35,9 +35,9 @@ from kernels.triton import means
 from kernels.triton.helpers import (
     any_set,
     chunking,
-    count_real,
     dot_parts,
     dot_split_right,
+    exact_case,
     pow2_block,
     split_parts,
     upcast,
@@ -218,8 +218,8 @@ def _nearest_kernel(
                        part_counts_ptr + (bh * CHUNKS + chunk) * C, start, stop, C, D, stride_xn, stride_xd,
                        BLOCK_N, BLOCK_C, HEAD_DIM, UPCAST)
     if LAST and EXACT_CASE:
-        rank_seen = count_real(mask_row, 0, start, COUNT_BLOCK)
-        if rank_seen + count_real(mask_row, start, N, COUNT_BLOCK) <= C:
+        rank_seen, exact = exact_case(mask_row, start, stop, N, C, COUNT_BLOCK, True)
+        if exact:
             for first in range(start, stop, BLOCK_N):
                 rows = first + tl.arange(0, BLOCK_N)
                 real = (tl.load(mask_row + rows, mask=rows < stop, other=0) != 0) & (rows < stop)

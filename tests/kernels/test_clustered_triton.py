@@ -36,6 +36,7 @@ from kernels.reference.kmeans import (  # noqa: E402
     hamming_kmeans,
     initial_centroid_positions,
     initial_offsets,
+    one_query_per_cluster,
     refine_clusters,
 )
 from kernels.stages import CentroidAttention, cluster_queries  # noqa: E402
@@ -138,6 +139,24 @@ def test_refinement_equals_the_reference(n, lengths, clusters, duplicates, poiso
     assert not torch.equal(refine_clusters(q, start, mask, clusters, 3), start)  # refinement moves something
     ties = assert_refinement_agrees(refine_clusters_triton, q, start, mask, clusters, 3)
     print(f"ties within float rounding: {ties}")
+
+
+@pytest.mark.parametrize("clusters", [8, 20])
+def test_a_sequence_of_no_more_real_queries_than_clusters_gives_each_its_own(clusters, poisoned):
+    """Row 1 has 6 real queries, copies of 3, and 8 or 20 clusters: the K-means' last launch and
+    the refinement's give each real query its own cluster, its rank (duplicates would share
+    one). Row 0's 40 do not fit: a chunk of more real queries than clusters settles it (8), or
+    the whole row is counted (20: chunks of 16)."""
+    q, signs = _signs(40, d=24, duplicates=3)
+    mask = padding_mask(2, 40, [40, 6])
+    offsets = initial_offsets(2, seed=1)
+    expected = one_query_per_cluster(hamming_kmeans(signs, mask, clusters, 3, offsets), mask, clusters)
+    got = hamming_kmeans_triton(pack_codes(signs), mask, clusters, 3, offsets, 63, exact_case=True)
+    assert torch.equal(got, expected)
+    assert torch.equal(got[1, :, :6], torch.arange(6).expand(2, 6))
+    refined = refine_clusters_triton(q, expected, mask, clusters, 2, exact_case=True)
+    assert torch.equal(refined[1], got[1])
+    assert torch.equal(refined[0], refine_clusters_triton(q, expected, mask, clusters, 2)[0])
 
 
 @pytest.mark.parametrize("block", [32, 256])
