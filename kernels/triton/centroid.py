@@ -305,7 +305,7 @@ def _centroid_topk_kernel(
         count += tl.sum(live.to(tl.int32), axis=1)
         most = tl.max(count, axis=0)
         # A row that could not take another block's: every row merges its buffer (rare: on the
-        # default model's real text, 0-4 times a split up to 64k tokens).
+        # default model's real text, 0-2 times a split up to 64k tokens).
         merges = tl.where(most > BUFFER - BLOCK_M, tl.cdiv(most, TOP), 0)
         tl.debug_barrier()  # the candidates, stored above, are read back by other threads
         floor = _merge_kept(kept, buffer, counts, floors, floor, count, C - first_row, merges, fresh, BLOCK_C, TOP,
