@@ -41,7 +41,7 @@ VARIANTS = {
     **{f"means {per} a program, {group} chunks a load": (CLUSTERED, {"kernels.triton.means.PER_PROGRAM": per,
                                                                      "kernels.triton.means.SUMS_GROUP": group})
        for per, group in ((8, 8), (2, 32))},
-    **{f"top-k {rows} centroids a program": (CLUSTERED[1:], {"kernels.triton.centroid.TOPK_BLOCK_C": rows})
+    **{f"top-k {rows} centroids a program": (CLUSTERED[1:], {"kernels.triton.centroid_topk.TOPK_BLOCK_C": rows})
        for rows in (32, 16)},
     "merges 8 splits a load": (CLUSTERED, {"kernels.triton.centroid.COMBINE_SPLITS": 8}),
     "banded 128-key tiles": (("banded",), {"kernels.triton.banded.key_tile": lambda head_dim, dtype, interpreted:

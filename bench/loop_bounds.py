@@ -102,8 +102,8 @@ LOOP_BOUNDS: dict[str, dict[str, Bounds]] = {
     "kernels.triton.banded": {"_banded_kernel": band_span},
     "kernels.triton.centroid": {
         "_centroid_attention_kernel": lambda a: {"first": 0, "stop": min(a["CHUNK"], a["M"])},
-        "_centroid_topk_kernel": topk_merges,
     },
+    "kernels.triton.centroid_topk": {"_centroid_topk_kernel": topk_merges},
     "kernels.triton.cluster_layout": {
         "_layout_counts_kernel": lambda a: {**_by_rows(a), "zero_stop": _by_rows(a)["start"]},  # no padding
         "_layout_scatter_kernel": _by_rows,

@@ -1,4 +1,4 @@
-"""How much work the centroid top-k's filter leaves on real text (kernels/triton/centroid.py), on
+"""How much work the centroid top-k's filter leaves on real text (kernels/triton/centroid_topk.py), on
 the CPU: the filter of `_centroid_topk_kernel` replayed on a model's projections, per length.
 
     python -m bench.topk_filter [--model nomic] [--lengths 4096 8192 16384 32768 65536] [--head-dim D] [--lanes rotated mod]
@@ -28,7 +28,9 @@ import triton
 from kernels.reference.clustered import REFERENCE
 from kernels.reference.kmeans import cluster_means
 from kernels.reference.masks import token_masks
-from kernels.triton.centroid import LOG2E, THRESHOLD_MARGIN, TOPK_BLOCK_C, TOPK_BLOCK_M, TOPK_BUFFER, _splits
+from kernels.triton.centroid import LOG2E
+from kernels.triton.centroid_topk import THRESHOLD_MARGIN, TOPK_BLOCK_C, TOPK_BLOCK_M, TOPK_BUFFER
+from kernels.triton.helpers import key_splits
 
 from .common import long_text_ids, print_table, real_qkv, write_report
 from .cpu import SPECS
@@ -74,7 +76,7 @@ def replay(logits: torch.Tensor, top: int, scheme: str) -> dict:
     threshold = threshold - THRESHOLD_MARGIN * (threshold.abs() + 1)
     above = (logits >= threshold[..., None]).sum(-1).float()
     blocks = triton.cdiv(clusters, TOPK_BLOCK_C)
-    splits, chunk = _splits(m, heads * blocks, block_m)
+    splits, chunk = key_splits(m, heads * blocks, block_m)
     buffer = max(TOPK_BUFFER, top)
     merges, inner, last, chunks = [], [], [], []
     for head in range(heads):

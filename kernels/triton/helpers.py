@@ -45,6 +45,14 @@ def chunking(n: int, heads: int, block: int) -> tuple[int, int]:
 
 
 
+def key_splits(m: int, programs_per_split: int, block_m: int) -> tuple[int, int]:
+    """(splits, keys per split) of m keys: enough splits for TARGET_PROGRAMS in all (read at the
+    call, as chunking reads it), whole blocks of block_m each."""
+    splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, programs_per_split), triton.cdiv(m, block_m)))
+    chunk = triton.cdiv(triton.cdiv(m, splits), block_m) * block_m
+    return triton.cdiv(m, chunk), chunk
+
+
 def cluster_block(clusters: int) -> int:
     """Clusters per program of a per-cluster reduction: about 16 programs a head, 8 to 256
     clusters each (each program also reads every cluster's member count)."""
@@ -127,6 +135,22 @@ def dot_split_right(a, b, UPCAST: tl.constexpr, PARTS: tl.constexpr = 3):
     else:
         product = dot_parts(a, split_parts(b, a.dtype), UPCAST, PARTS)
     return product
+
+
+# Half-precision parts of the centroids in the centroid passes' logits (dot_parts_left): two keep
+# the top-k within ~1e-5 of a tie of float32's, for one tensor-core dot a block fewer.
+LOGIT_PARTS = tl.constexpr(2)
+
+
+@triton.jit
+def centroid_logits(parts, centroids, keys, scale, UPCAST: tl.constexpr):
+    """Base-2 logits (rows, keys) of float32 centroids against keys in their dtype; `parts`
+    are the centroids split once for half-precision keys (split_parts)."""
+    if keys.dtype == tl.float32:
+        product = tl.dot(centroids, tl.trans(keys), input_precision="ieee")
+    else:
+        product = dot_parts_left(parts, tl.trans(keys), UPCAST, LOGIT_PARTS)
+    return product * scale
 
 
 @triton.jit

@@ -39,7 +39,7 @@ def test_tied_logits_fill_the_buffers_once_then_the_floor_rises_above_them(monke
     until a buffer of TOPK_BUFFER keys could not take another block's and merges; the kept
     keys are then TOP of the tie, and no later key of it enters."""
     from kernels.triton import helpers
-    from kernels.triton.centroid import TOPK_BLOCK_M, TOPK_BUFFER
+    from kernels.triton.centroid_topk import TOPK_BLOCK_M, TOPK_BUFFER
 
     monkeypatch.setattr(helpers, "TARGET_PROGRAMS", 1)
     tied = replay(torch.zeros(1, 8, 1024), TOP, "rotated")

@@ -44,6 +44,7 @@ from kernels.stages import CentroidAttention, cluster_queries  # noqa: E402
 triton_clustered = pytest.importorskip("kernels.triton.clustered")
 from kernels.reference.clustered import cluster_tiles  # noqa: E402
 from kernels.triton import centroid as centroid_triton  # noqa: E402
+from kernels.triton import centroid_topk as centroid_topk_triton  # noqa: E402
 from kernels.triton import hamming as hamming_triton  # noqa: E402
 from kernels.triton import helpers as triton_helpers  # noqa: E402
 from kernels.triton import lloyd as lloyd_triton  # noqa: E402
@@ -264,15 +265,15 @@ def test_centroid_top_k_merges_full_buffers_within_a_split(tied, monkeypatch):
     monkeypatch.setattr(triton_helpers, "TARGET_PROGRAMS", 1)
     poison_empty(monkeypatch, integers_high=True)  # integer scratch read unwritten would win the top-k
     scratch = []
-    allocate = centroid_triton._topk_scratch
-    monkeypatch.setattr(centroid_triton, "_topk_scratch", lambda *a: scratch.append(allocate(*a)) or scratch[-1])
+    allocate = centroid_topk_triton._topk_scratch
+    monkeypatch.setattr(centroid_topk_triton, "_topk_scratch", lambda *a: scratch.append(allocate(*a)) or scratch[-1])
     _, k, v = qkv(m=300, d=16)
     k = k.clone()
     k[:, :, :tied] = k[:, :, :1]
     centroids = torch.randn(2, 2, 3, 16, generator=torch.Generator().manual_seed(4))
     centroids[:, :, 0] = k[:, :, 0] * 4  # row 0 of each head: the tied keys are its largest
     mask = padding_mask(2, 300, [300, 280])
-    assert centroid_triton._splits(300, 4, 64) == (1, 320)
+    assert triton_helpers.key_splits(300, 4, 64) == (1, 320)
     got = centroid_triton.centroid_attention_triton(centroids, k, v, mask, 0.25, 8)
     expected = _centroid_attention(centroids, k, mask, 0.25)
     assert torch.allclose(got.top_probs, expected.topk(8, dim=-1).values, atol=1e-6, rtol=0)
