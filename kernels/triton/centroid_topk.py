@@ -86,7 +86,9 @@ def _merge_kept(kept_ptr, buffer_ptr, counts_ptr, floors_ptr, floor, count, C, m
             held = tl.load(kept, mask=present & ((first > 0) | (fresh == 0)), other=NO_KEY)
             filled = first + slots[None, :] < tl.load(counts_ptr + rows)[:, None]
             buffered = tl.load(buffer_ptr + rows[:, None] * BUFFER + first + slots[None, :], mask=filled, other=NO_KEY)
-            merged = tl.topk(tl.reshape(tl.join(held, buffered), (GROUP, 2 * TOP)), TOP)
+            # held is sorted (largest first): with the buffered keys sorted the other way, the
+            # larger of each pair are the TOP largest of both, in bitonic order.
+            merged = tl.bitonic_merge(tl.maximum(held, tl.sort(buffered)), descending=True)
             tl.store(kept, merged, mask=present)
             if FLOORS:
                 if first + TOP == merges * TOP:
@@ -112,10 +114,10 @@ def _centroid_topk_kernel(
     """A block of centroids against one split of the keys: the TOP largest keys of each row
     (int64: the logit as _ordered above M - 1 - index, so the lower index wins a tie) among
     those whose logit is at least its threshold, to part_top (B * H, SPLITS, C, TOP) int64
-    (unsorted; NO_KEY where fewer), which holds the kept keys as they change. Each block's
-    candidates are appended to the row's BUFFER keys of scratch (buffer: (B * H, SPLITS, C
-    blocks x BLOCK_C, BUFFER) int64, the program's own rows) at the places a running count
-    gives them, one writer each; once a row could not take another block's, every row merges
+    (sorted, largest first; NO_KEY where fewer), which holds the kept keys as they change.
+    Each block's candidates are appended to the row's BUFFER keys of scratch (buffer: (B * H,
+    SPLITS, C blocks x BLOCK_C, BUFFER) int64, the program's own rows) at the places a running
+    count gives them, one writer each; once a row could not take another block's, every row merges
     its buffer into its kept keys (_merge_kept; counts and floors: (B * H, SPLITS, C blocks x
     BLOCK_C) int32 and float32 scratch), as all do at the end. After a merge a row that keeps
     TOP keys takes only logits above the least of them: its floor rises. A block costs a
@@ -179,7 +181,10 @@ def _centroid_topk_combine_kernel(
     BLOCK_C: tl.constexpr, TOP: tl.constexpr,
 ):
     """The TOPK most probable keys of a block of centroids over all splits: indices and
-    probabilities (B * H, C, TOPK), 0 on padded keys (their logits are -inf)."""
+    probabilities (B * H, C, TOPK), 0 on padded keys (their logits are -inf). Each split's
+    list is sorted (largest first), so a split merges in as a bitonic merge: the larger of the
+    running top and the split's list read backwards are the TOP largest of both, in a bitonic
+    order that log2(TOP) compare-and-swap steps sort."""
     bh = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     slots = tl.arange(0, TOP)
@@ -187,9 +192,9 @@ def _centroid_topk_combine_kernel(
     top = tl.full([BLOCK_C, TOP], -(1 << 63), tl.int64)
     for split in range(0, SPLITS):
         part = (bh * SPLITS + split) * C + rows
-        candidates = tl.load(part_top_ptr + part[:, None] * TOP + slots[None, :], mask=in_rows[:, None],
-                             other=-(1 << 63))
-        top = tl.topk(tl.reshape(tl.join(top, candidates), (BLOCK_C, 2 * TOP)), TOP)
+        backwards = tl.load(part_top_ptr + part[:, None] * TOP + (TOP - 1 - slots)[None, :], mask=in_rows[:, None],
+                            other=-(1 << 63))
+        top = tl.bitonic_merge(tl.maximum(top, backwards), descending=True)
     shift = tl.load(stats_ptr + (bh * C + rows) * 2, mask=in_rows, other=0.0)
     inv_sum = tl.load(stats_ptr + (bh * C + rows) * 2 + 1, mask=in_rows, other=0.0)
     index = tl.minimum(tl.maximum(M - 1 - (top & 0xFFFFFFFF), 0), M - 1)
