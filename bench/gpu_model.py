@@ -94,7 +94,7 @@ STAGES = {"_hash_kernel": "hash", "_hamming_initial_kernel": "k-means (Hamming)"
           "_nearest_kernel": "refine (queries)", "_centroid_attention_kernel": "centroid attention",
           "_centroid_combine_kernel": "centroid attention", "_centroid_topk_kernel": "top-k",
           "_centroid_topk_combine_kernel": "top-k", "_layout_counts_kernel": "layout",
-          "_layout_offsets_kernel": "layout", "_layout_scatter_kernel": "layout",
+          "_layout_scatter_kernel": "layout",
           "_broadcast_kernel": "broadcast / sparse", "_improved_tile_kernel": "broadcast / sparse",
           "_smyrf_norms_kernel": "smyrf hash", "_smyrf_hash_kernel": "smyrf hash",
           "_smyrf_attention_kernel": "smyrf attention"}

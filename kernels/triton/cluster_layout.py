@@ -4,14 +4,15 @@ is the reference; the tiles are the same).
 
     _layout_counts_kernel   (chunks, B * H)  members of every cluster in each chunk of queries
                             (and, for the sparse stage, zero output rows for its padded ones)
-    _layout_offsets_kernel  (B * H,)         cluster sizes, where each cluster starts in the
-                            order, where each chunk's members of it start, the tiles' ends
     _layout_scatter_kernel  (chunks, B * H)  every real query to its place in the order:
-                            its chunk's start for its cluster + its rank among the chunk's
-                            members of that cluster before it
+                            its chunk's start for its cluster (summed from the head's counts,
+                            chunks x clusters integers in a few loads) + its rank among the
+                            chunk's members of that cluster before it; the first chunk's
+                            program also writes where each cluster starts, its size and its
+                            tiles' end
 
-Integer counts only; each place in the order has one writer. The offsets launch has one
-program per head and reads chunks x clusters integers in a few loads: a few microseconds.
+Integer counts only; each place in the order has one writer, and so has each cluster's
+start, size and tile end.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from kernels.triton.helpers import chunking, pow2_block
 BLOCK_N = 64
 COUNT_BLOCK_N = 256
 BLOCK_C = 128
+# Counts per load of the scatter's sum over the head's chunks (chunks x clusters).
+SCAN_COUNTS = 4096
 
 
 class ClusterLayout(NamedTuple):
@@ -83,48 +86,43 @@ def _layout_counts_kernel(
 
 
 @triton.jit
-def _layout_offsets_kernel(
-    part_counts_ptr, offsets_ptr, start_ptr, size_ptr, tile_end_ptr,
-    C, CHUNKS,
-    TILE: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
-):
-    """Per cluster: start, size and tile_end (B * H, C); per chunk and cluster, where the
-    chunk's members of the cluster begin in the order (B * H, CHUNKS, C)."""
-    bh = tl.program_id(0).to(tl.int64)
-    chunks = tl.arange(0, CHUNK_BLOCK)
-    members_before = 0
-    tiles_before = 0
-    for c_start in range(0, C, BLOCK_C):
-        cols = c_start + tl.arange(0, BLOCK_C)
-        part = (bh * CHUNKS + chunks[:, None]) * C + cols[None, :]
-        in_part = (chunks[:, None] < CHUNKS) & (cols[None, :] < C)
-        counts = tl.load(part_counts_ptr + part, mask=in_part, other=0)  # (CHUNK_BLOCK, BLOCK_C)
-        sizes = tl.sum(counts, axis=0)
-        starts = members_before + tl.cumsum(sizes, axis=0) - sizes
-        tile_ends = tiles_before + tl.cumsum((sizes + TILE - 1) // TILE, axis=0)
-        tl.store(start_ptr + bh * C + cols, starts, mask=cols < C)
-        tl.store(size_ptr + bh * C + cols, sizes, mask=cols < C)
-        tl.store(tile_end_ptr + bh * C + cols, tile_ends, mask=cols < C)
-        tl.store(offsets_ptr + part, starts[None, :] + tl.cumsum(counts, axis=0) - counts, mask=in_part)
-        members_before += tl.sum(sizes, axis=0)
-        tiles_before += tl.sum((sizes + TILE - 1) // TILE, axis=0)
-
-
-@triton.jit
 def _layout_scatter_kernel(
-    assign_ptr, offsets_ptr, order_ptr,
+    assign_ptr, part_counts_ptr, order_ptr, start_ptr, size_ptr, tile_end_ptr,
     N, C, CHUNK, CHUNKS,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
 ):
     """order[offset(chunk, c) + rank] = position for each real query of this chunk, rank its
     place among the chunk's members of cluster c (position order): the members in the tiles
-    before, plus those before it in its tile."""
+    before, plus those before it in its tile. offset(chunk, c), where the chunk's members of c
+    begin, is where c begins (the sizes of the clusters before it) plus c's members in the
+    chunks before: every program sums the head's counts itself. The first chunk's program
+    writes each cluster's start, size and tile_end (B * H, C)."""
     chunk = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     start = chunk * CHUNK
     stop = tl.minimum(start + CHUNK, N)
     before = tl.arange(0, BLOCK_N)[None, :] < tl.arange(0, BLOCK_N)[:, None]  # (i, j): j before i
+    members_before = 0  # of the clusters before the block
+    tiles_before = 0
     for c_start in range(0, C, BLOCK_C):
+        cols = c_start + tl.arange(0, BLOCK_C)
+        sizes = tl.zeros([BLOCK_C], tl.int32)
+        earlier = tl.zeros([BLOCK_C], tl.int32)  # members in the chunks before this one
+        for first_chunk in range(0, CHUNKS, CHUNK_BLOCK):
+            chunks = first_chunk + tl.arange(0, CHUNK_BLOCK)
+            counts = tl.load(part_counts_ptr + (bh * CHUNKS + chunks[:, None]) * C + cols[None, :],
+                             mask=(chunks[:, None] < CHUNKS) & (cols[None, :] < C), other=0)
+            sizes += tl.sum(counts, axis=0)
+            earlier += tl.sum(tl.where(chunks[:, None] < chunk, counts, 0), axis=0)
+        starts = members_before + tl.cumsum(sizes, axis=0) - sizes
+        tiles = (sizes + TILE - 1) // TILE
+        if chunk == 0:
+            tl.store(start_ptr + bh * C + cols, starts, mask=cols < C)
+            tl.store(size_ptr + bh * C + cols, sizes, mask=cols < C)
+            tl.store(tile_end_ptr + bh * C + cols, tiles_before + tl.cumsum(tiles, axis=0), mask=cols < C)
+        members_before += tl.sum(sizes, axis=0)
+        tiles_before += tl.sum(tiles, axis=0)
+        offsets = starts + earlier
         seen = tl.zeros([BLOCK_C], tl.int32)  # members of each cluster in the tiles before
         # Each tile's clusters are loaded a tile ahead.
         rows = start + tl.arange(0, BLOCK_N)
@@ -135,24 +133,21 @@ def _layout_scatter_kernel(
             ahead = tl.load(assign_ptr + bh * N + BLOCK_N + rows, mask=BLOCK_N + rows < stop, other=C).to(tl.int32)
             local = cluster - c_start
             mine = (local >= 0) & (local < BLOCK_C) & (cluster < C)
-            # Loaded before the rank is counted, which does not wait for it.
-            offset = tl.load(offsets_ptr + (bh * CHUNKS + chunk) * C + cluster, mask=mine, other=0)
             same = tl.sum(((cluster[:, None] == cluster[None, :]) & before).to(tl.int32), axis=1)
-            rank = tl.gather(seen, tl.where(mine, local, 0), 0) + same
-            tl.store(order_ptr + bh * N + offset + rank, rows, mask=mine)
+            place = tl.gather(offsets + seen, tl.where(mine, local, 0), 0) + same
+            tl.store(order_ptr + bh * N + place, rows, mask=mine)
             seen += tl.histogram(local, BLOCK_C, mask=mine)
 
 
 def cluster_layout_triton(assign: Tensor, clusters: int, tile: int, out: Tensor | None = None) -> ClusterLayout:
     """Each cluster's real queries in position order, tiles of `tile`: assign (B, H, N) in
-    [0, C], padded queries at C. Three launches; see ClusterLayout. `out` (B, H, N, Dv), the
+    [0, C], padded queries at C. Two launches; see ClusterLayout. `out` (B, H, N, Dv), the
     sparse stage's output: its padded queries' rows are set to 0 on the way."""
     b, h, n = assign.shape
     device = assign.device
     chunks, chunk = chunking(n, h, BLOCK_N)
     assign = assign.contiguous()
     part_counts = torch.empty(b * h, chunks, clusters, dtype=torch.int32, device=device)
-    offsets = torch.empty(b * h, chunks, clusters, dtype=torch.int32, device=device)
     layout = ClusterLayout(*(torch.empty(b * h, size, dtype=torch.int32, device=device) for size in (n, clusters,
                                                                                                      clusters, clusters)))
     block_c = pow2_block(clusters, 16, BLOCK_C)
@@ -162,12 +157,8 @@ def cluster_layout_triton(assign: Tensor, clusters: int, tile: int, out: Tensor 
         h, n, clusters, dv, chunk, chunks, BLOCK_N=COUNT_BLOCK_N, BLOCK_C=block_c, VALUE_DIM=pow2_block(dv),
         ZERO=out is not None,
     )
-    _layout_offsets_kernel[(b * h,)](
-        part_counts, offsets, layout.start, layout.size, layout.tile_end, clusters, chunks,
-        TILE=tile, BLOCK_C=pow2_block(clusters, 16, max(16, 8192 // pow2_block(chunks, 1))),
-        CHUNK_BLOCK=pow2_block(chunks, 1),
-    )
     _layout_scatter_kernel[(chunks, b * h)](
-        assign, offsets, layout.order, n, clusters, chunk, chunks, BLOCK_N=BLOCK_N, BLOCK_C=block_c,
+        assign, part_counts, layout.order, layout.start, layout.size, layout.tile_end, n, clusters, chunk, chunks,
+        TILE=tile, BLOCK_N=BLOCK_N, BLOCK_C=block_c, CHUNK_BLOCK=pow2_block(chunks, 1, max(1, SCAN_COUNTS // block_c)),
     )
     return layout

@@ -20,7 +20,7 @@ KERNELS = {"_hash_kernel", "_hamming_initial_kernel", "_hamming_step_kernel", "_
            "_hamming_update_kernel",
            "_sums_kernel", "_means_kernel", "_candidates_kernel", "_donor_kernel", "_nearest_kernel",
            "_centroid_attention_kernel", "_centroid_combine_kernel", "_centroid_topk_kernel",
-           "_centroid_topk_combine_kernel", "_layout_counts_kernel", "_layout_offsets_kernel",
+           "_centroid_topk_combine_kernel", "_layout_counts_kernel",
            "_layout_scatter_kernel", "_broadcast_kernel", "_improved_tile_kernel", "_smyrf_norms_kernel",
            "_smyrf_hash_kernel", "_smyrf_attention_kernel", "_pool_kernel", "_choice_scores_kernel",
            "_top_blocks_kernel", "_banded_kernel"}

@@ -33,7 +33,7 @@ def several_programs_per_head(monkeypatch):
     for the layout's counts), so
     the few dozen tokens of a test give each head several programs: the per-chunk partials
     and the launches that reduce them across programs really run; and their sums over the
-    chunks to 2 chunks a load, so those loops take several steps."""
+    chunks (the layout's scatter's too) to 2 chunks a load, so those loops take several steps."""
     from kernels.triton import cluster_layout as cluster_layout_triton
     from kernels.triton import hamming as hamming_triton
     from kernels.triton import hashing as hashing_triton
@@ -47,6 +47,7 @@ def several_programs_per_head(monkeypatch):
     for module, name in ((triton_helpers, "CHUNK_GROUP"), (means_triton, "SUMS_GROUP")):
         monkeypatch.setattr(module, name, 2)
     monkeypatch.setattr(cluster_layout_triton, "COUNT_BLOCK_N", 32)  # two tiles of a chunk of 64
+    monkeypatch.setattr(cluster_layout_triton, "SCAN_COUNTS", 32)  # 2 chunks a load at 16 clusters a step
 
 
 def poison_empty(monkeypatch, integers_high: bool = False):

@@ -43,6 +43,7 @@ from kernels.stages import CentroidAttention, cluster_queries  # noqa: E402
 
 triton_clustered = pytest.importorskip("kernels.triton.clustered")
 from kernels.reference.clustered import cluster_tiles  # noqa: E402
+from kernels.triton import cluster_layout as cluster_layout_module  # noqa: E402
 from kernels.triton import centroid as centroid_triton  # noqa: E402
 from kernels.triton import centroid_topk as centroid_topk_triton  # noqa: E402
 from kernels.triton import hamming as hamming_triton  # noqa: E402
@@ -179,13 +180,15 @@ def test_cluster_means_equal_the_reference(poisoned):
 
 
 @pytest.mark.parametrize("n, clusters, lengths, tile", [(50, 4, [50, 37], 4), (45, 7, [45, 45], 8), (40, 3, [40, 0], 32)])
-@pytest.mark.parametrize("programs", [None, 1])
-def test_cluster_layout_equals_the_reference(n, clusters, lengths, tile, programs, poisoned, monkeypatch):
+@pytest.mark.parametrize("programs, block_c", [(None, None), (1, None), (None, 4)])
+def test_cluster_layout_equals_the_reference(n, clusters, lengths, tile, programs, block_c, poisoned, monkeypatch):
     """The counting sort across programs lays out the tiles exactly as clustered.cluster_tiles;
     with one program a head (TARGET_PROGRAMS 1) a chunk is several tiles, each loaded a tile
-    ahead by the scatter."""
+    ahead by the scatter; with 4 clusters a step the scatter's offsets carry over steps."""
     if programs:
         monkeypatch.setattr(triton_helpers, "TARGET_PROGRAMS", programs)
+    if block_c:
+        monkeypatch.setattr(cluster_layout_module, "BLOCK_C", block_c)
     assign = torch.randint(0, clusters, (2, 2, n), generator=torch.Generator().manual_seed(3))
     assign = torch.where(padding_mask(2, n, lengths)[:, None, :], assign, clusters)
     assign[0, 1][assign[0, 1] == 1] = 2  # an empty cluster
