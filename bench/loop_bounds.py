@@ -101,7 +101,9 @@ def exact_case_counts(a: dict) -> dict:
 LOOP_BOUNDS: dict[str, dict[str, Bounds]] = {
     "kernels.triton.banded": {"_banded_kernel": band_span},
     "kernels.triton.centroid": {
-        "_centroid_attention_kernel": lambda a: {"first": 0, "stop": min(a["CHUNK"], a["M"])},
+        "_centroid_attention_kernel": lambda a: {  # no padded key: the blocks without the mask
+            "first": 0, "stop": min(a["CHUNK"], a["M"]), "masked_stop": 0, "clean_stop": min(a["CHUNK"], a["M"]),
+        },
     },
     "kernels.triton.centroid_topk": {"_centroid_topk_kernel": topk_merges},
     "kernels.triton.cluster_layout": {

@@ -32,7 +32,15 @@ from kernels import fallbacks
 from kernels.reference.clustered import centroid_attention
 from kernels.stages import CentroidAttention
 from kernels.triton.centroid_topk import COMBINE_BLOCK_C, centroid_topk_triton
-from kernels.triton.helpers import centroid_logits, key_splits, online_softmax_step, pow2_block, split_parts, upcast
+from kernels.triton.helpers import (
+    centroid_logits,
+    has_padding,
+    key_splits,
+    online_softmax_step,
+    pow2_block,
+    split_parts,
+    upcast,
+)
 
 LOG2E = 1.4426950408889634
 # The largest top-k (rounded up to a power of two) that the centroid pass selects on chip.
@@ -48,6 +56,38 @@ def _lane_shift(block, BLOCK_M: tl.constexpr):
     """The rotation of key block `block`'s columns, in [0, BLOCK_M): Fibonacci hashing on 16 bits
     (the top bits of block x 2^16 / golden ratio, mod 2^16); every product fits an int32."""
     return (((block & 0x7FFF) * 40503) & 0xFFFF) * BLOCK_M >> 16
+
+
+@triton.jit
+def _split_softmax(
+    acc, row_max, row_sum, lanes, parts, centroids, k_head, v_head, key_mask_row, first, end, stop,
+    stride_km, stride_kd, stride_vm, stride_vd, D, DV, scale,
+    BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+    LANES: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr,
+):
+    """The split's key blocks [first, end) (keys past `stop` are not the split's) folded into
+    the running softmax and lane maxima; MASKED: the key mask says which keys are real, else
+    all are."""
+    dims = tl.arange(0, HEAD_DIM)
+    vdims = tl.arange(0, VALUE_DIM)
+    for start in range(first, end, BLOCK_M):
+        cols = start + tl.arange(0, BLOCK_M)
+        if LANES > 0:
+            # A block's keys enter its columns rotated by a hash of the block (_lane_shift), so
+            # that keys BLOCK_M apart (a copied position table, repeated text) fall in other lanes.
+            cols = start + (tl.arange(0, BLOCK_M) + _lane_shift(start // BLOCK_M, BLOCK_M)) % BLOCK_M
+        real = cols < stop
+        if MASKED:
+            real = real & (tl.load(key_mask_row + cols, mask=real, other=0) != 0)
+        keys = tl.load(k_head + cols[:, None] * stride_km + dims[None, :] * stride_kd,
+                       mask=real[:, None] & (dims[None, :] < D), other=0.0)
+        values = tl.load(v_head + cols[:, None] * stride_vm + vdims[None, :] * stride_vd,
+                         mask=real[:, None] & (vdims[None, :] < DV), other=0.0)
+        logits = tl.where(real[None, :], centroid_logits(parts, centroids, keys, scale, UPCAST), float("-inf"))
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, UPCAST)
+        if LANES > 0:
+            lanes = tl.maximum(lanes, tl.max(tl.reshape(logits, (BLOCK_C, BLOCK_M // LANES, LANES)), axis=1))
+    return acc, row_max, row_sum, lanes
 
 
 @triton.jit
@@ -81,22 +121,20 @@ def _centroid_attention_kernel(
     lanes = tl.full([BLOCK_C, LANES if LANES > 0 else 1], float("-inf"), tl.float32)
     first = split * CHUNK
     stop = tl.minimum(first + CHUNK, M)
-    for start in range(first, stop, BLOCK_M):
-        cols = start + tl.arange(0, BLOCK_M)
-        if LANES > 0:
-            # A block's keys enter its columns rotated by a hash of the block (_lane_shift), so
-            # that keys BLOCK_M apart (a copied position table, repeated text) fall in other lanes.
-            cols = start + (tl.arange(0, BLOCK_M) + _lane_shift(start // BLOCK_M, BLOCK_M)) % BLOCK_M
-        in_split = cols < stop
-        real = in_split & (tl.load(key_mask_ptr + batch * M + cols, mask=in_split, other=0) != 0)
-        keys = tl.load(k_head + cols[:, None] * stride_km + dims[None, :] * stride_kd,
-                       mask=real[:, None] & (dims[None, :] < D), other=0.0)
-        values = tl.load(v_head + cols[:, None] * stride_vm + vdims[None, :] * stride_vd,
-                         mask=real[:, None] & (vdims[None, :] < DV), other=0.0)
-        logits = tl.where(real[None, :], centroid_logits(parts, centroids, keys, scale, UPCAST), float("-inf"))
-        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, logits, values, UPCAST)
-        if LANES > 0:
-            lanes = tl.maximum(lanes, tl.max(tl.reshape(logits, (BLOCK_C, BLOCK_M // LANES, LANES)), axis=1))
+    # A split with a padded key runs its blocks with the key mask, any other without (loads of
+    # one byte a column, each at its own address: the columns are rotated).
+    padded = has_padding(key_mask_ptr + batch * M, first, stop)
+    masked_stop = tl.where(padded, stop, first)
+    clean_stop = tl.where(padded, first, stop)
+    key_mask_row = key_mask_ptr + batch * M
+    acc, row_max, row_sum, lanes = _split_softmax(
+        acc, row_max, row_sum, lanes, parts, centroids, k_head, v_head, key_mask_row, first, masked_stop, stop,
+        stride_km, stride_kd, stride_vm, stride_vd, D, DV, scale, BLOCK_C, BLOCK_M, HEAD_DIM, VALUE_DIM, LANES,
+        UPCAST, True)
+    acc, row_max, row_sum, lanes = _split_softmax(
+        acc, row_max, row_sum, lanes, parts, centroids, k_head, v_head, key_mask_row, first, clean_stop, stop,
+        stride_km, stride_kd, stride_vm, stride_vd, D, DV, scale, BLOCK_C, BLOCK_M, HEAD_DIM, VALUE_DIM, LANES,
+        UPCAST, False)
     part = (bh * SPLITS + split) * C + rows
     tl.store(part_values_ptr + part[:, None] * DV + vdims[None, :], acc,
              mask=in_rows[:, None] & (vdims[None, :] < DV))

@@ -193,6 +193,13 @@ def count_real(mask_row, start, stop, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def has_padding(mask_row, start, stop):
+    """Whether positions [start, stop) of one (N,) mask row hold a padded token: a loop over
+    them can then skip its per-block loads of the mask (an unpadded input's every loop does)."""
+    return count_real(mask_row, start, stop, 1024) < stop - start
+
+
+@triton.jit
 def exact_case(mask_row, start, stop, N, C, BLOCK: tl.constexpr, EXACT_CASE: tl.constexpr):
     """With EXACT_CASE, the real queries before the chunk [start, stop) of a (N,) mask row, and
     whether the row has no more real queries than the C clusters (each real query is then its
