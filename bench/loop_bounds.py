@@ -137,7 +137,7 @@ LOOP_BOUNDS: dict[str, dict[str, Bounds]] = {
     "kernels.triton.lloyd": {
         "_candidates_kernel": lambda a: {"start": 0, "stop": 0},
         "_donor_kernel": lambda a: {"wanted": 0, "empties": 0},
-        "_nearest_kernel": exact_case_counts,
+        "_nearest_kernel": lambda a: {**exact_case_counts(a), "donor_lists": 0},  # no cluster empty
     },
     "kernels.triton.means": {
         "_sums_kernel": _by_rows,

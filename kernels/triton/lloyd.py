@@ -11,13 +11,16 @@ result does not depend on which program ran first. A refinement step from assign
                         empty clusters (means_triton)
     _candidates_kernel  (chunks, B * H)  only where a cluster is empty: per chunk, its
                         queries farthest from their means, as sorted keys
-    _donor_kernel       (chunks, B * H)  only where a cluster is empty: the e-th farthest
-                        query of the head (ranked across the chunks' candidates) becomes the
-                        e-th empty cluster's centroid
+    _donor_kernel       (chunks, B * H)  only where a cluster is empty, and only for more
+                        means than one tile of the nearest-mean search holds: the e-th
+                        farthest query of the head (ranked across the chunks' candidates)
+                        becomes the e-th empty cluster's centroid
     _nearest_kernel     (chunks, B * H)  argmax_c 2 x.c - |c|^2 (ties to the lowest cluster),
                         x in its dtype against the float32 means (split-precision dots), the
                         chunk's sums under the new assignments for the next step (after the
-                        last step: for the final means, where the caller wants them)
+                        last step: for the final means, where the caller wants them); with
+                        the means in one tile, it merges the chunks' candidates and puts the
+                        donors in place itself (only where a cluster is empty)
 
 `_sums_kernel` (means_triton) or the Hamming K-means' final launch writes the starting sums.
 The reference stops once the assignments repeat; here a head none of whose queries moved in the
@@ -45,7 +48,7 @@ from kernels.triton.helpers import (
 from kernels.triton.means import chunk_sums, load_rows
 
 # Means per tile of the nearest-mean search: up to this many, they are read and split into
-# half-precision parts once per program (more: tiles of 128).
+# half-precision parts once per program (more: tiles of NEAREST_NARROW_C).
 NEAREST_BLOCK_C = 256
 # Warps of the nearest-mean search: with tiles of up to 128 means, 4 warps (~245 registers)
 # fit two programs an SM where 8 fit one; wider tiles need 8 (4 would run out of registers).
@@ -149,18 +152,48 @@ def _donor_kernel(
 
 
 @triton.jit
+def _donated(centroids, cols, x_head, stride_xn, stride_xd, members_row, empties, candidates_head, lists, N, C, D,
+             HEAD_DIM: tl.constexpr, TOP: tl.constexpr, TOP_ALL: tl.constexpr, NO_KEY: tl.constexpr):
+    """The means `centroids` (rows: the clusters `cols`, all C of them) with each empty one's
+    replaced by its donor, as _donor_kernel gives them: the e-th empty cluster (cluster order)
+    takes the e-th farthest query of the head, the last of all past the queries. The `lists`
+    chunks' candidate lists (sorted, largest first; all the chunks', none where no cluster is
+    empty) merge into the head's TOP_ALL largest keys, a bitonic merge a chunk. Nothing is
+    read unless `empties` > 0."""
+    if empties > 0:
+        slots = tl.arange(0, TOP_ALL)
+        top = tl.full([TOP_ALL], NO_KEY, tl.int64)
+        for chunk in range(0, lists):
+            backwards = tl.load(candidates_head + chunk * TOP + (TOP_ALL - 1 - slots), mask=TOP_ALL - 1 - slots < TOP,
+                                other=NO_KEY)
+            top = tl.bitonic_merge(tl.maximum(top, backwards), descending=True)
+        empty = (tl.load(members_row + cols, mask=cols < C, other=1) == 0) & (cols < C)
+        rank = tl.minimum(tl.cumsum(empty.to(tl.int32), axis=0) - 1, N - 1)
+        key = tl.gather(top, tl.where(empty, rank, 0), 0)
+        position = tl.where(key >= 0, N - 1 - (key & 0xFFFFFFFF), -1 - key)
+        dims = tl.arange(0, HEAD_DIM)
+        donors = tl.load(x_head + position[:, None] * stride_xn + dims[None, :] * stride_xd,
+                         mask=empty[:, None] & (dims[None, :] < D), other=0.0)
+        centroids = tl.where(empty[:, None], donors.to(tl.float32), centroids)
+    return centroids
+
+
+@triton.jit
 def _nearest_kernel(
     x_ptr, query_mask_ptr, means_ptr, moved_in_ptr, moved_out_ptr, assign_ptr, part_sums_ptr, part_counts_ptr,
+    members_ptr, n_empty_ptr, candidates_ptr,
     stride_xb, stride_xh, stride_xn, stride_xd,
     H, N, C, D, CHUNK, CHUNKS,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
     COUNT_BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, LAST: tl.constexpr, EXACT_CASE: tl.constexpr,
-    MEANS: tl.constexpr, UPCAST: tl.constexpr,
+    MEANS: tl.constexpr, UPCAST: tl.constexpr, TOP: tl.constexpr, TOP_ALL: tl.constexpr, NO_KEY: tl.constexpr,
 ):
     """One chunk's nearest means (B * H, C, D) float32, written to assign (B, H, N) in place,
     padded queries at C; moved_out (B * H, CHUNKS) says whether any query moved. Unless LAST,
     the chunk's sums and counts under the new assignments. A head that did not move in the
-    previous step (moved_in) keeps its assignments. LAST with EXACT_CASE: a sequence with no
+    previous step (moved_in) keeps its assignments. With all the means in one tile (ONE_BLOCK),
+    the empty clusters' donors replace their means here (_donated; else _donor_kernel wrote
+    them). LAST with EXACT_CASE: a sequence with no
     more real queries than clusters gives each its rank among them. LAST with MEANS: every
     chunk's sums and counts under the final assignments, and moved_out set (the means
     launch after it reads every head)."""
@@ -179,6 +212,11 @@ def _nearest_kernel(
             cols = tl.arange(0, BLOCK_C)
             centroids = tl.load(means_ptr + (bh * C + cols)[:, None] * D + dims[None, :],
                                 mask=(cols[:, None] < C) & (dims[None, :] < D), other=0.0)
+            empties = tl.load(n_empty_ptr + bh)
+            donor_lists = tl.where(empties > 0, CHUNKS, 0)
+            centroids = _donated(centroids, cols, x_head, stride_xn, stride_xd, members_ptr + bh * C, empties,
+                                 candidates_ptr + bh * CHUNKS * TOP, donor_lists, N, C, D, HEAD_DIM, TOP, TOP_ALL,
+                                 NO_KEY)
             bias = tl.where(cols < C, -tl.sum(centroids * centroids, axis=1), float("-inf"))
             centroids = tl.trans(centroids)
             parts = split_parts(centroids, x_ptr.dtype.element_ty)  # unused for float32 queries
@@ -244,7 +282,7 @@ def refine_clusters_triton(
     q: (B, H, N, D) float32, float16 or bfloat16; assign (B, H, N) in [0, C]; query_mask
     (B, N) bool. Returns (B, H, N) int64 in [0, C], padded queries at C; with exact_case a
     sequence with no more real queries than clusters gives each its own (its rank).
-    Launches: 1 + 4 per step.
+    Launches: 1 + 3 per step (4 for more than NEAREST_BLOCK_C clusters).
     """
     b, h, n, _ = q.shape
     if iterations == 0:
@@ -270,7 +308,7 @@ def refine_summed_triton(
     """refine_clusters_triton (iterations >= 1) of assign in place, from its per-chunk sums and
     flags already in buffers (refine_buffers; hamming_triton's final launch writes them), and
     the member means of the result in buffers.means (B * H, C, D): the last step sums them as
-    it assigns. Launches: 4 per step + 1."""
+    it assigns. Launches: 3 per step + 1 (4 per step for more than NEAREST_BLOCK_C clusters)."""
     _refine(q, assign, query_mask, clusters, iterations, exact_case, buffers, chunk, with_means=True)
     return assign
 
@@ -283,7 +321,8 @@ def _refine(q: Tensor, out: Tensor, query_mask: Tensor, clusters: int, iteration
     mask = query_mask.contiguous()
     grid = (chunks, b * h)
     flags = dict(HEAD_DIM=pow2_block(d), CHUNK_BLOCK=pow2_block(chunks, 1))
-    nearest_block = pow2_block(clusters, 16, NEAREST_BLOCK_C if clusters <= NEAREST_BLOCK_C else 128)
+    nearest_block = pow2_block(clusters, 16, NEAREST_BLOCK_C if clusters <= NEAREST_BLOCK_C else NEAREST_NARROW_C)
+    one_block = clusters <= nearest_block  # the nearest-mean search takes the donors itself
     for it in range(iterations):
         moved_in, moved_out = buffers.moved[(it + 1) % 2], buffers.moved[it % 2]
         means.means(q, buffers, moved_in, clusters, chunks)
@@ -292,16 +331,19 @@ def _refine(q: Tensor, out: Tensor, query_mask: Tensor, clusters: int, iteration
             h, n, clusters, d, chunk, chunks,
             BLOCK_N=means.BLOCK_N, TOP=top, NO_KEY=NO_KEY, **flags,
         )
-        _donor_kernel[grid](
-            q, moved_in, buffers.n_empty, buffers.empty_list, buffers.candidates, buffers.means, *q.stride(),
-            h, n, clusters, d, chunks,
-            BLOCK_K=min(top, 64), TOP=top, LOG_TOP=top.bit_length() - 1, NO_KEY=NO_KEY, **flags,
-        )
+        if not one_block:
+            _donor_kernel[grid](
+                q, moved_in, buffers.n_empty, buffers.empty_list, buffers.candidates, buffers.means, *q.stride(),
+                h, n, clusters, d, chunks,
+                BLOCK_K=min(top, 64), TOP=top, LOG_TOP=top.bit_length() - 1, NO_KEY=NO_KEY, **flags,
+            )
         _nearest_kernel[grid](
-            q, mask, buffers.means, moved_in, moved_out, out, buffers.part_sums, buffers.part_counts, *q.stride(),
+            q, mask, buffers.means, moved_in, moved_out, out, buffers.part_sums, buffers.part_counts, buffers.members,
+            buffers.n_empty, buffers.candidates, *q.stride(),
             h, n, clusters, d, chunk, chunks,
-            BLOCK_N=means.BLOCK_N, BLOCK_C=nearest_block, COUNT_BLOCK=means.COUNT_BLOCK, ONE_BLOCK=clusters <= nearest_block,
+            BLOCK_N=means.BLOCK_N, BLOCK_C=nearest_block, COUNT_BLOCK=means.COUNT_BLOCK, ONE_BLOCK=one_block,
             LAST=it == iterations - 1, EXACT_CASE=exact_case, MEANS=with_means, UPCAST=upcast(q),
+            TOP=top, TOP_ALL=max(top, pow2_block(min(clusters, n), 1)), NO_KEY=NO_KEY,
             num_warps=4 if nearest_block <= NEAREST_NARROW_C else 8, **flags,
         )
     if with_means:

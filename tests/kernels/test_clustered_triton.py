@@ -143,6 +143,25 @@ def test_refinement_equals_the_reference(n, lengths, clusters, duplicates, poiso
     print(f"ties within float rounding: {ties}")
 
 
+@pytest.mark.parametrize("tile", [None, 16])
+@pytest.mark.parametrize("n, lengths, clusters", [(40, [40, 31], 20), (20, [20, 6], 24)])
+def test_refinement_reseeds_empty_clusters_as_the_reference(n, lengths, clusters, tile, poisoned, monkeypatch):
+    """A start that uses 2 of the clusters: each step re-seeds the empty ones (the e-th
+    farthest query for the e-th, the last query of all past the 20 queries), in the
+    nearest-mean search itself with all the means in one tile, or by the donor launch with
+    tiles of 16."""
+    if tile:
+        monkeypatch.setattr(lloyd_triton, "NEAREST_BLOCK_C", tile)
+        monkeypatch.setattr(lloyd_triton, "NEAREST_NARROW_C", tile)
+    q, _ = _signs(n, d=24)
+    mask = padding_mask(2, n, lengths)
+    start = torch.where(mask[:, None, :], torch.arange(n) % 2, clusters).expand(2, 2, n).contiguous()
+    moved = refine_clusters(q, start, mask, clusters, 1)
+    assert (_count_members(moved, clusters)[..., 2:] > 0).any()  # the first step re-seeds
+    ties = assert_refinement_agrees(refine_clusters_triton, q, start, mask, clusters, 3)
+    print(f"ties within float rounding: {ties}")
+
+
 @pytest.mark.parametrize("clusters", [8, 20])
 def test_a_sequence_of_no_more_real_queries_than_clusters_gives_each_its_own(clusters, poisoned):
     """Row 1 has 6 real queries, copies of 3, and 8 or 20 clusters: the K-means' last launch and
@@ -166,6 +185,7 @@ def test_a_sequence_of_no_more_real_queries_than_clusters_gives_each_its_own(clu
 def test_refinement_ties_go_to_the_lowest_cluster_within_and_across_blocks(first, second, block, monkeypatch):
     # Blocks of 32 means: 5 and 18 share one, 3 and 35 do not; 256 holds all 40 (read once).
     monkeypatch.setattr(lloyd_triton, "NEAREST_BLOCK_C", block)
+    monkeypatch.setattr(lloyd_triton, "NEAREST_NARROW_C", min(block, lloyd_triton.NEAREST_NARROW_C))
     assert_exact_ties_go_to_the_lowest_cluster(refine_clusters_triton, first, second, 40)
 
 
