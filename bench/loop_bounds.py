@@ -73,11 +73,8 @@ def topk_merges(a: dict) -> dict:
     weight = 0.0 if upper[0] == lower[0] else math.log(m / lower[0]) / math.log(upper[0] / lower[0])
     rate = lower[1] + weight * (upper[1] - lower[1])
     last = lower[2] + weight * (upper[2] - lower[2])
-    # The last merge runs at least once where no merge ran before (it writes the kept keys). No
-    # key is padded: the blocks run without the mask.
-    stop = min(a["CHUNK"], m)
-    return {"first": 0, "stop": stop, "masked_stop": 0, "clean_stop": stop, "merges": rate,
-            "last_merges": last if rate > 0 else max(1.0, last)}
+    # The last merge runs at least once where no merge ran before (it writes the kept keys).
+    return {"first": 0, "stop": min(a["CHUNK"], m), "merges": rate, "last_merges": last if rate > 0 else max(1.0, last)}
 
 
 def first_tile_keys(a: dict) -> dict:

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton.helpers import centroid_logits, has_padding, key_splits, mma, pow2_block, split_parts, upcast
+from kernels.triton.helpers import centroid_logits, key_splits, mma, pow2_block, split_parts, upcast
 
 # Centroids per tile of the top-k filter, and of its merge (4: 25 programs a head at 100
 # clusters, 300 at batch 1, more than the SMs; a merge's steps are short).
@@ -103,48 +103,6 @@ def _merge_kept(kept_ptr, buffer_ptr, counts_ptr, floors_ptr, floor, count, C, m
 
 
 @triton.jit
-def _filter_blocks(
-    floor, count, fresh, parts, centroids, prefix, k_head, key_mask_row, kept, buffer, counts, floors,
-    first, end, stop, first_row, stride_km, stride_kd, M, C, D, scale,
-    BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, TOP: tl.constexpr,
-    BUFFER: tl.constexpr, GROUP: tl.constexpr, NO_KEY: tl.constexpr, UPCAST: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """The split's key blocks [first, end) (keys past `stop` are not the split's) through the
-    filter: their candidates buffered, the buffers merged when full; returns the floors, the
-    buffered counts and whether nothing is kept yet. MASKED: the key mask says which keys are
-    real, else all are."""
-    dims = tl.arange(0, HEAD_DIM)
-    block_cols = tl.arange(0, BLOCK_M)
-    for start in range(first, end, BLOCK_M):
-        cols = start + block_cols
-        in_split = cols < stop
-        # The keys load does not wait for the mask's: a padded key's logit is set to -inf.
-        keys = tl.load(k_head + cols[:, None] * stride_km + dims[None, :] * stride_kd,
-                       mask=in_split[:, None] & (dims[None, :] < D), other=0.0)
-        logits = centroid_logits(parts, centroids, keys, scale, UPCAST)
-        if MASKED:
-            real = in_split & (tl.load(key_mask_row + cols, mask=in_split, other=0) != 0)
-            logits = tl.where(real[None, :], logits, float("-inf"))
-        live = in_split[None, :] & (logits >= floor[:, None])
-        place = count[:, None] + mma(live.to(tl.int8), prefix, UPCAST).to(tl.int32) - 1
-        candidates = (_ordered(logits).to(tl.int64) << 32) | (M - 1 - cols).to(tl.int64)[None, :]
-        tl.store(buffer + (tl.arange(0, BLOCK_C)[:, None] * BUFFER + place), candidates, mask=live)  # int32 offsets
-        count += tl.sum(live.to(tl.int32), axis=1)
-        most = tl.max(count, axis=0)
-        # A row that could not take another block's: every row merges its buffer (rare: on the
-        # default model's real text, 0-2 times a split up to 64k tokens).
-        merges = tl.where(most > BUFFER - BLOCK_M, tl.cdiv(most, TOP), 0)
-        tl.debug_barrier()  # the candidates, stored above, are read back by other threads
-        floor = _merge_kept(kept, buffer, counts, floors, floor, count, C - first_row, merges, fresh, BLOCK_C, TOP,
-                            BUFFER, GROUP, NO_KEY, True)
-        tl.debug_barrier()  # and read before the next block's overwrite them
-        fresh = tl.where(merges > 0, 0, fresh)
-        count = tl.where(merges > 0, 0, count)
-    return floor, count, fresh
-
-
-@triton.jit
 def _centroid_topk_kernel(
     centroids_ptr, k_ptr, key_mask_ptr, threshold_ptr, part_top_ptr, buffer_ptr, counts_ptr, floors_ptr,
     stride_kb, stride_kh, stride_km, stride_kd,
@@ -187,19 +145,29 @@ def _centroid_topk_kernel(
     fresh = 1  # nothing kept yet
     first = split * CHUNK
     stop = tl.minimum(first + CHUNK, M)
-    # A split with a padded key runs its blocks with the key mask, any other without.
-    padded = has_padding(key_mask_ptr + batch * M, first, stop)
-    masked_stop = tl.where(padded, stop, first)
-    clean_stop = tl.where(padded, first, stop)
-    key_mask_row = key_mask_ptr + batch * M
-    floor, count, fresh = _filter_blocks(
-        floor, count, fresh, parts, centroids, prefix, k_head, key_mask_row, kept, buffer, counts, floors,
-        first, masked_stop, stop, first_row, stride_km, stride_kd, M, C, D, scale,
-        BLOCK_C, BLOCK_M, HEAD_DIM, TOP, BUFFER, GROUP, NO_KEY, UPCAST, True)
-    floor, count, fresh = _filter_blocks(
-        floor, count, fresh, parts, centroids, prefix, k_head, key_mask_row, kept, buffer, counts, floors,
-        first, clean_stop, stop, first_row, stride_km, stride_kd, M, C, D, scale,
-        BLOCK_C, BLOCK_M, HEAD_DIM, TOP, BUFFER, GROUP, NO_KEY, UPCAST, False)
+    for start in range(first, stop, BLOCK_M):
+        cols = start + block_cols
+        in_split = cols < stop
+        # The keys load does not wait for the mask's: a padded key's logit is set to -inf.
+        keys = tl.load(k_head + cols[:, None] * stride_km + dims[None, :] * stride_kd,
+                       mask=in_split[:, None] & (dims[None, :] < D), other=0.0)
+        real = in_split & (tl.load(key_mask_ptr + batch * M + cols, mask=in_split, other=0) != 0)
+        logits = tl.where(real[None, :], centroid_logits(parts, centroids, keys, scale, UPCAST), float("-inf"))
+        live = in_split[None, :] & (logits >= floor[:, None])
+        place = count[:, None] + mma(live.to(tl.int8), prefix, UPCAST).to(tl.int32) - 1
+        candidates = (_ordered(logits).to(tl.int64) << 32) | (M - 1 - cols).to(tl.int64)[None, :]
+        tl.store(buffer + (tl.arange(0, BLOCK_C)[:, None] * BUFFER + place), candidates, mask=live)  # int32 offsets
+        count += tl.sum(live.to(tl.int32), axis=1)
+        most = tl.max(count, axis=0)
+        # A row that could not take another block's: every row merges its buffer (rare: on the
+        # default model's real text, 0-2 times a split up to 64k tokens).
+        merges = tl.where(most > BUFFER - BLOCK_M, tl.cdiv(most, TOP), 0)
+        tl.debug_barrier()  # the candidates, stored above, are read back by other threads
+        floor = _merge_kept(kept, buffer, counts, floors, floor, count, C - first_row, merges, fresh, BLOCK_C, TOP,
+                            BUFFER, GROUP, NO_KEY, True)
+        tl.debug_barrier()  # and read before the next block's overwrite them
+        fresh = tl.where(merges > 0, 0, fresh)
+        count = tl.where(merges > 0, 0, count)
     tl.debug_barrier()  # the candidates, stored above, are read back by other threads
     last_merges = tl.maximum(tl.cdiv(tl.max(count, axis=0), TOP), fresh)  # once at least: the kept keys' stores
     _merge_kept(kept, buffer, counts, floors, floor, count, C - first_row, last_merges, fresh, BLOCK_C, TOP, BUFFER,
