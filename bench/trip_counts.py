@@ -48,12 +48,20 @@ def loop_trips(kernel, arguments: dict, declared: dict, location: tuple) -> floa
     """Trips per entry of the source loop at `location` ((file, line) innermost first: the `for`
     line, then the lines of the calls it is inlined at, the last one in the kernel)."""
     chain = list(reversed(location))
-    fn = kernel.fn
-    env = dict(arguments)
+    frames = [(kernel.fn, dict(arguments))]
     for (_, call_line), (file, line) in zip(chain, chain[1:]):
-        fn, env = _enter_call(fn, env, declared, call_line, file, line, kernel)
+        frames.append(_enter_call(*frames[-1], declared, call_line, file, line, kernel))
     file, line = chain[-1]
+    fn, env = frames[-1]
     loop = _node_at(fn, line, ast.For)
+    # ptxas may give a loop's first instructions the line of a helper inlined in its body: the
+    # loop is then the innermost `for` around that call, in a caller.
+    depth = len(frames) - 1
+    while loop is None and depth > 0:
+        depth -= 1
+        fn, env = frames[depth]
+        file, line = chain[depth]
+        loop = _enclosing_for(fn, line)
     if loop is None or not isinstance(loop.iter, ast.Call) or not _name(loop.iter.func).endswith("range"):
         raise UnknownBound(f"{kernel.fn.__name__}: {file}:{line} is not a `for ... in range(...)` loop")
     values = [_eval(a, env, declared, fn, f"{kernel.fn.__name__} ({file}:{line})") for a in loop.iter.args]
@@ -105,6 +113,14 @@ def _node_at(fn, line: int, kind):
         if isinstance(node, kind) and node.lineno + first - 1 == line:
             return node
     return None
+
+
+def _enclosing_for(fn, line: int):
+    """The innermost `for` of fn whose body holds `line` (None if none does)."""
+    tree, first, _ = _parsed(fn)
+    loops = [node for node in ast.walk(tree) if isinstance(node, ast.For)
+             and node.body[0].lineno + first - 1 <= line <= node.end_lineno + first - 1]
+    return max(loops, key=lambda node: node.lineno, default=None)
 
 
 def _resolve(fn, func: ast.expr):

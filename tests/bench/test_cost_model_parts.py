@@ -87,7 +87,7 @@ def _toy_sum(x_ptr, n, BLOCK: tl.constexpr):
     total = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n, BLOCK):  # loop: helper
         total += tl.load(x_ptr + start + tl.arange(0, BLOCK))
-    return tl.sum(total, axis=0)
+    return tl.sum(total, axis=0)  # line: no loop
 
 
 @triton.jit
@@ -111,6 +111,15 @@ def test_trip_counts_come_from_the_launch_arguments_through_helper_calls():
     assert arguments == {"x_ptr": "x", "out_ptr": "out", "N": 1000, "STEPS": 3, "BLOCK": 64}
     assert loop_trips(_toy_kernel, arguments, {}, (_line("# loop: steps"),)) == 3
     assert loop_trips(_toy_kernel, arguments, {}, (_line("# loop: helper"), _line("# call: helper"))) == 16
+
+
+def test_a_loop_headed_by_a_line_of_an_inlined_helper_is_the_for_around_the_call():
+    """ptxas may give a loop's first instructions a line of a helper inlined in its body: the
+    loop is the innermost `for` around the call (the steps), not an error."""
+    arguments = bound_arguments(_toy_kernel, ("x", "out", 1000, 3), {"BLOCK": 64})
+    assert loop_trips(_toy_kernel, arguments, {}, (_line("# line: no loop"), _line("# call: helper"))) == 3
+    with pytest.raises(UnknownBound, match="is not a `for"):
+        loop_trips(_toy_kernel, arguments, {}, (_line("first = tl.program_id(0) * BLOCK"),))
 
 
 def test_a_bound_the_arguments_do_not_give_is_declared_or_an_error():

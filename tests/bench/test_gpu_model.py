@@ -6,14 +6,14 @@ and the time budgets of the GPU path hold (DESIGN.md, "The GPU path"):
 - every launch at 16k has at least 132 programs or an estimated time of at most 10 us;
 - estimated speed-up over FlashAttention-2 (Triton's published 403 TFLOP/s at 16k) in a CUDA
   graph, as floors under the figures the kernels in this tree reach (the centroid top-k priced
-  on real text): i-clustered 100/32 >= 4.5x at 16k and >= 0.5x at 4k, clustered 200 (its
-  default 5 Hamming iterations) >= 3x at 16k.
+  on real text): i-clustered 100/32 >= 0.6x at 4k, clustered 200 (its default 5 Hamming
+  iterations) >= 3x at 16k.
 
 The default model's served attention (bench.common.nomic_default: banded, as the shipped
 nomic calibration chooses at 8k) meets its targets, >= 1.5x at 8k and >= 4x at 16k; SMYRF
-4x64 meets >= 6x at 16k; i-clustered 100/32 meets >= 25x at 64k. Its other targets (>= 1x at
-4k, >= 5x at 16k) are not met yet: they are strict xfails here, so meeting one fails the test
-until its mark is removed.
+4x64 meets >= 6x at 16k; i-clustered 100/32 meets >= 5x at 16k and >= 25x at 64k. Its target
+at 4k (>= 1x) is not met yet: a strict xfail here, so meeting it fails the test until its mark
+is removed.
 """
 
 import json
@@ -130,8 +130,7 @@ def test_host_time_in_a_graph_under_a_tenth_at_16k(model):
         assert call(model, method, 16384)["graph_host_share"] < 0.1, method
 
 
-@pytest.mark.parametrize("method, seq_len, floor", [
-    ("i-clustered 100/32", 16384, 4.5), ("i-clustered 100/32", 4096, 0.5), ("clustered 200", 16384, 3)])
+@pytest.mark.parametrize("method, seq_len, floor", [("i-clustered 100/32", 4096, 0.6), ("clustered 200", 16384, 3)])
 def test_speed_up_floors(model, method, seq_len, floor):
     assert call(model, method, seq_len)["est_speedup_fa2"] >= floor
 
@@ -140,14 +139,14 @@ def test_smyrf_meets_its_target(model):
     assert call(model, "smyrf 4x64", 16384)["est_speedup_fa2"] >= 6
 
 
-def test_improved_clustered_meets_its_target_at_64k(model):
-    assert call(model, "i-clustered 100/32", 65536)["est_speedup_fa2"] >= 25
+@pytest.mark.parametrize("seq_len, target", [(16384, 5), (65536, 25)])
+def test_improved_clustered_meets_its_targets_at_16k_and_64k(model, seq_len, target):
+    assert call(model, "i-clustered 100/32", seq_len)["est_speedup_fa2"] >= target
 
 
-@pytest.mark.xfail(strict=True, reason="the performance issue's targets are not met by the kernels in this tree")
-@pytest.mark.parametrize("method, seq_len, target", [("i-clustered 100/32", 4096, 1), ("i-clustered 100/32", 16384, 5)])
-def test_issue_targets(model, method, seq_len, target):
-    assert call(model, method, seq_len)["est_speedup_fa2"] >= target
+@pytest.mark.xfail(strict=True, reason="the performance issue's 4k target is not met by the kernels in this tree")
+def test_improved_clustered_target_at_4k(model):
+    assert call(model, "i-clustered 100/32", 4096)["est_speedup_fa2"] >= 1
 
 
 def test_the_nomic_default_meets_its_targets(nomic):

@@ -43,9 +43,9 @@ from kernels.stages import CentroidAttention, cluster_queries  # noqa: E402
 
 triton_clustered = pytest.importorskip("kernels.triton.clustered")
 from kernels.reference.clustered import cluster_tiles  # noqa: E402
-from kernels.triton import cluster_layout as cluster_layout_module  # noqa: E402
 from kernels.triton import centroid as centroid_triton  # noqa: E402
 from kernels.triton import centroid_topk as centroid_topk_triton  # noqa: E402
+from kernels.triton import cluster_layout as cluster_layout_module  # noqa: E402
 from kernels.triton import hamming as hamming_triton  # noqa: E402
 from kernels.triton import helpers as triton_helpers  # noqa: E402
 from kernels.triton import lloyd as lloyd_triton  # noqa: E402
