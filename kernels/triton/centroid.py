@@ -123,10 +123,10 @@ def _centroid_attention_kernel(
     stop = tl.minimum(first + CHUNK, M)
     # A split with a padded key runs its blocks with the key mask, any other without (loads of
     # one byte a column, each at its own address: the columns are rotated).
-    padded = has_padding(key_mask_ptr + batch * M, first, stop)
+    key_mask_row = key_mask_ptr + batch * M
+    padded = has_padding(key_mask_row, first, stop)
     masked_stop = tl.where(padded, stop, first)
     clean_stop = tl.where(padded, first, stop)
-    key_mask_row = key_mask_ptr + batch * M
     acc, row_max, row_sum, lanes = _split_softmax(
         acc, row_max, row_sum, lanes, parts, centroids, k_head, v_head, key_mask_row, first, masked_stop, stop,
         stride_km, stride_kd, stride_vm, stride_vd, D, DV, scale, BLOCK_C, BLOCK_M, HEAD_DIM, VALUE_DIM, LANES,

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton.helpers import centroid_logits, key_splits, mma, pow2_block, split_parts, upcast
+from kernels.triton.helpers import centroid_logits, key_splits, mma, pow2_block, split_parts, top_of_sorted, upcast
 
 # Centroids per tile of the top-k filter, and of its merge (4: 25 programs a head at 100
 # clusters, 300 at batch 1, more than the SMs; a merge's steps are short).
@@ -47,18 +47,22 @@ MERGE_KEYS = 1024
 
 
 @triton.jit
-def _ordered(logits):
-    """The float32 bits of logits as signed int32s that order like them (negatives flip their
-    magnitude bits)."""
-    bits = logits.to(tl.int32, bitcast=True)
+def _flip_negatives(bits):
+    """int32 bits with a negative's magnitude bits flipped: float32 bits to signed int32s that
+    order like the floats, and back (the flip is its own inverse)."""
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _ordered(logits):
+    """The float32 bits of logits as signed int32s that order like them."""
+    return _flip_negatives(logits.to(tl.int32, bitcast=True))
 
 
 @triton.jit
 def _key_logits(keys):
     """The logits of keys (upper half: _ordered, lower: M - 1 - index)."""
-    ordered = (keys >> 32).to(tl.int32)
-    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    return _flip_negatives((keys >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -86,9 +90,7 @@ def _merge_kept(kept_ptr, buffer_ptr, counts_ptr, floors_ptr, floor, count, C, m
             held = tl.load(kept, mask=present & ((first > 0) | (fresh == 0)), other=NO_KEY)
             filled = first + slots[None, :] < tl.load(counts_ptr + rows)[:, None]
             buffered = tl.load(buffer_ptr + rows[:, None] * BUFFER + first + slots[None, :], mask=filled, other=NO_KEY)
-            # held is sorted (largest first): with the buffered keys sorted the other way, the
-            # larger of each pair are the TOP largest of both, in bitonic order.
-            merged = tl.bitonic_merge(tl.maximum(held, tl.sort(buffered)), descending=True)
+            merged = top_of_sorted(held, tl.sort(buffered))  # held is sorted, largest first
             tl.store(kept, merged, mask=present)
             if FLOORS:
                 if first + TOP == merges * TOP:
@@ -178,23 +180,21 @@ def _centroid_topk_kernel(
 def _centroid_topk_combine_kernel(
     part_top_ptr, stats_ptr, top_index_ptr, top_probs_ptr,
     M, C, SPLITS, TOPK,
-    BLOCK_C: tl.constexpr, TOP: tl.constexpr,
+    BLOCK_C: tl.constexpr, TOP: tl.constexpr, NO_KEY: tl.constexpr,
 ):
     """The TOPK most probable keys of a block of centroids over all splits: indices and
     probabilities (B * H, C, TOPK), 0 on padded keys (their logits are -inf). Each split's
-    list is sorted (largest first), so a split merges in as a bitonic merge: the larger of the
-    running top and the split's list read backwards are the TOP largest of both, in a bitonic
-    order that log2(TOP) compare-and-swap steps sort."""
+    list is sorted (largest first), so a split merges in read backwards (top_of_sorted)."""
     bh = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     slots = tl.arange(0, TOP)
     in_rows = rows < C
-    top = tl.full([BLOCK_C, TOP], -(1 << 63), tl.int64)
+    top = tl.full([BLOCK_C, TOP], NO_KEY, tl.int64)
     for split in range(0, SPLITS):
         part = (bh * SPLITS + split) * C + rows
         backwards = tl.load(part_top_ptr + part[:, None] * TOP + (TOP - 1 - slots)[None, :], mask=in_rows[:, None],
-                            other=-(1 << 63))
-        top = tl.bitonic_merge(tl.maximum(top, backwards), descending=True)
+                            other=NO_KEY)
+        top = top_of_sorted(top, backwards)
     shift = tl.load(stats_ptr + (bh * C + rows) * 2, mask=in_rows, other=0.0)
     inv_sum = tl.load(stats_ptr + (bh * C + rows) * 2 + 1, mask=in_rows, other=0.0)
     index = tl.minimum(tl.maximum(M - 1 - (top & 0xFFFFFFFF), 0), M - 1)
@@ -242,6 +242,6 @@ def centroid_topk_triton(centroids: Tensor, k: Tensor, mask: Tensor, threshold: 
     _centroid_topk_combine_kernel[(triton.cdiv(c, COMBINE_BLOCK_C), b * h)](
         part_top, stats, top_index, top_probs,
         m, c, top_splits, topk,
-        BLOCK_C=COMBINE_BLOCK_C, TOP=top,
+        BLOCK_C=COMBINE_BLOCK_C, TOP=top, NO_KEY=NO_KEY,
     )
     return top_index, top_probs

@@ -193,6 +193,14 @@ def count_real(mask_row, start, stop, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def top_of_sorted(top, ascending):
+    """The largest len(top) of two sorted lists, largest first: `top` largest first, `ascending`
+    the other way (a list read backwards). The larger of each pair are the largest of both, in
+    bitonic order, which log2(len) compare-and-swap steps sort."""
+    return tl.bitonic_merge(tl.maximum(top, ascending), descending=True)
+
+
+@triton.jit
 def has_padding(mask_row, start, stop):
     """Whether positions [start, stop) of one (N,) mask row hold a padded token: a loop over
     them can then skip its per-block loads of the mask (an unpadded input's every loop does)."""

@@ -43,6 +43,7 @@ from kernels.triton.helpers import (
     exact_case,
     pow2_block,
     split_parts,
+    top_of_sorted,
     upcast,
 )
 from kernels.triton.means import chunk_sums, load_rows
@@ -158,15 +159,15 @@ def _donated(centroids, cols, x_head, stride_xn, stride_xd, members_row, empties
     replaced by its donor, as _donor_kernel gives them: the e-th empty cluster (cluster order)
     takes the e-th farthest query of the head, the last of all past the queries. The `lists`
     chunks' candidate lists (sorted, largest first; all the chunks', none where no cluster is
-    empty) merge into the head's TOP_ALL largest keys, a bitonic merge a chunk. Nothing is
-    read unless `empties` > 0."""
+    empty) merge into the head's TOP_ALL largest keys, read backwards (top_of_sorted). Nothing
+    is read unless `empties` > 0."""
     if empties > 0:
         slots = tl.arange(0, TOP_ALL)
         top = tl.full([TOP_ALL], NO_KEY, tl.int64)
         for chunk in range(0, lists):
             backwards = tl.load(candidates_head + chunk * TOP + (TOP_ALL - 1 - slots), mask=TOP_ALL - 1 - slots < TOP,
                                 other=NO_KEY)
-            top = tl.bitonic_merge(tl.maximum(top, backwards), descending=True)
+            top = top_of_sorted(top, backwards)
         empty = (tl.load(members_row + cols, mask=cols < C, other=1) == 0) & (cols < C)
         rank = tl.minimum(tl.cumsum(empty.to(tl.int32), axis=0) - 1, N - 1)
         key = tl.gather(top, tl.where(empty, rank, 0), 0)
