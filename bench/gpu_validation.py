@@ -8,7 +8,8 @@ graph. No GPU needed; it reads committed files.
 
 `--measured STEM` names STEM.json (the call times) and STEM-profile.txt (one profiled call per
 method and length, sections titled "== <method>, <n> tokens =="). The report,
-`<STEM>-vs-model.json`, lists per kernel `measured_us`, `model_us` and their ratio, per call the
+`<STEM>-vs-model.json`, lists per kernel `measured_us`, `model_us` and their ratio (where the
+measured call launched it as often as the modelled one: `launches`, `model_launches`), per call the
 measured and estimated graph time, and the spread of the ratios over every kernel of at least
 MIN_US measured: what the model's estimates are worth, kernel by kernel. Where a kernel was
 profiled at several lengths, `fits` splits its measured time a launch into a fixed part and a
@@ -100,10 +101,12 @@ def compare(measured_rows: list[dict], profiles: dict, model: dict) -> dict:
         estimated = model_kernels(call)
         for name in sorted(set(kernels) | set(estimated), key=lambda k: -kernels.get(k, (0.0, 0))[0]):
             got, want = kernels.get(name, (0.0, 0)), estimated.get(name, (0.0, 0))
+            # A kernel launched a different number of times (the measured call ran kernels since
+            # fused or split) has no ratio: its times are of different work.
             kernel_rows.append(dict(
-                method=method, tokens=tokens, kernel=name, launches=got[1] or want[1],
+                method=method, tokens=tokens, kernel=name, launches=got[1] or want[1], model_launches=want[1],
                 measured_us=round(got[0], 1), model_us=round(want[0], 1),
-                ratio=round(got[0] / want[0], 3) if got[0] and want[0] else None,
+                ratio=round(got[0] / want[0], 3) if got[0] and want[0] and got[1] == want[1] else None,
             ))
         device_us = sum(us for us, _ in kernels.values())
         call_rows.append(dict(
@@ -143,7 +146,7 @@ def fits(kernel_rows: list[dict]) -> list[dict]:
     """Per method and Triton kernel profiled at two lengths or more: fixed_launch_cost's split."""
     points: dict[tuple[str, str], list[tuple[int, float, float]]] = defaultdict(list)
     for r in kernel_rows:
-        if r["kernel"] != LIBRARY and r["measured_us"] and r["model_us"]:
+        if r["kernel"] != LIBRARY and r["ratio"]:
             points[(r["method"], r["kernel"])].append(
                 (r["tokens"], r["model_us"] / r["launches"], r["measured_us"] / r["launches"]))
     rows = []
@@ -173,7 +176,8 @@ def main() -> None:
     report = compare(rows, profiles, model)
     report = dict(measured=str(stem.name), device=rows[0]["device"] if rows else None, model_label=model["label"],
                   **report)
-    print_table(report["kernels"], ["method", "tokens", "kernel", "launches", "measured_us", "model_us", "ratio"])
+    print_table(report["kernels"], ["method", "tokens", "kernel", "launches", "model_launches", "measured_us", "model_us",
+                                    "ratio"])
     print()
     print_table(report["calls"], ["method", "tokens", "measured_device_ms", "model_device_ms", "measured_graph_ms",
                                   "model_ms", "model"])

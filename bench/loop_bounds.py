@@ -133,6 +133,8 @@ LOOP_BOUNDS: dict[str, dict[str, Bounds]] = {
     },
     "kernels.triton.lloyd": {
         "_candidates_kernel": lambda a: {"start": 0, "stop": 0},
+        "_means_candidates_kernel": lambda a: {**cluster_range(a["C"], a["PER_PROGRAM"]), "summed_chunks": 0,
+                                               "start": 0, "stop": 0},
         "_donor_kernel": lambda a: {"wanted": 0, "empties": 0},
         "_nearest_kernel": lambda a: {**exact_case_counts(a), "donor_lists": 0},  # no cluster empty
     },

@@ -212,7 +212,7 @@ def improved_sparse_triton(
     q: Tensor, k: Tensor, v: Tensor, assign: Tensor, centroid: CentroidAttention, key_mask: Tensor, scale: float,
     dtype: torch.dtype,
 ) -> Tensor:
-    """The sparse stage (eq. 15): three layout launches put each cluster's queries in tiles
+    """The sparse stage (eq. 15): two layout launches put each cluster's queries in tiles
     (cluster_layout_triton), then one fused kernel runs the tiles.
 
     q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv), assign: (B, H, N) in [0, C] -> (B, H, N, Dv) in dtype.

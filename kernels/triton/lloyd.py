@@ -11,6 +11,9 @@ result does not depend on which program ran first. A refinement step from assign
                         empty clusters (means_triton)
     _candidates_kernel  (chunks, B * H)  only where a cluster is empty: per chunk, its
                         queries farthest from their means, as sorted keys
+                        (where the means fit CANDIDATES_FUSED_TILE, the two are one
+                        launch, _means_candidates_kernel: a chunk's program sums the
+                        head's means itself where a cluster is empty)
     _donor_kernel       (chunks, B * H)  only where a cluster is empty, and only for more
                         means than one tile of the nearest-mean search holds: the e-th
                         farthest query of the head (ranked across the chunks' candidates)
@@ -46,7 +49,7 @@ from kernels.triton.helpers import (
     top_of_sorted,
     upcast,
 )
-from kernels.triton.means import chunk_sums, load_rows
+from kernels.triton.means import block_means, chunk_sums, load_rows
 
 # Means per tile of the nearest-mean search: up to this many, they are read and split into
 # half-precision parts once per program (more: tiles of NEAREST_NARROW_C).
@@ -57,8 +60,37 @@ NEAREST_NARROW_C = 128
 # Half-precision parts of the means in the nearest-mean dots (helpers.dot_parts): two keep a
 # choice within ~1e-5 of a tie of float32's, for one tensor-core dot a tile fewer.
 NEAREST_PARTS = tl.constexpr(2)
+# The means and the donors' candidates take one launch where the head's means fit one float32
+# tile of this many elements (each program with an empty cluster to fill sums them all: 128
+# clusters x 64 dims, 64 registers a thread at 4 warps; a larger tile spills).
+CANDIDATES_FUSED_TILE = 128 * 64
 # Key of no query: below every real or padded query's key.
 NO_KEY = -(1 << 62)
+
+
+@triton.jit
+def _store_donor_keys(keys_row, x_head, stride_xn, stride_xd, mask_row, rows, stop, own, N, D,
+                      HEAD_DIM: tl.constexpr):
+    """The donor keys of `rows` (see _candidates_kernel) to keys_row, `own` their means (rows,
+    HEAD_DIM) float32."""
+    gap = load_rows(x_head, rows, stop, D, stride_xn, stride_xd, HEAD_DIM).to(tl.float32) - own
+    distance = tl.sum(gap * gap, axis=1)
+    real = tl.load(mask_row + rows, mask=rows < stop, other=0) != 0
+    key = (distance.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (N - 1 - rows).to(tl.int64)
+    tl.store(keys_row + rows, tl.where(real, key, -1 - rows.to(tl.int64)), mask=rows < stop)
+
+
+@triton.jit
+def _store_candidates(keys_row, candidates_row, start, stop, TOP: tl.constexpr, NO_KEY: tl.constexpr):
+    """The TOP largest of the keys keys_row[start:stop] stored above, sorted, largest first
+    (NO_KEY where fewer), to candidates_row."""
+    tl.debug_barrier()  # the keys, stored by other threads, are read back here
+    top = tl.full([TOP], NO_KEY, tl.int64)
+    for first in range(start, stop, TOP):
+        rows = first + tl.arange(0, TOP)
+        keys = tl.load(keys_row + rows, mask=rows < stop, other=NO_KEY)
+        top = tl.topk(tl.reshape(tl.join(top, keys), (2 * TOP,)), TOP)
+    tl.store(candidates_row + tl.arange(0, TOP), top)
 
 
 @triton.jit
@@ -87,18 +119,70 @@ def _candidates_kernel(
                 cluster = tl.load(assign_ptr + bh * N + rows, mask=rows < stop, other=C)
                 own = tl.load(means_ptr + (bh * C + cluster)[:, None] * D + dims[None, :],
                               mask=(cluster[:, None] < C) & (dims[None, :] < D), other=0.0)
-                gap = load_rows(x_head, rows, stop, D, stride_xn, stride_xd, HEAD_DIM).to(tl.float32) - own
-                distance = tl.sum(gap * gap, axis=1)
-                real = tl.load(query_mask_ptr + (bh // H) * N + rows, mask=rows < stop, other=0) != 0
-                key = (distance.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (N - 1 - rows).to(tl.int64)
-                tl.store(keys_ptr + bh * N + rows, tl.where(real, key, -1 - rows.to(tl.int64)), mask=rows < stop)
-            tl.debug_barrier()  # the keys, stored above, are read back by other threads
-            top = tl.full([TOP], NO_KEY, tl.int64)
-            for first in range(start, stop, TOP):
-                rows = first + tl.arange(0, TOP)
-                keys = tl.load(keys_ptr + bh * N + rows, mask=rows < stop, other=NO_KEY)
-                top = tl.topk(tl.reshape(tl.join(top, keys), (2 * TOP,)), TOP)
-            tl.store(candidates_ptr + (bh * CHUNKS + chunk) * TOP + tl.arange(0, TOP), top)
+                _store_donor_keys(keys_ptr + bh * N, x_head, stride_xn, stride_xd, query_mask_ptr + (bh // H) * N,
+                                  rows, stop, own, N, D, HEAD_DIM)
+            _store_candidates(keys_ptr + bh * N, candidates_ptr + (bh * CHUNKS + chunk) * TOP, start, stop, TOP,
+                              NO_KEY)
+
+
+@triton.jit
+def _chunk_candidates(part_sums_ptr, part_counts_ptr, x_ptr, query_mask_ptr, assign_ptr, keys_ptr, candidates_ptr,
+                      stride_xb, stride_xh, stride_xn, stride_xd, bh, chunk, H, N, C, D, CHUNK, CHUNKS, summed_chunks,
+                      BLOCK_N: tl.constexpr, ALL_C: tl.constexpr, HEAD_DIM: tl.constexpr, TOP: tl.constexpr,
+                      NO_KEY: tl.constexpr):
+    """_candidates_kernel's work for one chunk, from the head's sums over its chunks (all
+    ALL_C >= C clusters in one tile, chunk after chunk), each query's mean its cluster's sum
+    over its count. summed_chunks is CHUNKS under a name the cost model's loop bounds give
+    (bench.loop_bounds: no cluster empties on real text)."""
+    cols = tl.arange(0, ALL_C)
+    dims = tl.arange(0, HEAD_DIM)
+    sums = tl.zeros([ALL_C, HEAD_DIM], tl.float32)
+    members = tl.zeros([ALL_C], tl.int32)
+    for part in range(0, summed_chunks):
+        sums += tl.load(part_sums_ptr + ((bh * CHUNKS + part) * C + cols)[:, None] * D + dims[None, :],
+                        mask=(cols[:, None] < C) & (dims[None, :] < D), other=0.0)
+        members += tl.load(part_counts_ptr + (bh * CHUNKS + part) * C + cols, mask=cols < C, other=0)
+    start = chunk * CHUNK
+    stop = tl.minimum(start + CHUNK, N)
+    x_head = x_ptr + (bh // H) * stride_xb + (bh % H) * stride_xh
+    for first in range(start, stop, BLOCK_N):
+        rows = first + tl.arange(0, BLOCK_N)
+        cluster = tl.load(assign_ptr + bh * N + rows, mask=rows < stop, other=C)
+        index = tl.where(cluster < C, cluster, 0).to(tl.int32)
+        count = tl.maximum(tl.gather(members, index, 0), 1).to(tl.float32)
+        summed = tl.gather(sums, tl.broadcast_to(index[:, None], (BLOCK_N, HEAD_DIM)), 0)
+        own = tl.where((cluster < C)[:, None], tl.math.div_rn(summed, count[:, None]), 0.0)
+        _store_donor_keys(keys_ptr + bh * N, x_head, stride_xn, stride_xd, query_mask_ptr + (bh // H) * N, rows, stop,
+                          own, N, D, HEAD_DIM)
+    _store_candidates(keys_ptr + bh * N, candidates_ptr + (bh * CHUNKS + chunk) * TOP, start, stop, TOP, NO_KEY)
+
+
+@triton.jit
+def _means_candidates_kernel(
+    part_sums_ptr, part_counts_ptr, moved_ptr, means_ptr, members_ptr, empty_list_ptr, n_empty_ptr,
+    x_ptr, query_mask_ptr, assign_ptr, keys_ptr, candidates_ptr,
+    stride_xb, stride_xh, stride_xn, stride_xd,
+    H, N, C, D, CHUNK, CHUNKS, PER_PROGRAM,
+    BLOCK_C: tl.constexpr, COUNT_C: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
+    CHUNK_GROUP: tl.constexpr, SUMS_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, ALL_C: tl.constexpr,
+    TOP: tl.constexpr, NO_KEY: tl.constexpr,
+):
+    """_means_kernel and _candidates_kernel in one launch, for up to ALL_C clusters (programs:
+    the more of the means' cluster blocks and the chunks). Program p writes the means of
+    cluster block p and, where the head has an empty cluster (rare: none on the default
+    model's text), chunk p's candidates. Their means are written by the other programs of this
+    launch, so it sums all the head's itself, chunk after chunk in one tile: the candidates'
+    distances are within rounding of those to the written means."""
+    program = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    if any_set(moved_ptr + bh * CHUNKS, CHUNKS, CHUNK_BLOCK):
+        empties = block_means(part_sums_ptr, part_counts_ptr, means_ptr, members_ptr, empty_list_ptr, n_empty_ptr,
+                              bh, program, C, D, CHUNKS, PER_PROGRAM, BLOCK_C, COUNT_C, HEAD_DIM, CHUNK_GROUP,
+                              SUMS_GROUP)
+        if (empties > 0) & (program < CHUNKS):  # rare: no cluster empties on the default model's text
+            _chunk_candidates(part_sums_ptr, part_counts_ptr, x_ptr, query_mask_ptr, assign_ptr, keys_ptr,
+                              candidates_ptr, stride_xb, stride_xh, stride_xn, stride_xd, bh, program, H, N, C, D,
+                              CHUNK, CHUNKS, tl.where(empties > 0, CHUNKS, 0), BLOCK_N, ALL_C, HEAD_DIM, TOP, NO_KEY)
 
 
 @triton.jit
@@ -283,7 +367,8 @@ def refine_clusters_triton(
     q: (B, H, N, D) float32, float16 or bfloat16; assign (B, H, N) in [0, C]; query_mask
     (B, N) bool. Returns (B, H, N) int64 in [0, C], padded queries at C; with exact_case a
     sequence with no more real queries than clusters gives each its own (its rank).
-    Launches: 1 + 3 per step (4 for more than NEAREST_BLOCK_C clusters).
+    Launches: 1 + 2 per step where the means fit CANDIDATES_FUSED_TILE, else 3 (4 past NEAREST_BLOCK_C
+    clusters).
     """
     b, h, n, _ = q.shape
     if iterations == 0:
@@ -309,7 +394,8 @@ def refine_summed_triton(
     """refine_clusters_triton (iterations >= 1) of assign in place, from its per-chunk sums and
     flags already in buffers (refine_buffers; hamming_triton's final launch writes them), and
     the member means of the result in buffers.means (B * H, C, D): the last step sums them as
-    it assigns. Launches: 3 per step + 1 (4 per step for more than NEAREST_BLOCK_C clusters)."""
+    it assigns. Launches: 1 + 2 per step where the means fit CANDIDATES_FUSED_TILE, else 3 (4 past
+    NEAREST_BLOCK_C clusters)."""
     _refine(q, assign, query_mask, clusters, iterations, exact_case, buffers, chunk, with_means=True)
     return assign
 
@@ -324,14 +410,24 @@ def _refine(q: Tensor, out: Tensor, query_mask: Tensor, clusters: int, iteration
     flags = dict(HEAD_DIM=pow2_block(d), CHUNK_BLOCK=pow2_block(chunks, 1))
     nearest_block = pow2_block(clusters, 16, NEAREST_BLOCK_C if clusters <= NEAREST_BLOCK_C else NEAREST_NARROW_C)
     one_block = clusters <= nearest_block  # the nearest-mean search takes the donors itself
+    fused = pow2_block(clusters, 16) * pow2_block(d) <= CANDIDATES_FUSED_TILE
+    blocks, per_program, means_meta = means.means_launch(clusters, chunks, d)
     for it in range(iterations):
         moved_in, moved_out = buffers.moved[(it + 1) % 2], buffers.moved[it % 2]
-        means.means(q, buffers, moved_in, clusters, chunks)
-        _candidates_kernel[grid](
-            q, mask, out, buffers.means, moved_in, buffers.n_empty, buffers.keys, buffers.candidates, *q.stride(),
-            h, n, clusters, d, chunk, chunks,
-            BLOCK_N=means.BLOCK_N, TOP=top, NO_KEY=NO_KEY, **flags,
-        )
+        if fused:
+            _means_candidates_kernel[(max(blocks, chunks), b * h)](
+                buffers.part_sums, buffers.part_counts, moved_in, buffers.means, buffers.members, buffers.empty_list,
+                buffers.n_empty, q, mask, out, buffers.keys, buffers.candidates, *q.stride(),
+                h, n, clusters, d, chunk, chunks, per_program,
+                BLOCK_N=means.BLOCK_N, ALL_C=pow2_block(clusters, 16), TOP=top, NO_KEY=NO_KEY, **means_meta,
+            )
+        else:
+            means.means(q, buffers, moved_in, clusters, chunks)
+            _candidates_kernel[grid](
+                q, mask, out, buffers.means, moved_in, buffers.n_empty, buffers.keys, buffers.candidates, *q.stride(),
+                h, n, clusters, d, chunk, chunks,
+                BLOCK_N=means.BLOCK_N, TOP=top, NO_KEY=NO_KEY, **flags,
+            )
         if not one_block:
             _donor_kernel[grid](
                 q, moved_in, buffers.n_empty, buffers.empty_list, buffers.candidates, buffers.means, *q.stride(),

@@ -111,6 +111,42 @@ def _sums_kernel(
 
 
 @triton.jit
+def block_means(part_sums_ptr, part_counts_ptr, means_ptr, members_ptr, empty_list_ptr, n_empty_ptr, bh, block, C, D,
+                CHUNKS, PER_PROGRAM, BLOCK_C: tl.constexpr, COUNT_C: tl.constexpr, HEAD_DIM: tl.constexpr,
+                CHUNK_GROUP: tl.constexpr, SUMS_GROUP: tl.constexpr):
+    """_means_kernel's work for clusters [block x PER_PROGRAM, + PER_PROGRAM) of head bh (none
+    past C); returns the head's number of empty clusters."""
+    first_cluster = block * PER_PROGRAM
+    last_cluster = tl.minimum(first_cluster + PER_PROGRAM, C)
+    counts_head = part_counts_ptr + bh * CHUNKS * C
+    empties_before = 0
+    empties = 0
+    for c_start in range(0, C, COUNT_C):
+        cols = c_start + tl.arange(0, COUNT_C)
+        empty = ((sum_chunks(counts_head, C, CHUNKS, cols, cols < C, CHUNK_GROUP) == 0) & (cols < C)).to(tl.int32)
+        empties_before += tl.sum(tl.where(cols < first_cluster, empty, 0), axis=0)
+        empties += tl.sum(empty, axis=0)
+    if block == 0:
+        tl.store(n_empty_ptr + bh, empties)
+    dims = tl.arange(0, HEAD_DIM)
+    for c_start in range(first_cluster, last_cluster, BLOCK_C):
+        cols = c_start + tl.arange(0, BLOCK_C)
+        in_block = cols < last_cluster
+        sums = sum_chunks_2d(part_sums_ptr + bh * CHUNKS * C * D, C * D, CHUNKS, cols[:, None] * D + dims[None, :],
+                             in_block[:, None] & (dims[None, :] < D), SUMS_GROUP)
+        members = sum_chunks(counts_head, C, CHUNKS, cols, in_block, CHUNK_GROUP)
+        means = tl.math.div_rn(sums, tl.maximum(members, 1).to(tl.float32)[:, None])
+        tl.store(means_ptr + (bh * C + cols)[:, None] * D + dims[None, :], means,
+                 mask=in_block[:, None] & (dims[None, :] < D))
+        tl.store(members_ptr + bh * C + cols, members.to(tl.int64), mask=in_block)
+        empty = (members == 0) & in_block
+        rank = empties_before + tl.cumsum(empty.to(tl.int32), axis=0) - 1
+        tl.store(empty_list_ptr + bh * C + rank, cols, mask=empty)
+        empties_before += tl.sum(empty.to(tl.int32), axis=0)
+    return empties
+
+
+@triton.jit
 def _means_kernel(
     part_sums_ptr, part_counts_ptr, moved_ptr, means_ptr, members_ptr, empty_list_ptr, n_empty_ptr,
     C, D, CHUNKS, PER_PROGRAM,
@@ -121,37 +157,10 @@ def _means_kernel(
     clusters, summed over the chunks in a fixed order; the e-th empty cluster (cluster order)
     in empty_list (B * H, C) int32, their number in n_empty (B * H,). Nothing is written for a
     head whose assignments did not move in the previous step (moved, one flag per chunk)."""
-    block = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     if any_set(moved_ptr + bh * CHUNKS, CHUNKS, CHUNK_BLOCK):
-        first_cluster = block * PER_PROGRAM
-        last_cluster = tl.minimum(first_cluster + PER_PROGRAM, C)
-        counts_head = part_counts_ptr + bh * CHUNKS * C
-        empties_before = 0
-        empties = 0
-        for c_start in range(0, C, COUNT_C):
-            cols = c_start + tl.arange(0, COUNT_C)
-            empty = ((sum_chunks(counts_head, C, CHUNKS, cols, cols < C, CHUNK_GROUP) == 0) & (cols < C)).to(tl.int32)
-            empties_before += tl.sum(tl.where(cols < first_cluster, empty, 0), axis=0)
-            empties += tl.sum(empty, axis=0)
-        if block == 0:
-            tl.store(n_empty_ptr + bh, empties)
-        dims = tl.arange(0, HEAD_DIM)
-        for c_start in range(first_cluster, last_cluster, BLOCK_C):
-            cols = c_start + tl.arange(0, BLOCK_C)
-            in_block = cols < last_cluster
-            sums = sum_chunks_2d(part_sums_ptr + bh * CHUNKS * C * D, C * D, CHUNKS, cols[:, None] * D + dims[None, :],
-                                 in_block[:, None] & (dims[None, :] < D), SUMS_GROUP)
-            members = sum_chunks(counts_head, C, CHUNKS, cols, in_block, CHUNK_GROUP)
-            means = tl.math.div_rn(sums, tl.maximum(members, 1).to(tl.float32)[:, None])
-            tl.store(means_ptr + (bh * C + cols)[:, None] * D + dims[None, :], means,
-                     mask=in_block[:, None] & (dims[None, :] < D))
-            tl.store(members_ptr + bh * C + cols, members.to(tl.int64), mask=in_block)
-            empty = (members == 0) & in_block
-            rank = empties_before + tl.cumsum(empty.to(tl.int32), axis=0) - 1
-            tl.store(empty_list_ptr + bh * C + rank, cols, mask=empty)
-            empties_before += tl.sum(empty.to(tl.int32), axis=0)
-
+        block_means(part_sums_ptr, part_counts_ptr, means_ptr, members_ptr, empty_list_ptr, n_empty_ptr, bh,
+                    tl.program_id(0), C, D, CHUNKS, PER_PROGRAM, BLOCK_C, COUNT_C, HEAD_DIM, CHUNK_GROUP, SUMS_GROUP)
 
 
 class Buffers:
@@ -197,16 +206,23 @@ def means_block(clusters: int) -> int:
     return PER_PROGRAM or min(256, max(2, triton.next_power_of_2(triton.cdiv(clusters, MEANS_PROGRAMS))))
 
 
-def means(x: Tensor, buffers: Buffers, moved: Tensor, clusters: int, chunks: int) -> None:
-    b, h, _, d = x.shape
+def means_launch(clusters: int, chunks: int, d: int) -> tuple[int, int, dict]:
+    """The means kernel's programs a head, clusters a program and compile-time arguments."""
     per_program = means_block(clusters)
     block_c = min(per_program, 16)
     group = chunk_group(chunks)
-    _means_kernel[(triton.cdiv(clusters, per_program), b * h)](
-        buffers.part_sums, buffers.part_counts, moved, buffers.means, buffers.members, buffers.empty_list,
-        buffers.n_empty, clusters, d, chunks, per_program,
+    return triton.cdiv(clusters, per_program), per_program, dict(
         BLOCK_C=block_c, COUNT_C=pow2_block(clusters, 16, 256), HEAD_DIM=pow2_block(d),
         CHUNK_BLOCK=pow2_block(chunks, 1), CHUNK_GROUP=group, SUMS_GROUP=min(SUMS_GROUP or SUMS_TILE // block_c, group),
+    )
+
+
+def means(x: Tensor, buffers: Buffers, moved: Tensor, clusters: int, chunks: int) -> None:
+    b, h, _, d = x.shape
+    blocks, per_program, meta = means_launch(clusters, chunks, d)
+    _means_kernel[(blocks, b * h)](
+        buffers.part_sums, buffers.part_counts, moved, buffers.means, buffers.members, buffers.empty_list,
+        buffers.n_empty, clusters, d, chunks, per_program, **meta,
     )
 
 

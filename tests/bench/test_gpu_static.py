@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # which none of them has: the interpreter tests run it).
 KERNELS = {"_hash_kernel", "_hamming_initial_kernel", "_hamming_step_kernel", "_hamming_assign_kernel",
            "_hamming_update_kernel",
-           "_sums_kernel", "_means_kernel", "_candidates_kernel", "_nearest_kernel",
+           "_sums_kernel", "_means_kernel", "_candidates_kernel", "_means_candidates_kernel", "_nearest_kernel",
            "_centroid_attention_kernel", "_centroid_combine_kernel", "_centroid_topk_kernel",
            "_centroid_topk_combine_kernel", "_layout_counts_kernel",
            "_layout_scatter_kernel", "_broadcast_kernel", "_improved_tile_kernel", "_smyrf_norms_kernel",
@@ -69,10 +69,12 @@ def test_every_call_is_counted(report):
         assert call["kernels"] == call["triton_launches"] + call["torch_ops"]
     # 4 SMYRF rounds, one attention launch each; the Hamming K-means one launch per iteration
     # (10, as bench.cpu's specs pin) and the final assignment, two per iteration past 128
-    # clusters; the refinement three per step (3: the donors put in place by the nearest-mean
-    # search up to 256 clusters, a launch of their own past them). Up to 128 clusters no launch of its own sums
-    # the queries (the K-means' final launch and the refinement's last step do); past them the
-    # refinement's start and the cluster means each take one.
+    # clusters; the refinement two per step where the means fit one tile of 128 x 64 (the
+    # donors' candidates taken by the means launch), three past it (3 steps; the donors put in
+    # place by the nearest-mean search up to 256 clusters, a launch of their own past them). Up
+    # to 128 clusters no launch of its own sums the queries (the K-means' final launch and the
+    # refinement's last step do); past them the refinement's start and the cluster means each
+    # take one.
     assert calls["smyrf"]["launches_by_kernel"]["_smyrf_attention_kernel"] == 4
     # banded: one launch a stage but select's two (the scores, their top far blocks)
     assert calls["banded"]["launches_by_kernel"] == {"_pool_kernel": 1, "_choice_scores_kernel": 1,
@@ -81,7 +83,8 @@ def test_every_call_is_counted(report):
     assert clustered["_hamming_step_kernel"] == 11 and "_hamming_update_kernel" not in clustered
     wide = calls["clustered 200"]["launches_by_kernel"]
     assert wide["_hamming_assign_kernel"] == 11 and wide["_hamming_update_kernel"] == 10
-    assert clustered["_nearest_kernel"] == clustered["_candidates_kernel"] == 3 and "_sums_kernel" not in clustered
+    assert clustered["_nearest_kernel"] == clustered["_means_candidates_kernel"] == 3 and "_sums_kernel" not in clustered
+    assert "_candidates_kernel" not in clustered and wide["_candidates_kernel"] == wide["_nearest_kernel"] == 3
     assert "_donor_kernel" not in clustered and "_donor_kernel" not in wide
     assert wide["_sums_kernel"] == 2
     assert "VIOLATION" in report["stdout"] or not report["violations"]

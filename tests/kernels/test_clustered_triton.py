@@ -143,16 +143,19 @@ def test_refinement_equals_the_reference(n, lengths, clusters, duplicates, poiso
     print(f"ties within float rounding: {ties}")
 
 
-@pytest.mark.parametrize("tile", [None, 16])
+@pytest.mark.parametrize("path", ["one launch", "candidates launch", "donor launch"])
 @pytest.mark.parametrize("n, lengths, clusters", [(40, [40, 31], 20), (20, [20, 6], 24)])
-def test_refinement_reseeds_empty_clusters_as_the_reference(n, lengths, clusters, tile, poisoned, monkeypatch):
+def test_refinement_reseeds_empty_clusters_as_the_reference(n, lengths, clusters, path, poisoned, monkeypatch):
     """A start that uses 2 of the clusters: each step re-seeds the empty ones (the e-th
-    farthest query for the e-th, the last query of all past the 20 queries), in the
-    nearest-mean search itself with all the means in one tile, or by the donor launch with
-    tiles of 16."""
-    if tile:
-        monkeypatch.setattr(lloyd_triton, "NEAREST_BLOCK_C", tile)
-        monkeypatch.setattr(lloyd_triton, "NEAREST_NARROW_C", tile)
+    farthest query for the e-th, the last query of all past the 20 queries). The donors'
+    candidates come from the means launch (each chunk's program summing the means itself) or
+    from a launch of their own (over 16 clusters here); the nearest-mean search puts the
+    donors in place with all the means in one tile, the donor launch with tiles of 16."""
+    if path != "one launch":
+        monkeypatch.setattr(lloyd_triton, "CANDIDATES_FUSED_TILE", 16 * 32)  # d = 24: 16 clusters
+    if path == "donor launch":
+        monkeypatch.setattr(lloyd_triton, "NEAREST_BLOCK_C", 16)
+        monkeypatch.setattr(lloyd_triton, "NEAREST_NARROW_C", 16)
     q, _ = _signs(n, d=24)
     mask = padding_mask(2, n, lengths)
     start = torch.where(mask[:, None, :], torch.arange(n) % 2, clusters).expand(2, 2, n).contiguous()
