@@ -3,10 +3,12 @@ comparison of the cost model with the H100's measurements is what the committed 
 (regenerate it with `python -m bench.gpu_validation` after regenerating gpu_model.json)."""
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
+from bench.gpu import SPECS
 from bench.gpu_validation import LIBRARY, compare, fixed_launch_cost, parse_profile
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
@@ -60,3 +62,17 @@ def test_a_launch_splits_into_a_fixed_cost_and_a_multiple_of_the_model():
     # a negative intercept is no cost: the slope alone, through the origin
     fixed, slope = fixed_launch_cost([(10.0, 5.0), (20.0, 25.0), (40.0, 65.0)])
     assert fixed == 0.0 and slope == pytest.approx((50 + 500 + 2600) / (100 + 400 + 1600))
+
+
+def test_a_kernel_launched_a_different_number_of_times_gets_no_ratio():
+    """The measured call ran one kernel three times where the model launches it once (kernels
+    fused since): its times are of different work, so it has no ratio and no fit."""
+    model = {"calls": [{"spec": asdict(SPECS["smyrf"]), "seq_len": 4096, "head_dim": 64, "method": "smyrf 4x64",
+                        "launches": [{"kernel": "_a_kernel", "est_us": 10.0}, {"kernel": "_b_kernel", "est_us": 4.0}],
+                        "torch_ops": [], "device_ms": 0.014, "est_ms": 0.024}]}
+    profiles = {("smyrf", 4096): {"_a_kernel": (20.0, 1), "_b_kernel": (12.0, 3)}}
+    rows = [{"method": "smyrf", "seq_len": 4096, "head_dim": 64, "graph_ms": 0.05}]
+    report = compare(rows, profiles, model)
+    ratios = {r["kernel"]: (r["launches"], r["model_launches"], r["ratio"]) for r in report["kernels"]}
+    assert ratios == {"_a_kernel": (1, 1, 2.0), "_b_kernel": (3, 1, None)}
+    assert report["spread"]["kernels"] == 1 and report["fits"] == []
