@@ -131,11 +131,13 @@ LOOP_BOUNDS: dict[str, dict[str, Bounds]] = {
             "block_empties": 0.2 * (a["C"] / 100) ** 2,
         },
     },
-    "kernels.triton.lloyd": {
+    "kernels.triton.donors": {
         "_candidates_kernel": lambda a: {"start": 0, "stop": 0},
         "_means_candidates_kernel": lambda a: {**cluster_range(a["C"], a["PER_PROGRAM"]), "summed_chunks": 0,
                                                "start": 0, "stop": 0},
         "_donor_kernel": lambda a: {"wanted": 0, "empties": 0},
+    },
+    "kernels.triton.lloyd": {
         "_nearest_kernel": lambda a: {**exact_case_counts(a), "donor_lists": 0},  # no cluster empty
     },
     "kernels.triton.means": {
