@@ -99,7 +99,7 @@ def compare(measured_rows: list[dict], profiles: dict, model: dict) -> dict:
         if call is None:
             continue
         estimated = model_kernels(call)
-        for name in sorted(set(kernels) | set(estimated), key=lambda k: -kernels.get(k, (0.0, 0))[0]):
+        for name in sorted(set(kernels) | set(estimated), key=lambda k: (-kernels.get(k, (0.0, 0))[0], k)):
             got, want = kernels.get(name, (0.0, 0)), estimated.get(name, (0.0, 0))
             # A kernel launched a different number of times (the measured call ran kernels since
             # fused or split) has no ratio: its times are of different work.
