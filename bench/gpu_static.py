@@ -31,6 +31,7 @@ A launch count is reported, not budgeted: it says nothing about time. Time is be
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -213,12 +214,15 @@ def _stand_in_driver(capability: int):
 def targeting(capability: int):
     from triton.runtime.driver import driver
 
-    before = driver._active  # None until a real driver is looked up (none on a CPU machine)
+    # Triton >= 3.5 keeps the active driver in `_active` (None until a real driver is looked up,
+    # none on a CPU machine); earlier versions in `active` (a lazy proxy until then).
+    attribute = "_active" if hasattr(driver, "_active") else "active"
+    before = getattr(driver, attribute)
     driver.set_active(_stand_in_driver(capability))
     try:
         yield
     finally:
-        driver._active = before
+        setattr(driver, attribute, before)
 
 
 @dataclass
@@ -270,12 +274,15 @@ def compile_launch(launch: Launch, capability: int, head_dim: int, dtype: str) -
 def ptxas_usage(ptx: str, capability: int) -> tuple[int, int, int]:
     """Registers, spill bytes (stores + loads) and stack frame bytes from `ptxas -v` with the
     flags Triton compiles with."""
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    from triton.backends.nvidia.compiler import CUDABackend, get_ptxas, sm_arch_from_capability
 
+    # Triton >= 3.5 picks ptxas by target and passes --regAllocOptLevel=2; earlier versions neither.
+    ptxas = get_ptxas(capability) if inspect.signature(get_ptxas).parameters else get_ptxas()
+    flags = ["--regAllocOptLevel=2"] if "regAllocOptLevel" in inspect.getsource(CUDABackend.make_cubin) else []
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)
-        command = [get_ptxas(capability).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+        command = [ptxas.path, "-lineinfo", "-v", *flags,
                    f"--gpu-name={sm_arch_from_capability(capability)}", str(src), "-o", str(src.with_suffix(".o"))]
         log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
     registers = max((int(r) for r in re.findall(r"Used (\d+) registers", log)), default=0)

@@ -105,3 +105,43 @@ def test_every_bfloat16_dot_on_tensor_cores(report):
 
 def test_no_acq_rel_atomics(report):
     assert not violated(report, "no acq_rel atomics")
+
+
+class _DriverConfig:
+    """Triton's driver registry as versions before 3.5 keep it: the active driver in `active`."""
+
+    def __init__(self, active):
+        self.active = active
+
+    def set_active(self, driver):
+        self.active = driver
+
+
+class _PrivateDriverConfig(_DriverConfig):
+    """As Triton >= 3.5 keeps it: in `_active`, behind a read-only property."""
+
+    def __init__(self, active):
+        self._active = active
+
+    @property
+    def active(self):
+        return self._active
+
+    def set_active(self, driver):
+        self._active = driver
+
+
+@pytest.mark.parametrize("config", [_DriverConfig, _PrivateDriverConfig])
+def test_targeting_restores_the_driver_of_either_triton_layout(config, monkeypatch):
+    # The compile runs under the Docker image's Triton (3.4) as well as this checkout's.
+    import importlib
+
+    from bench.gpu_static import targeting
+
+    before = object()
+    registry = config(before)
+    monkeypatch.setattr(importlib.import_module("triton.runtime.driver"), "driver", registry)
+    with targeting(90):
+        target = registry.active.get_current_target()
+        assert (target.backend, target.arch, target.warp_size) == ("cuda", 90, 32)
+    assert registry.active is before
