@@ -224,13 +224,18 @@ def improved_sparse_triton(
     out = torch.empty(b, h, n, dv, dtype=dtype, device=q.device)  # the layout zeroes padded queries' rows
     layout = cluster_layout_triton(assign, clusters, TILE, out)
     top = centroid.top_index.shape[-1]
+    block_k = min(64, pow2_block(top))
+    # Top-k keys that fit one block (the defaults' 32) make the kernel's loop one trip: nothing
+    # to overlap, and a software pipeline would only copy the block in a prologue and again
+    # (masked) in the loop.
+    pipelining = {"num_stages": 1} if top <= block_k else {}
     _improved_tile_kernel[(n_tiles, b * h)](
         q, k, v, key_mask.contiguous(), *layout,
         centroid.top_index, centroid.top_probs, centroid.values, out,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         h, n, m, clusters, top, d, dv, scale * LOG2E,
-        BLOCK_M=TILE, BLOCK_K=min(64, pow2_block(top)), HEAD_DIM=pow2_block(d), VALUE_DIM=pow2_block(dv),
-        CLUSTER_BLOCK=pow2_block(clusters, 16, 1024), UPCAST=upcast(q), num_warps=TILE_NUM_WARPS,
+        BLOCK_M=TILE, BLOCK_K=block_k, HEAD_DIM=pow2_block(d), VALUE_DIM=pow2_block(dv),
+        CLUSTER_BLOCK=pow2_block(clusters, 16, 1024), UPCAST=upcast(q), num_warps=TILE_NUM_WARPS, **pipelining,
     )
     return out
 
