@@ -31,6 +31,7 @@ A launch count is reported, not budgeted: it says nothing about time. Time is be
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import math
@@ -271,18 +272,28 @@ def compile_launch(launch: Launch, capability: int, head_dim: int, dtype: str) -
     return result
 
 
+@functools.cache
+def _ptxas(capability: int) -> tuple[str, tuple[str, ...]]:
+    """The ptxas this Triton compiles sm_<capability> with, and its register-allocation flag if
+    it passes one: Triton >= 3.6 picks ptxas by target (3.4 and 3.5 have one), and 3.9 passes
+    --regAllocOptLevel=2 (3.4-3.6 do not)."""
+    from triton.backends.nvidia.compiler import CUDABackend, get_ptxas
+
+    ptxas = get_ptxas(capability) if inspect.signature(get_ptxas).parameters else get_ptxas()
+    passes = "regAllocOptLevel" in inspect.getsource(CUDABackend.make_cubin)
+    return ptxas.path, ("--regAllocOptLevel=2",) if passes else ()
+
+
 def ptxas_usage(ptx: str, capability: int) -> tuple[int, int, int]:
     """Registers, spill bytes (stores + loads) and stack frame bytes from `ptxas -v` with the
     flags Triton compiles with."""
-    from triton.backends.nvidia.compiler import CUDABackend, get_ptxas, sm_arch_from_capability
+    from triton.backends.nvidia.compiler import sm_arch_from_capability
 
-    # Triton >= 3.5 picks ptxas by target and passes --regAllocOptLevel=2; earlier versions neither.
-    ptxas = get_ptxas(capability) if inspect.signature(get_ptxas).parameters else get_ptxas()
-    flags = ["--regAllocOptLevel=2"] if "regAllocOptLevel" in inspect.getsource(CUDABackend.make_cubin) else []
+    ptxas, flags = _ptxas(capability)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)
-        command = [ptxas.path, "-lineinfo", "-v", *flags,
+        command = [ptxas, "-lineinfo", "-v", *flags,
                    f"--gpu-name={sm_arch_from_capability(capability)}", str(src), "-o", str(src.with_suffix(".o"))]
         log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
     registers = max((int(r) for r in re.findall(r"Used (\d+) registers", log)), default=0)

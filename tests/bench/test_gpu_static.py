@@ -117,7 +117,7 @@ class _DriverConfig:
         self.active = driver
 
 
-class _PrivateDriverConfig(_DriverConfig):
+class _PrivateDriverConfig:
     """As Triton >= 3.5 keeps it: in `_active`, behind a read-only property."""
 
     def __init__(self, active):
