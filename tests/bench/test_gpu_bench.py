@@ -35,7 +35,7 @@ def dry_run(out: Path, *args: str) -> str:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "bench.gpu", "--dry-run", "--out", str(out), "--name", "dry", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=540,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result.stdout
