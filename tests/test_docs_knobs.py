@@ -1,0 +1,55 @@
+"""The knob tables of README.md and docs/methods.md say what kernels.spec enforces: every knob
+of AttentionSpec listed once, with its default and its range (auto_method: the methods it
+accepts)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from kernels.spec import APPROXIMATE_METHODS, KNOB_RANGES, AttentionSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹", "0123456789")
+
+
+def knob_rows(path: Path) -> dict[str, tuple[str, str]]:
+    """The rows of the table headed `| knob | default | range | ...`: knob -> (default, range)."""
+    lines = path.read_text().splitlines()
+    (start,) = [i for i, line in enumerate(lines) if re.match(r"\| knob \| default \| range \|", line)]
+    rows: dict[str, tuple[str, str]] = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        knob, default, allowed = (cell.strip() for cell in line.strip("|").split("|")[:3])
+        assert knob not in rows, f"{path.name}: {knob} listed twice"
+        rows[knob] = (default, allowed)
+    return rows
+
+
+def number(text: str) -> int:
+    """A bound as the docs write it: 4096, 2²⁰, 2⁵³−1."""
+    text = text.replace("−", "-")
+    match = re.fullmatch(r"2([⁰¹²³⁴⁵⁶⁷⁸⁹]+)(-1)?", text)
+    if match:
+        return 2 ** int(match.group(1).translate(SUPERSCRIPTS)) - (1 if match.group(2) else 0)
+    return int(text)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/methods.md"])
+def test_knob_table_matches_the_spec(page):
+    rows = knob_rows(ROOT / page)
+    defaults = AttentionSpec()
+    knobs = {f.name for f in dataclasses.fields(AttentionSpec)} - {"method"}
+    assert knobs <= rows.keys(), f"{page} lacks {sorted(knobs - rows.keys())}"
+    for knob, (low, high) in KNOB_RANGES.items():
+        default, allowed = rows[knob]
+        assert number(default) == getattr(defaults, knob), (page, knob, default)
+        first, last = allowed.split("–")
+        assert (number(first), number(last)) == (low, high), (page, knob, allowed)
+    default, allowed = rows["auto_method"]
+    assert default == defaults.auto_method
+    assert tuple(m.strip() for m in allowed.split(",")) == APPROXIMATE_METHODS, (page, allowed)
