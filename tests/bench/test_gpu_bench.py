@@ -12,6 +12,9 @@ from pathlib import Path
 from kernels.stages import CLUSTERED_STAGES, SMYRF_STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
+# Each subprocess below runs the interpreter for minutes (~280 s on a loaded 2-core machine);
+# its limit stays under pytest-timeout's 600 s so that a hang fails with the output.
+SUBPROCESS_TIMEOUT_S = 540
 FIELDS = {"method", "seq_len", "batch", "heads", "head_dim", "dtype", "ms", "speedup_vs_full", "peak_bytes",
           "rel_err", "device"}
 METHODS = {"full", "clustered", "i-clustered (paper)", "i-clustered", "smyrf", "banded", "clustered (default)",
@@ -35,7 +38,7 @@ def dry_run(out: Path, *args: str) -> str:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "bench.gpu", "--dry-run", "--out", str(out), "--name", "dry", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=540,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result.stdout
@@ -85,10 +88,9 @@ def test_gpu_acceptance_module_runs_on_the_interpreter():
     """tests/gpu, which skips without CUDA, run on CPU through the interpreter at 64 tokens:
     every case it has for a CPU passes, and the CUDA-only ones skip."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "GPU_TEST_DRY_RUN": "1"}
-    # Under pytest-timeout's 600 s: on a loaded 2-core machine it takes ~280 s.
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=540,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     summary = result.stdout.strip().splitlines()[-1]
