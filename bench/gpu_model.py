@@ -218,6 +218,20 @@ def loop_trip_counts(launch: Launch, variant: Compiled) -> dict:
     return trips
 
 
+_costs: dict = {}  # (variant, its loops' trips, global latency, simulate) -> warp_cost.WarpCost
+
+
+def variant_cost(variant: Compiled, trips: dict, global_latency: float | None = None,
+                 simulate: bool = True) -> warp_cost.WarpCost:
+    """warp_cost.warp_cost of a compiled variant under these trip counts (once per distinct
+    case: a call repeats launches, such as its Lloyd iterations, with the same trips)."""
+    key = (id(variant), tuple(trips.values()), global_latency, simulate)
+    if key not in _costs:
+        _costs[key] = warp_cost.warp_cost(variant.listing, variant.loops, lambda loop: trips[id(loop)],
+                                          global_latency, simulate)
+    return _costs[key]
+
+
 def occupancy(registers: int, warps: int, shared_bytes: int) -> int:
     """Programs resident per SM: the least that registers, shared memory, warps and blocks allow."""
     per_warp = math.ceil(registers * 32 / REGISTER_UNIT) * REGISTER_UNIT
@@ -250,11 +264,11 @@ def estimate_launch(launch: Launch, capability: int = 90) -> LaunchEstimate:
     resident = occupancy(registers, warps, shared)
     programs = launch.programs
     working_set = sum(math.prod(shape) * size for shape, size in filter(None, launch.shapes))
-    loaded = warp_cost.warp_cost(variant.listing, variant.loops, lambda loop: trips[id(loop)], simulate=False).global_bytes
+    loaded = variant_cost(variant, trips, simulate=False).global_bytes
     l2_bytes = loaded * warps * programs
     hbm_bytes, from_hbm = where_loads_hit(working_set, l2_bytes, programs, resident)
     global_latency = warp_cost.LATENCY["global"] + from_hbm * (HBM_LATENCY - warp_cost.LATENCY["global"])
-    warp = warp_cost.warp_cost(variant.listing, variant.loops, lambda loop: trips[id(loop)], global_latency)
+    warp = variant_cost(variant, trips, global_latency)
     per_sm = math.ceil(programs / SMS)
     together = min(per_sm, resident)
     waves = math.ceil(per_sm / together)
