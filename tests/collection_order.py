@@ -3,13 +3,15 @@ minute or more each on the 2-core dev box, longest first. Under two loadfile wor
 files then fill in around them instead of one long file running alone at the end."""
 
 LONGEST_FIRST = (
+    "tests/kernels/test_clustered_triton.py",
     "tests/models/test_calibration_holdout.py",
     "tests/bench/test_gpu_bench.py",
     "tests/service/test_default_server.py",
     "tests/bench/test_gpu_model.py",
-    "tests/service/test_load.py",
-    "tests/service/test_fuzz_openapi.py",
     "tests/models/test_default_model_llamacpp.py",
+    "tests/service/test_load.py",
     "tests/kernels/test_smyrf_triton.py",
+    "tests/kernels/test_matrix.py",
+    "tests/kernels/test_banded.py",
     "tests/service/test_ollama_clients.py",
 )
