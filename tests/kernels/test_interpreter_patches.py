@@ -47,6 +47,12 @@ def _failing_kernel(x_ptr, n, BLOCK: tl.constexpr):
     tl.arange(0, 3)  # raises: a range must be a power of 2
 
 
+@triton.jit
+def _scale_kernel(x_ptr, out_ptr, factor, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets) * factor)
+
+
 def run(x: torch.Tensor, rounds: int) -> torch.Tensor:
     out = torch.empty(triton.cdiv(x.numel(), BLOCK))
     _kernel[(out.numel(),)](x, out, x.numel(), ROUNDS=rounds, BLOCK=BLOCK)
@@ -55,12 +61,6 @@ def run(x: torch.Tensor, rounds: int) -> torch.Tensor:
 
 def builtins_restored() -> bool:
     return all(tl.core.is_builtin(f) for f in (tl.load, tl.arange, tl.core.tensor.__mul__, tl.core.tensor.__add__))
-
-
-@triton.jit
-def _scale_kernel(x_ptr, out_ptr, factor, BLOCK: tl.constexpr):
-    offsets = tl.arange(0, BLOCK)
-    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets) * factor)
 
 
 def test_the_wrappers_are_in_place():
@@ -78,6 +78,18 @@ def test_nested_helpers_give_the_reference_and_each_launch_restores_the_builtins
         torch.testing.assert_close(run(x, rounds), expected, rtol=1e-6, atol=0)
         assert not interpreter._patched
         assert builtins_restored()
+
+
+def test_a_launch_swaps_once_however_many_helper_calls_it_makes(monkeypatch):
+    swaps = []
+    original = triton_interpreter._patch_builtin
+    monkeypatch.setattr(triton_interpreter, "_patch_builtin", lambda *args: swaps.append(1) or original(*args))
+    counts = []
+    for rounds in (1, 4):  # 2 helper calls a round in each of 3 programs
+        swaps.clear()
+        run(torch.ones(40), rounds)
+        counts.append(len(swaps))
+    assert counts[0] == counts[1] > 0, counts
 
 
 def test_a_failed_launch_restores_the_builtins_and_the_next_one_runs():
