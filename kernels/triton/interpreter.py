@@ -24,7 +24,6 @@ import os
 import triton.language as tl
 
 _patched: set[int] = set()  # ids of the language modules the running launch has swapped
-_seen: dict = {}  # jit function -> ids of the language modules its globals hold
 
 
 class _LaunchScope:
@@ -44,9 +43,7 @@ class _NothingSwapped:
 
 
 def _language_modules(fn) -> set[int]:
-    if fn not in _seen:
-        _seen[fn] = {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
-    return _seen[fn]
+    return {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
 
 
 def _skip_repeated_swaps(interpreter) -> None:
@@ -57,11 +54,9 @@ def _skip_repeated_swaps(interpreter) -> None:
         if _patched and langs <= _patched:
             return _NothingSwapped()  # a helper's call inside a launch that swapped them all
         scope = original(fn)
-        if _patched:
-            _patched.update(langs)  # a helper saw a module the launch had not swapped
-            return scope
+        launch = not _patched  # else a helper saw a module the launch had not swapped
         _patched.update(langs)
-        return _LaunchScope(scope)
+        return _LaunchScope(scope) if launch else scope
 
     patch_lang._skips_work = True
     interpreter._patch_lang = patch_lang

@@ -12,7 +12,7 @@ from pathlib import Path
 from kernels.stages import CLUSTERED_STAGES, SMYRF_STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
-# Each subprocess below runs the interpreter for minutes (~280 s on a loaded 2-core machine);
+# Each subprocess below runs the interpreter for minutes (~120-180 s on a loaded 2-core machine);
 # its limit stays under pytest-timeout's 600 s so that a hang fails with the output.
 SUBPROCESS_TIMEOUT_S = 540
 FIELDS = {"method", "seq_len", "batch", "heads", "head_dim", "dtype", "ms", "speedup_vs_full", "peak_bytes",
