@@ -14,7 +14,9 @@ native backend with i-clustered 100/32's hashes:
                       assignments repeat, capped at CAP
 Then whole passes with every layer approximated, per variant (cold or warm, Hamming
 iterations, refinement steps): the pooled vector's cosine to exact attention. A warm layer
-starts from the previous layer's final clusters; layer 0 runs 10 / 3.
+starts from the previous layer's final clusters; layer 0 runs 10 / 3. Then, on other
+stretches of the texts (SAMPLES), the served counts against 5 / 3 for i-clustered and
+clustered 100.
 
 Writes bench/results/convergence-<model>.json. The GPU cost of an iteration is the offline
 model's (bench.gpu_model); these figures say how many of them a call really needs.
@@ -47,13 +49,20 @@ CAP = 40
 # (name, warm, Hamming iterations, refinement steps)
 VARIANTS = (
     ("cold 10/3", False, 10, 3),
-    ("cold 5/3 (served)", False, 5, 3),
+    ("cold 5/3", False, 5, 3),
+    ("cold 0/3 (served)", False, 0, 3),
+    ("cold 0/2", False, 0, 2),
+    ("cold 0/1", False, 0, 1),
     ("cold 3/1", False, 3, 1),
     ("warm 3/1", True, 3, 1),
     ("cold 2/0", False, 2, 0),
     ("warm 2/0", True, 2, 0),
     ("warm 1/0", True, 1, 0),
 )
+# Other stretches of the texts, (tokens, offset in tokens): the served counts against 5 / 3 for
+# both clustered methods, a difference that one stretch of text cannot settle.
+SAMPLES = ((2048, 5000), (4096, 10000), (4096, 30000), (8192, 20000))
+COMPARED = (("cold 5/3", 5, 3), ("cold 0/3 (served)", 0, 3))
 
 
 def cold_initial(codes: Tensor, mask: Tensor, spec: AttentionSpec) -> Tensor:
@@ -103,14 +112,16 @@ def iterations_to_converge(codes: Tensor, mask: Tensor, initial: Tensor, spec: A
     return settled_at(hamming_chain(codes, mask, initial, spec))
 
 
-def pass_cosine(encoder, ids: list[int], exact: Tensor, warm: bool, iterations: int, refine: int) -> float:
-    """The pooled vector's cosine to `exact` with every layer's attention i-clustered 100/32
+def pass_cosine(encoder, ids: list[int], exact: Tensor, warm: bool, iterations: int, refine: int,
+                method: str = "i-clustered") -> float:
+    """The pooled vector's cosine to `exact` with every layer's attention `method` 100(/32)
     (iterations, refine); warm: each layer after the first starts from the previous one's clusters."""
     carried: list[Tensor] = []
+    base = dataclasses.replace(BASE, method=method)
 
     def choose(layer, original, args, kwargs):
         q, k, v, _ = args
-        spec = BASE if warm and layer == 0 else dataclasses.replace(BASE, iterations=iterations, refine=refine)
+        spec = base if warm and layer == 0 else dataclasses.replace(base, iterations=iterations, refine=refine)
 
         def observe(name, stage, *stage_args):
             if name == "cluster" and warm and carried:
@@ -181,14 +192,27 @@ def main() -> None:
                                   cosine=round(cosine, 5)))
             print(pass_rows[-1], flush=True)
 
+    sample_rows = []
+    for tokens, offset in SAMPLES:
+        ids = long_text_ids(encoder, tokens, offset=offset)
+        exact = encoder.embed([ids], AttentionSpec(method="full"), max_batch_tokens=len(ids))
+        for method in ("i-clustered", "clustered"):
+            for name, iterations, refine in COMPARED:
+                cosine = pass_cosine(encoder, ids, exact, False, iterations, refine, method)
+                sample_rows.append(dict(tokens=len(ids), offset=offset, method=method, variant=name,
+                                        cosine=round(cosine, 5)))
+                print(sample_rows[-1], flush=True)
+
     summary = summarize(head_rows)
     print_table(pass_rows, list(pass_rows[0]))
+    print_table(sample_rows, list(sample_rows[0]))
     for row in summary:
         print(row)
     meta = dict(device=device_name(), model=encoder.name, dtype=args.dtype, spec=BASE.to_json(), cap=CAP,
                 text="Debian common-licenses, framed with the default prompt")
     name = args.name or f"convergence-{encoder.name}"
-    path = write_report(name, dict(meta=meta, summary=summary, passes=pass_rows, heads=head_rows))
+    path = write_report(name, dict(meta=meta, summary=summary, passes=pass_rows, samples=sample_rows,
+                                    heads=head_rows))
     print(f"wrote {path}")
 
 

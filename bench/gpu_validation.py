@@ -82,7 +82,9 @@ def model_kernels(call: dict) -> dict[str, tuple[float, int]]:
 
 def compare(measured_rows: list[dict], profiles: dict, model: dict) -> dict:
     """The report: per (method, tokens) profiled, its kernels and its call, measured beside modelled."""
-    # A bench.gpu method's call is the modelled one with the same spec (bench.gpu.SPECS).
+    # A bench.gpu method's call is the modelled one with the knobs its measured row records
+    # (bench.gpu.SPECS' where there is no row): a label such as "(default)" names the knobs the
+    # run had, which its row records.
     calls = {(AttentionSpec(**c["spec"]), c["seq_len"]): c for c in model["calls"] if c["head_dim"] == HEAD_DIM}
     times = {(r["method"], r["seq_len"]): r for r in measured_rows
              if r.get("kind", "attention") == "attention" and r["head_dim"] == HEAD_DIM}
@@ -95,7 +97,8 @@ def compare(measured_rows: list[dict], profiles: dict, model: dict) -> dict:
                 call_rows.append(dict(method=method, tokens=tokens, measured_graph_ms=measured_call["graph_ms"],
                                       model_ms=exact_ms, model="FlashAttention-2"))
             continue
-        call = calls.get((SPECS[method], tokens))
+        spec = AttentionSpec(**measured_call["spec"]) if measured_call and "spec" in measured_call else SPECS[method]
+        call = calls.get((spec, tokens))
         if call is None:
             continue
         estimated = model_kernels(call)

@@ -66,8 +66,9 @@ class AttentionSpec:
     clusters: query clusters per (batch, head) for the clustered methods.
     topk: keys per cluster recomputed exactly by i-clustered (paper eq. 10).
     bits: LSH bits of the query codes used by Hamming K-means.
-    iterations: Lloyd iterations in Hamming space (the paper uses 10; 5 keep its fidelity on
-        nomic-embed-text-v1.5 within 0.01 at 4k-8k tokens: docs/methods.md).
+    iterations: Lloyd iterations in Hamming space after each query joins its nearest initial
+        centroid (the paper uses 10). 0 by default: after the refinement below, five measured no
+        better on nomic-embed-text-v1.5 at 2k-8k tokens and are ~20% of a GPU call (docs/methods.md).
     refine: Lloyd iterations on the real query vectors after the Hamming pass; 0 is the
         paper's method. 3 measured best for cost on the default model (README, fidelity).
     hash_rounds: SMYRF hashing rounds merged by softmax mass (paper eq. 15).
@@ -89,7 +90,7 @@ class AttentionSpec:
     clusters: int = 100
     topk: int = 32
     bits: int = 63
-    iterations: int = 5
+    iterations: int = 0
     refine: int = 3
     hash_rounds: int = 4
     cluster_size: int = 64

@@ -109,6 +109,7 @@ def _signs(n, d=16, bits=63, seed=0, duplicates=None):
         (40, [40, 33], 6, 4, 8, 3),  # copies of 3 queries: clusters empty out and get re-seeded
         (20, [20, 6], 8, 3, 63, None),  # more clusters than real queries in row 1
         (30, [30, 30], 4, 0, 1, None),
+        (48, [48, 29], 5, 0, 63, None),  # no iteration, a padded row: ranks of the initial centroids
         (64, [64, 50], 40, 4, 6, None),  # many ties, donors from several chunks
         (20, [20, 6], 24, 3, 63, None),  # more empty clusters than queries: the rest take the last donor
         (64, [64, 50], 40, 4, 8, "blocks of 16"),  # clusters in several blocks: votes in a second pass
@@ -384,6 +385,18 @@ def test_float32_matches_the_reference(method, n, m, d, dv, lengths, refine):
     spec = AttentionSpec(method=method, clusters=5, topk=7, iterations=6, refine=refine, seed=2)
     got = run(q, k, v, spec, mask)
     assert got.shape == (2, 2, n, dv) and got.dtype == torch.float32
+    assert (got - run(q, k, v, spec, mask, backend="reference")).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_default_knobs_match_the_reference(method):
+    # The served Lloyd counts: no Hamming iteration (each query joins its nearest initial
+    # centroid, the final launch sums the vectors), then the refinement; a padded row included.
+    q, k, v = qkv(n=56, d=32, seed=4)
+    mask = padding_mask(2, 56, [56, 33])
+    spec = AttentionSpec(method=method, clusters=6, topk=7, seed=5)
+    assert spec.iterations == 0 and spec.refine > 0
+    got = run(q, k, v, spec, mask)
     assert (got - run(q, k, v, spec, mask, backend="reference")).abs().max() <= 1e-4
 
 

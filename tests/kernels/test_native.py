@@ -136,15 +136,16 @@ def test_centroid_pass_equals_the_reference(m, lengths, topk, clusters, spread):
         assert (top_probs[b, ..., r:] == 0).all() and (index[b, ..., r:] == 0).all()
 
 
+@pytest.mark.parametrize("iterations", [5, AttentionSpec().iterations])  # and the served count
 @pytest.mark.parametrize("method", ["clustered", "i-clustered"])
 @pytest.mark.parametrize(
     "n, m, lengths, topk, dv",
     [(64, 64, None, 8, 16), (64, 64, [64, 23], 8, 16), (40, 24, [24, 5], 8, 8), (30, 30, [30, 30], 64, 16)],
 )
-def test_attention_equals_the_reference(method, n, m, lengths, topk, dv):
+def test_attention_equals_the_reference(method, n, m, lengths, topk, dv, iterations):
     q, k, v = qkv(n=n, m=m, dv=dv)
     mask = None if lengths is None else padding_mask(2, m, lengths)
-    spec = AttentionSpec(method=method, clusters=6, topk=topk, iterations=5, refine=2, seed=9)
+    spec = AttentionSpec(method=method, clusters=6, topk=topk, iterations=iterations, refine=2, seed=9)
     fast = attention(q, k, v, spec, key_padding_mask=mask, backend="native")
     expected = attention(q, k, v, spec, key_padding_mask=mask, backend="reference")
     torch.testing.assert_close(fast, expected, rtol=1e-5, atol=1e-6)
