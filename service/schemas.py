@@ -164,7 +164,35 @@ def _check_input(value: Any) -> str | list[str] | list[int] | list[list[int]]:
             return [[int(t) for t in v] for v in value]
     raise ValueError(
         "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        + _first_misfit(value, "input", _INPUT_SHAPES)
     )
+
+
+def _first_misfit(value: Any, field: str, shapes: tuple) -> str:
+    """Where a list's items stop matching the shape (predicate, name) its first item starts:
+    `; input[0] is a string but input[i] is ...` (nothing for a value that is no list)."""
+    if not isinstance(value, list) or not value:
+        return ""
+    fits = next((shape for shape in shapes if shape[0](value[0])), None)
+    if fits is None:
+        return f"; {field}[0] is {_json_kind(value[0])}"
+    index = next(i for i, v in enumerate(value) if not fits[0](v))
+    return f"; {field}[0] is {fits[1]} but {field}[{index}] is {_json_kind(value[index])}"
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, as a message names it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a token id" if _is_id(value) and value >= 0 else "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list" if value else "an empty list"
+    return "an object"
 
 
 def _is_id(value: Any) -> bool:
@@ -172,10 +200,19 @@ def _is_id(value: Any) -> bool:
     return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
 
 
+# The item shapes of each route's inputs, as (predicate, name), for _first_misfit.
+_TEXT_SHAPES = ((lambda v: isinstance(v, str), "a string"),)
+_INPUT_SHAPES = (
+    *_TEXT_SHAPES,
+    (_is_id, "a token id"),
+    (lambda v: isinstance(v, list) and all(_is_id(t) for t in v), "a token-id list"),
+)
+
+
 def _check_text_inputs(value: Any) -> str | list[str]:
     if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
         return value
-    raise ValueError("must be a string or a list of strings")
+    raise ValueError("must be a string or a list of strings" + _first_misfit(value, "inputs", _TEXT_SHAPES))
 
 
 # What the OpenAPI document declares, so that it rejects what the server answers with 400

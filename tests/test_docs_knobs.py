@@ -1,6 +1,6 @@
 """The knob tables of README.md and docs/methods.md say what kernels.spec enforces: every knob
 of AttentionSpec listed once, with its default and its range (auto_method: the methods it
-accepts)."""
+accepts); docs/http.md names every field of the `attention` object."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.spec import APPROXIMATE_METHODS, KNOB_RANGES, AttentionSpec
+from kernels.spec import APPROXIMATE_METHODS, KNOB_RANGES, METHODS, AttentionSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹", "0123456789")
@@ -53,3 +53,16 @@ def test_knob_table_matches_the_spec(page):
     default, allowed = rows["auto_method"]
     assert default == defaults.auto_method
     assert tuple(m.strip() for m in allowed.split(",")) == APPROXIMATE_METHODS, (page, allowed)
+
+
+def test_http_page_names_every_attention_field():
+    """docs/http.md's section on the `attention` object names every field a request may send
+    and every method."""
+    from service.schemas import AttentionRequest
+
+    text = (ROOT / "docs/http.md").read_text()
+    section = text.split("## The `attention` object", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z_-]+)`", section))
+    fields = set(AttentionRequest.model_fields)
+    assert fields <= named, f"docs/http.md's attention section lacks {sorted(fields - named)}"
+    assert set(METHODS) <= named, f"docs/http.md's attention section lacks {sorted(set(METHODS) - named)}"

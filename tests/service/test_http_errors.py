@@ -113,7 +113,9 @@ def test_400_malformed_json(client, path, body):
         ({"input": "a", "truncate": "yes"}, "truncate", None),
         ({"input": 42}, "input", "list of token ids"),
         ({"input": [1.5, 2]}, "input", "list of token ids"),
-        ({"input": ["a", 1]}, "input", None),
+        ({"input": ["a", 1]}, "input", "input[0] is a string but input[1] is a token id"),
+        ({"input": ["a", "b", None]}, "input", "input[2] is null"),
+        ({"input": [[101, 102], [101, "a"]]}, "input", "input[0] is a token-id list but input[1] is a list"),
         ({"input": [[101, 10**9]]}, "input[0]", "token ids must be in [0, 30522)"),
         ({"input": [-1]}, "input", "token ids must be in"),
         ({}, "input", "required"),
@@ -138,6 +140,11 @@ def test_422_names_the_field_openai(client, body, param, says):
 )
 def test_422_names_the_field_other_routes(client, path, body, param):
     assert_error(client.post(path, json=body), 422, param)
+
+
+def test_422_names_the_first_item_that_breaks_the_inputs_shape(client):
+    assert_error(client.post("/embed", json={"inputs": ["a", "b", 7]}), 422, "inputs",
+                 "inputs[0] is a string but inputs[2] is a token id")
 
 
 def test_422_body_not_an_object(client):
