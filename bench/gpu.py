@@ -60,14 +60,10 @@ from .common import (
     real_qkv,
     rel_err,
 )
-from .cpu import SPECS as CPU_SPECS
+from .cpu import MEASURED
 
 # bench.cpu's methods (the paper's 10 Hamming iterations), and the clustered methods as served.
-SPECS = {
-    **CPU_SPECS,
-    "clustered (default)": AttentionSpec(method="clustered"),
-    "i-clustered (default)": AttentionSpec(method="i-clustered"),
-}
+SPECS = MEASURED
 
 # The sizes measured; --dry-run swaps in DRY_RUN's.
 LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
