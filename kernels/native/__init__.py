@@ -47,6 +47,8 @@ X86_LEVELS = {
 ISA_VARIABLE = "CLUSTERSERVE_NATIVE_ISA"
 # The dtypes the loops read q, k and v in, and their codes in native.c (F32, BF16).
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# Floats per vector of native.c (its LANES): the blocks of keys its centroid pass reads.
+LANES = 16
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # Argument types of the exported functions, in order (pointers are tensors' data_ptr()).
 _SIGNATURES = {
@@ -232,9 +234,12 @@ def centroid_attention(
     bool), float32."""
     b, h, c, d = centroids.shape
     m, dv = k.shape[2], v.shape[-1]
-    mp = -(-m // 16) * 16  # whole vectors of keys
-    keys_t = _aligned_zeros(b, h, d, mp, dtype=k.dtype)
-    keys_t[..., :m] = k.transpose(-1, -2)
+    blocks, rest = divmod(m, LANES)  # whole vectors of keys: blocks of LANES, dimension by dimension
+    keys_t = _aligned_zeros(b, h, blocks + (rest > 0), d, LANES, dtype=k.dtype)
+    keys_t[:, :, :blocks] = k[:, :, : blocks * LANES].unflatten(2, (blocks, LANES)).transpose(-1, -2)
+    if rest:
+        keys_t[:, :, blocks, :, :rest] = k[:, :, blocks * LANES:].transpose(-1, -2)
+    mp = keys_t.shape[2] * LANES
     centroids, v = centroids.to(torch.float32).contiguous(), v.contiguous()
     real = key_mask.to(torch.uint8).contiguous()
     values = torch.empty(b, h, c, dv, dtype=torch.float32)
@@ -300,7 +305,8 @@ def improved_sparse(
     b, h, n, d = q.shape
     c, k, dv = values.shape[2], values.shape[3], values.shape[4]
     q, assign = q.contiguous(), assign.contiguous()
-    keys_t = keys.to(torch.float32).transpose(-1, -2).contiguous()
+    keys_t = torch.zeros(b, h, c, d, -(-k // LANES) * LANES)  # rows in whole vectors of keys
+    keys_t[..., :k] = keys.transpose(-1, -2)
     values, mass, bottom = (t.to(torch.float32).contiguous() for t in (values, mass, bottom))
     ok = valid.to(torch.uint8).contiguous()
     out = torch.empty(b, h, n, dv, dtype=q.dtype)

@@ -503,8 +503,10 @@ typedef struct {
  * top k are kept as logits and turned into probabilities at the end; the (C, M) matrix of
  * probabilities is never formed.
  *
- * cent (BH, C, D) float32; kt (BH, D, MP) the keys transposed, MP a multiple of LANES;
- * v (BH, M, DV); kt and v in dtype; keymask (B, M); values (BH, C, DV), top_* (BH, C, K)
+ * cent (BH, C, D) float32; kt (BH, MP / LANES, D, LANES) the keys in blocks of LANES, each
+ * block dimension by dimension (a block is one contiguous stretch: rows of MP keys would put
+ * a block's D vectors a power of two apart at the usual lengths, all in the same cache sets),
+ * MP a multiple of LANES; v (BH, M, DV); kt and v in dtype; keymask (B, M); values (BH, C, DV), top_* (BH, C, K)
  * out. Rows [r0, r1) of the flattened (BH, C). Inlined once per dtype, so that the loads of
  * keys and values are compiled for one element type. */
 static inline __attribute__((always_inline)) void centroid_rows(
@@ -538,7 +540,7 @@ static inline __attribute__((always_inline)) void centroid_rows(
             floats acc[CROWS], p[CROWS];
             for (int g = 0; g < CROWS; g++) acc[g] = (floats){0};
             for (int64_t t = 0; t < d; t++) {
-                const floats col = load_lanes(kt, dtype, ktb + t * mp + jb);
+                const floats col = load_lanes(kt, dtype, ktb + jb * d + t * LANES);
                 for (int g = 0; g < CROWS; g++) acc[g] += row[g][t] * col;
             }
             for (int g = 0; g < CROWS; g++) {
@@ -778,19 +780,20 @@ void centroid_values_bf16(const uint32_t *cent, const uint16_t *k, const uint16_
 /* ---- Improved clustered attention: the per-query sparse part (eq. 15) --------------- */
 
 /* Queries of improved_sparse worked on together: each one's sums over D and over the top k
- * run through its own rows of memory, so the queries' chains of loads, FMAs and stores
- * overlap instead of each waiting on its previous store. */
+ * run in its own registers, a vector at a time, so the queries' chains of FMAs overlap (sums
+ * kept in rows of memory would wait on their own stores). */
 #define SPARSE_GROUP 4
 
 /* For every real query i of cluster j = assign[i]:
  *   out_i = mass_j * softmax(scale * q_i . keys_j[t], valid t) @ values_j + bottom_j
- * q (BH, N, D) and out (BH, N, Dv) in dtype; keys_t (BH, C, D, K): each cluster's top-k
- * keys, transposed; values (BH, C, K, Dv); valid (BH, C, K) uint8; mass (BH, C); bottom
+ * q (BH, N, D) and out (BH, N, Dv) in dtype; keys_t (BH, C, D, KP): each cluster's top-k
+ * keys, transposed, rows padded to KP = K rounded up to whole vectors; values (BH, C, K, Dv); valid (BH, C, K) uint8; mass (BH, C); bottom
  * (BH, C, Dv). Padded queries get 0 rows. Slices [bh0, bh1). */
 void improved_sparse(const void *q, int64_t dtype, const int64_t *assign, const float *keys_t, const float *values,
                      const uint8_t *valid, const float *mass, const float *bottom, int64_t n, int64_t d, int64_t dv,
                      int64_t c, int64_t k, float scale, void *out, int64_t bh0, int64_t bh1) {
-    float *logits = malloc(SPARSE_GROUP * k * sizeof *logits);
+    const int64_t kp = (k + LANES - 1) / LANES * LANES;
+    float *logits = malloc(SPARSE_GROUP * kp * sizeof *logits);
     float *rows = malloc(SPARSE_GROUP * (d + dv) * sizeof *rows); /* widened queries, then output rows */
     for (int64_t bh = bh0; bh < bh1; bh++) {
         for (int64_t i0 = 0; i0 < n; i0 += SPARSE_GROUP) {
@@ -812,15 +815,22 @@ void improved_sparse(const void *q, int64_t dtype, const int64_t *assign, const 
                 o[count] = dtype == F32 ? (float *)out + at[count] : rows + SPARSE_GROUP * d + count * dv;
                 count++;
             }
-            for (int64_t t = 0; t < count * k; t++) logits[t] = 0.0f;
-            for (int64_t s = 0; s < d; s++)
-                for (int g = 0; g < count; g++) {
-                    const float x = qi[g][s], *kt = keys_t + cj[g] * d * k + s * k;
-                    float *logit = logits + g * k;
-                    for (int64_t t = 0; t < k; t++) logit[t] += x * kt[t];
-                }
+            if (count == 0) continue;
+            for (int g = count; g < SPARSE_GROUP; g++) cj[g] = cj[count - 1], qi[g] = qi[count - 1]; /* a short group repeats its last query */
+            /* A vector of LANES keys at a time, every query's sum over D in its own register. */
+            for (int64_t tb = 0; tb < kp; tb += LANES) {
+                floats acc[SPARSE_GROUP];
+                for (int g = 0; g < SPARSE_GROUP; g++) acc[g] = (floats){0};
+                for (int64_t s = 0; s < d; s++)
+                    for (int g = 0; g < SPARSE_GROUP; g++) {
+                        floats col;
+                        memcpy(&col, keys_t + (cj[g] * d + s) * kp + tb, sizeof col);
+                        acc[g] += qi[g][s] * col;
+                    }
+                for (int g = 0; g < SPARSE_GROUP; g++) memcpy(logits + g * kp + tb, &acc[g], sizeof acc[g]);
+            }
             for (int g = 0; g < count; g++) {
-                float *logit = logits + g * k;
+                float *logit = logits + g * kp;
                 const uint8_t *ok = valid + cj[g] * k;
                 float top = -FLT_MAX;
                 for (int64_t t = 0; t < k; t++) {
@@ -834,12 +844,27 @@ void improved_sparse(const void *q, int64_t dtype, const int64_t *assign, const 
                 }
                 const float weight = total > 0.0f ? mass[cj[g]] / total : 0.0f;
                 for (int64_t t = 0; t < k; t++) logit[t] *= weight; /* now the probability */
-                for (int64_t e = 0; e < dv; e++) o[g][e] = bottom[cj[g] * dv + e];
             }
-            for (int64_t t = 0; t < k; t++)
-                for (int g = 0; g < count; g++) {
-                    const float p = logits[g * k + t], *vj = values + (cj[g] * k + t) * dv;
-                    for (int64_t e = 0; e < dv; e++) o[g][e] += p * vj[e];
+            for (int g = count; g < SPARSE_GROUP; g++) memcpy(logits + g * kp, logits + (count - 1) * kp, k * sizeof *logits);
+            /* bottom + p V: a vector of value columns at a time, every query's in its own
+             * register; columns past the last whole vector one by one. */
+            const int64_t whole = dv / LANES * LANES;
+            for (int64_t e0 = 0; e0 < whole; e0 += LANES) {
+                floats acc[SPARSE_GROUP];
+                for (int g = 0; g < SPARSE_GROUP; g++) memcpy(&acc[g], bottom + cj[g] * dv + e0, sizeof acc[g]);
+                for (int64_t t = 0; t < k; t++)
+                    for (int g = 0; g < SPARSE_GROUP; g++) {
+                        floats vrow;
+                        memcpy(&vrow, values + (cj[g] * k + t) * dv + e0, sizeof vrow);
+                        acc[g] += logits[g * kp + t] * vrow;
+                    }
+                for (int g = 0; g < count; g++) memcpy(o[g] + e0, &acc[g], sizeof acc[g]);
+            }
+            for (int g = 0; g < count; g++)
+                for (int64_t e = whole; e < dv; e++) {
+                    float sum = bottom[cj[g] * dv + e];
+                    for (int64_t t = 0; t < k; t++) sum += logits[g * kp + t] * values[(cj[g] * k + t) * dv + e];
+                    o[g][e] = sum;
                 }
             if (dtype != F32)
                 for (int g = 0; g < count; g++) store_row(out, dtype, at[g], o[g], dv);
