@@ -506,7 +506,8 @@ typedef struct {
  * cent (BH, C, D) float32; kt (BH, MP / LANES, D, LANES) the keys in blocks of LANES, each
  * block dimension by dimension (a block is one contiguous stretch: rows of MP keys would put
  * a block's D vectors a power of two apart at the usual lengths, all in the same cache sets),
- * MP a multiple of LANES; v (BH, M, DV); kt and v in dtype; keymask (B, M); values (BH, C, DV), top_* (BH, C, K)
+ * MP a multiple of LANES; v (BH, M, DV); kt and v in dtype; keymask (B, M); values (BH, C,
+ * DV), top_* (BH, C, K)
  * out. Rows [r0, r1) of the flattened (BH, C). Inlined once per dtype, so that the loads of
  * keys and values are compiled for one element type. */
 static inline __attribute__((always_inline)) void centroid_rows(
@@ -787,7 +788,8 @@ void centroid_values_bf16(const uint32_t *cent, const uint16_t *k, const uint16_
 /* For every real query i of cluster j = assign[i]:
  *   out_i = mass_j * softmax(scale * q_i . keys_j[t], valid t) @ values_j + bottom_j
  * q (BH, N, D) and out (BH, N, Dv) in dtype; keys_t (BH, C, D, KP): each cluster's top-k
- * keys, transposed, rows padded to KP = K rounded up to whole vectors; values (BH, C, K, Dv); valid (BH, C, K) uint8; mass (BH, C); bottom
+ * keys, transposed, rows padded to KP = K rounded up to whole vectors; values (BH, C, K, Dv);
+ * valid (BH, C, K) uint8; mass (BH, C); bottom
  * (BH, C, Dv). Padded queries get 0 rows. Slices [bh0, bh1). */
 void improved_sparse(const void *q, int64_t dtype, const int64_t *assign, const float *keys_t, const float *values,
                      const uint8_t *valid, const float *mass, const float *bottom, int64_t n, int64_t d, int64_t dv,
@@ -816,7 +818,8 @@ void improved_sparse(const void *q, int64_t dtype, const int64_t *assign, const 
                 count++;
             }
             if (count == 0) continue;
-            for (int g = count; g < SPARSE_GROUP; g++) cj[g] = cj[count - 1], qi[g] = qi[count - 1]; /* a short group repeats its last query */
+            for (int g = count; g < SPARSE_GROUP; g++) /* a short group repeats its last query */
+                cj[g] = cj[count - 1], qi[g] = qi[count - 1];
             /* A vector of LANES keys at a time, every query's sum over D in its own register. */
             for (int64_t tb = 0; tb < kp; tb += LANES) {
                 floats acc[SPARSE_GROUP];
@@ -845,7 +848,8 @@ void improved_sparse(const void *q, int64_t dtype, const int64_t *assign, const 
                 const float weight = total > 0.0f ? mass[cj[g]] / total : 0.0f;
                 for (int64_t t = 0; t < k; t++) logit[t] *= weight; /* now the probability */
             }
-            for (int g = count; g < SPARSE_GROUP; g++) memcpy(logits + g * kp, logits + (count - 1) * kp, k * sizeof *logits);
+            for (int g = count; g < SPARSE_GROUP; g++)
+                memcpy(logits + g * kp, logits + (count - 1) * kp, k * sizeof *logits);
             /* bottom + p V: a vector of value columns at a time, every query's in its own
              * register; columns past the last whole vector one by one. */
             const int64_t whole = dv / LANES * LANES;
