@@ -151,33 +151,38 @@ FIDELITY_DESCRIPTION = (
 )
 
 
-def _check_input(value: Any) -> str | list[str] | list[int] | list[list[int]]:
-    """One clear message for the four input shapes instead of pydantic's error per union arm."""
+def _is_id(value: Any) -> bool:
+    """A token id as JSON writes an integer (7 or 7.0); never a bool."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_id(t) for t in value)
+
+
+# The item shapes a list input may take, in the order they are tried: (is an item of it, the
+# item as used, its name in a message). An empty list takes the first.
+_TEXT_ITEMS = ((lambda v: isinstance(v, str), lambda v: v, "a string"),)
+_INPUT_ITEMS = (*_TEXT_ITEMS, (_is_id, int, "a token id"), (_is_ids, lambda v: [int(t) for t in v], "a token-id list"))
+
+
+def _check_list(value: Any, field: str, shapes: tuple, expected: str) -> str | list:
+    """A string, or a list whose items all take one of `shapes`; otherwise one clear message
+    (instead of pydantic's error per union arm) naming where the items stop matching the shape
+    the first one starts: `; input[0] is a string but input[2] is null`."""
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        if all(isinstance(v, str) for v in value):
-            return value
-        if all(_is_id(v) for v in value):
-            return [int(v) for v in value]
-        if all(isinstance(v, list) and all(_is_id(t) for t in v) for v in value):
-            return [[int(t) for t in v] for v in value]
-    raise ValueError(
-        "must be a string, a list of strings, a list of token ids or a list of token-id lists"
-        + _first_misfit(value, "input", _INPUT_SHAPES)
-    )
-
-
-def _first_misfit(value: Any, field: str, shapes: tuple) -> str:
-    """Where a list's items stop matching the shape (predicate, name) its first item starts:
-    `; input[0] is a string but input[i] is ...` (nothing for a value that is no list)."""
-    if not isinstance(value, list) or not value:
-        return ""
-    fits = next((shape for shape in shapes if shape[0](value[0])), None)
-    if fits is None:
-        return f"; {field}[0] is {_json_kind(value[0])}"
-    index = next(i for i, v in enumerate(value) if not fits[0](v))
-    return f"; {field}[0] is {fits[1]} but {field}[{index}] is {_json_kind(value[index])}"
+        for fits, used, _ in shapes:
+            if all(fits(v) for v in value):
+                return [used(v) for v in value]
+        first = next((shape for shape in shapes if shape[0](value[0])), None)
+        if first is None:
+            expected += f"; {field}[0] is {_json_kind(value[0])}"
+        else:
+            index = next(i for i, v in enumerate(value) if not first[0](v))
+            expected += f"; {field}[0] is {first[2]} but {field}[{index}] is {_json_kind(value[index])}"
+    raise ValueError(expected)
 
 
 def _json_kind(value: Any) -> str:
@@ -195,24 +200,13 @@ def _json_kind(value: Any) -> str:
     return "an object"
 
 
-def _is_id(value: Any) -> bool:
-    """A token id as JSON writes an integer (7 or 7.0); never a bool."""
-    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
-
-
-# The item shapes of each route's inputs, as (predicate, name), for _first_misfit.
-_TEXT_SHAPES = ((lambda v: isinstance(v, str), "a string"),)
-_INPUT_SHAPES = (
-    *_TEXT_SHAPES,
-    (_is_id, "a token id"),
-    (lambda v: isinstance(v, list) and all(_is_id(t) for t in v), "a token-id list"),
-)
+def _check_input(value: Any) -> str | list[str] | list[int] | list[list[int]]:
+    return _check_list(value, "input", _INPUT_ITEMS,
+                       "must be a string, a list of strings, a list of token ids or a list of token-id lists")
 
 
 def _check_text_inputs(value: Any) -> str | list[str]:
-    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-        return value
-    raise ValueError("must be a string or a list of strings" + _first_misfit(value, "inputs", _TEXT_SHAPES))
+    return _check_list(value, "inputs", _TEXT_ITEMS, "must be a string or a list of strings")
 
 
 # What the OpenAPI document declares, so that it rejects what the server answers with 400

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kernels.spec import APPROXIMATE_METHODS, KNOB_RANGES, METHODS, AttentionSpec
+from service.schemas import AttentionRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹", "0123456789")
@@ -58,8 +59,6 @@ def test_knob_table_matches_the_spec(page):
 def test_http_page_names_every_attention_field():
     """docs/http.md's section on the `attention` object names every field a request may send
     and every method."""
-    from service.schemas import AttentionRequest
-
     text = (ROOT / "docs/http.md").read_text()
     section = text.split("## The `attention` object", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"`([a-z_-]+)`", section))

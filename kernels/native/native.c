@@ -848,10 +848,9 @@ void improved_sparse(const void *q, int64_t dtype, const int64_t *assign, const 
                 const float weight = total > 0.0f ? mass[cj[g]] / total : 0.0f;
                 for (int64_t t = 0; t < k; t++) logit[t] *= weight; /* now the probability */
             }
-            for (int g = count; g < SPARSE_GROUP; g++)
-                memcpy(logits + g * kp, logits + (count - 1) * kp, k * sizeof *logits);
             /* bottom + p V: a vector of value columns at a time, every query's in its own
-             * register; columns past the last whole vector one by one. */
+             * register (a repeated query's sums are dropped); columns past the last whole
+             * vector one by one. */
             const int64_t whole = dv / LANES * LANES;
             for (int64_t e0 = 0; e0 < whole; e0 += LANES) {
                 floats acc[SPARSE_GROUP];
