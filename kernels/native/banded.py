@@ -4,10 +4,11 @@ float32 or bfloat16 CPU tensors (bfloat16 rows widened as they are read). The po
 stages are the reference's (O(N D) means in float32; the far blocks' scores, one matrix
 product).
 
-Per block of queries the loop gathers the band's real keys, the sinks outside the band, the
-counted keys of its chosen far blocks and the other pooled keys outside the band once, packed
-in panels with their values, then runs one softmax per query over them, each product in
-register tiles of 4 queries by two vectors."""
+Each head's keys and values are packed in panels once; a block of queries reads its band and
+its chosen far blocks as runs of those panels in place, and gathers only its sinks outside the
+band and the other pooled keys into one more run; positions a run covers beyond its keys are
+biased to weight 0. One softmax per query over all the runs, each product in register tiles of
+8 queries by two vectors (4 on AVX2)."""
 
 from __future__ import annotations
 

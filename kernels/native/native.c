@@ -1174,51 +1174,149 @@ void argsort_rows(const float *values, int64_t t_count, int64_t *order, int64_t 
 
 /* ---- Banded attention ---------------------------------------------------------------- */
 
-/* The banded loop's vectors: one register wide (8 floats on AVX2, 16 on AVX-512), so that a
- * group of 8 queries' sums stay in registers. */
+/* The banded loop's vectors: one register wide (8 floats on AVX2, 16 on AVX-512), and its
+ * register tile: BANDED_ROWS queries by two vectors (of keys, or of value elements), each
+ * broadcast query element or weight feeding two FMAs. AVX-512's 32 registers hold 8 rows'
+ * 16 sums; AVX2's 16 hold 4 rows'. */
 #if defined(__AVX512F__)
 #define BANDED_LANES 16
+#define BANDED_ROWS 8
 #else
 #define BANDED_LANES 8
+#define BANDED_ROWS 4
 #endif
 typedef float bfloats __attribute__((vector_size(4 * BANDED_LANES)));
+/* Queries whose logits are computed together: a pair of key panels, read once from memory,
+ * meets all of them from L1. */
+#define BANDED_GROUP 16
+/* Keys a tile covers: spans are whole multiples of it. */
+#define BANDED_WIDE (2 * BANDED_LANES)
+/* The bias of a position that stands for no key: its weight comes out exactly 0. */
+#define BANDED_NONE (-1e30f)
 
-/* The banded loop's keys and values are packed in panels of BANDED_LANES, as a GEMM packs its
- * operands, so that its inner loops read memory in order: key p's dimension s at
- * BANDED_KT(p, s) of kt (SP / lanes, D, lanes), value p's element e at BANDED_VAL(p, e) of
- * vals (Dv / lanes, SP, lanes). A group's sweep over a block's keys and values (hundreds of
- * KB) then streams instead of striding D rows of SP floats at once. */
-#define BANDED_KT(p, s) (((p) / BANDED_LANES * d + (s)) * BANDED_LANES + (p) % BANDED_LANES)
-#define BANDED_VAL(p, e) (((e) / BANDED_LANES * sp + (p)) * BANDED_LANES + (e) % BANDED_LANES)
+/* Keys and values are packed in panels of BANDED_LANES, as a GEMM packs its operands, so that
+ * the inner loops read memory in order: key o's dimension s at keys[(o / lanes * D + s) *
+ * lanes + o % lanes], value o's element e at values[e / lanes * plane + o * lanes + e %
+ * lanes]. A head's keys and values are packed once; a span is a run of BANDED_WIDE-aligned
+ * keys of them (the band, a far block) or of the block's gathered extras (sinks, pooled keys). */
+typedef struct {
+    const float *keys, *values;
+    int64_t plane, count; /* floats between value planes; keys, a multiple of BANDED_WIDE */
+} banded_span;
 
-/* The register tile of both products: BANDED_ROWS queries by two vectors (of keys, or of
- * value elements), 8 accumulators; each broadcast query element or weight feeds two FMAs, so
- * that loads, not FMAs, no longer bound the loop. SP and DVP are multiples of two vectors. */
-#define BANDED_ROWS 4
+/* Rows [from, to) of x (rows of `width` elements in dtype, starting at row `first`) into
+ * panels: row o's element s at keys[(o / lanes * width + s) * lanes + o % lanes]; rows past
+ * `count` are zeros. */
+static void banded_pack_keys(float *keys, const void *x, int64_t dtype, int64_t first, int64_t count, int64_t rows,
+                             int64_t width, float *scratch) {
+    for (int64_t o = 0; o < rows; o++) {
+        float *to = keys + (o / BANDED_LANES * width) * BANDED_LANES + o % BANDED_LANES;
+        if (o >= count) {
+            for (int64_t s = 0; s < width; s++) to[s * BANDED_LANES] = 0.0f;
+            continue;
+        }
+        const float *row = row_floats(x, dtype, (first + o) * width, width, scratch);
+        for (int64_t s = 0; s < width; s++) to[s * BANDED_LANES] = row[s];
+    }
+}
 
-/* logits (SMYRF_GROUP, SP) = scale * query g . key t for the group's queries laid out by
- * dimension, xq (D, SMYRF_GROUP), and the keys in panels, kt (SP / lanes, D, lanes). */
-static void banded_logits(const float *xq, const float *kt, int64_t d, int64_t sp, float scale, float *logits) {
-    for (int64_t tb = 0; tb < sp; tb += 2 * BANDED_LANES) {
-        const float *panel = kt + tb * d, *next = panel + BANDED_LANES * d;
-        for (int g0 = 0; g0 < SMYRF_GROUP; g0 += BANDED_ROWS) {
+/* Row o of x (`width` elements in dtype from row `first`) as value o of panels of `plane`
+ * floats each (width rounded up to whole vectors: the rest zeros); rows past `count` zeros. */
+static void banded_pack_values(float *values, const void *x, int64_t dtype, int64_t first, int64_t count,
+                               int64_t rows, int64_t width, int64_t plane, float *scratch) {
+    const int64_t padded = (width + BANDED_WIDE - 1) / BANDED_WIDE * BANDED_WIDE;
+    for (int64_t o = 0; o < rows; o++) {
+        const float *row = o < count ? row_floats(x, dtype, (first + o) * width, width, scratch) : NULL;
+        for (int64_t e = 0; e < padded; e++)
+            values[e / BANDED_LANES * plane + o * BANDED_LANES + e % BANDED_LANES] = row && e < width ? row[e] : 0.0f;
+    }
+}
+
+/* logits (BANDED_GROUP rows of `stride`) = scale * query g . key o + bias[o] over a span,
+ * for the group's queries laid out by dimension, xq (D, BANDED_GROUP). */
+static void banded_logits(const float *xq, const banded_span *span, int64_t d, float scale, const float *bias,
+                          float *logits, int64_t stride) {
+    for (int64_t tb = 0; tb < span->count; tb += BANDED_WIDE) {
+        const float *panel = span->keys + tb * d, *next = panel + BANDED_LANES * d;
+        const bfloats b0 = *(const bfloats *)(bias + tb), b1 = *(const bfloats *)(bias + tb + BANDED_LANES);
+        for (int g0 = 0; g0 < BANDED_GROUP; g0 += BANDED_ROWS) {
             bfloats a0[BANDED_ROWS], a1[BANDED_ROWS];
             for (int r = 0; r < BANDED_ROWS; r++) a0[r] = a1[r] = (bfloats){0};
             for (int64_t s = 0; s < d; s++) {
                 const bfloats c0 = *(const bfloats *)(panel + s * BANDED_LANES);
                 const bfloats c1 = *(const bfloats *)(next + s * BANDED_LANES);
                 for (int r = 0; r < BANDED_ROWS; r++) {
-                    const float x = xq[s * SMYRF_GROUP + g0 + r];
+                    const float x = xq[s * BANDED_GROUP + g0 + r];
                     a0[r] += x * c0;
                     a1[r] += x * c1;
                 }
             }
             for (int r = 0; r < BANDED_ROWS; r++) {
-                *(bfloats *)(logits + (g0 + r) * sp + tb) = a0[r] * scale;
-                *(bfloats *)(logits + (g0 + r) * sp + tb + BANDED_LANES) = a1[r] * scale;
+                *(bfloats *)(logits + (g0 + r) * stride + tb) = a0[r] * scale + b0;
+                *(bfloats *)(logits + (g0 + r) * stride + tb + BANDED_LANES) = a1[r] * scale + b1;
             }
         }
     }
+}
+
+/* A row of logits (p of them) -> its softmax weights, unnormalised (positions that stand for
+ * no key: exactly 0); returns 1 / their sum. */
+static float banded_softmax(float *row, int64_t p) {
+    float top = -FLT_MAX;
+    for (int64_t j = 0; j < p; j++) top = row[j] > top ? row[j] : top;
+    float total = 0.0f;
+    for (int64_t j = 0; j < p; j++) {
+        /* clamped: exp of the biased positions would take the vector expf's slow path */
+        const float w = expf(fmaxf(row[j] - top, -87.0f));
+        row[j] = row[j] > 0.5f * BANDED_NONE ? w : 0.0f;
+        total += row[j];
+    }
+    return 1.0f / total;
+}
+
+/* acc (BANDED_GROUP rows of dvp) = weights (rows of `stride`) @ the spans' values, each row
+ * times its inv. */
+static void banded_values(const float *weights, int64_t stride, const banded_span *spans, int64_t n_spans,
+                          const float *inv, int64_t dvp, float *acc) {
+    for (int64_t eb = 0; eb < dvp; eb += BANDED_WIDE) { /* two value vectors meet BANDED_ROWS rows */
+        for (int g0 = 0; g0 < BANDED_GROUP; g0 += BANDED_ROWS) {
+            bfloats s0[BANDED_ROWS], s1[BANDED_ROWS];
+            for (int r = 0; r < BANDED_ROWS; r++) s0[r] = s1[r] = (bfloats){0};
+            const float *w = weights + g0 * stride;
+            for (int64_t i = 0; i < n_spans; i++) {
+                const float *v0 = spans[i].values + eb / BANDED_LANES * spans[i].plane;
+                const float *v1 = v0 + spans[i].plane;
+                for (int64_t o = 0; o < spans[i].count; o++) {
+                    const bfloats x0 = *(const bfloats *)(v0 + o * BANDED_LANES);
+                    const bfloats x1 = *(const bfloats *)(v1 + o * BANDED_LANES);
+                    for (int r = 0; r < BANDED_ROWS; r++) {
+                        const float wr = w[r * stride + o];
+                        s0[r] += wr * x0;
+                        s1[r] += wr * x1;
+                    }
+                }
+                w += spans[i].count;
+            }
+            for (int r = 0; r < BANDED_ROWS; r++) {
+                *(bfloats *)(acc + (g0 + r) * dvp + eb) = s0[r] * inv[g0 + r];
+                *(bfloats *)(acc + (g0 + r) * dvp + eb + BANDED_LANES) = s1[r] * inv[g0 + r];
+            }
+        }
+    }
+}
+
+/* The span of keys [lo, hi) of a head packed whole (keys, values: panels of `plane` keys),
+ * widened to whole tiles from lo rounded down, with its bias at `bias`: 0 where `take` (a
+ * row's flags, per key) and the key is in [lo, hi), BANDED_NONE elsewhere. */
+static banded_span banded_run(const float *keys, const float *values, int64_t plane, int64_t d, int64_t lo,
+                              int64_t hi, const uint8_t *take, float *bias) {
+    const int64_t first = lo / BANDED_LANES * BANDED_LANES;
+    const int64_t count = (hi - first + BANDED_WIDE - 1) / BANDED_WIDE * BANDED_WIDE;
+    for (int64_t o = 0; o < count; o++) {
+        const int64_t j = first + o;
+        bias[o] = j >= lo && j < hi && take[j] ? 0.0f : BANDED_NONE;
+    }
+    return (banded_span){keys + first * d, values + first * BANDED_LANES, plane, count};
 }
 
 /* banded.attend for slices [bh0, bh1): q, k (BH, N, D), v (BH, N, Dv) and out (BH, N, Dv) in
@@ -1229,8 +1327,11 @@ static void banded_logits(const float *xq, const float *kt, int64_t d, int64_t s
  * (BH, NB, R) the far blocks each query block attends exactly (-1: none). A query of block t
  * gets one softmax over the real keys of blocks t - band .. t + band, the real sinks whose
  * block is outside that band, the counted keys of its chosen blocks, and the pooled keys of
- * the other blocks outside the band (logit raised by plog); padded queries get 0. The keys
- * of a block of queries are gathered once, in panels (BANDED_KT, BANDED_VAL). */
+ * the other blocks outside the band (logit raised by plog); padded queries get 0.
+ *
+ * Each head's keys and values are packed once; a query block's band and far blocks are spans
+ * of them, its sinks and pooled keys are gathered into one more span, and positions a span
+ * covers past its keys (tile alignment, padding) are biased out. */
 void banded_attention(const void *q, const void *k, const void *v, int64_t dtype, const float *pkeys,
                       const float *pvals, const float *plog, const uint8_t *pooled_real, const int64_t *sinks, const uint8_t *sink_real,
                       const uint8_t *key_real, const uint8_t *counted, const int64_t *chosen, int64_t r_count,
@@ -1238,121 +1339,97 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
                       int64_t band, int64_t s_count, float scale, void *out, int64_t bh0, int64_t bh1) {
     const int64_t nb = (n + block - 1) / block;
     if (band > nb - 1) band = nb - 1;
-    const int64_t p_max = (2 * band + 1 + r_count) * block + s_count + nb;
-    const int64_t wide = 2 * BANDED_LANES; /* the register tile's two vectors */
-    const int64_t sp = (p_max + wide - 1) / wide * wide, dvp = (dv + wide - 1) / wide * wide;
-    float *kt = aligned_alloc(64, d * sp * sizeof *kt);
-    float *vals = aligned_alloc(64, sp * dvp * sizeof *vals);
-    float *bias = malloc(sp * sizeof *bias);
-    float *logits = aligned_alloc(64, SMYRF_GROUP * sp * sizeof *logits);
-    float *rows = malloc((SMYRF_GROUP * d + d) * sizeof *rows);
-    float *acc = aligned_alloc(64, SMYRF_GROUP * dvp * sizeof *acc);
-    float *xq = malloc(SMYRF_GROUP * d * sizeof *xq);
-    memset(kt, 0, d * sp * sizeof *kt);
-    memset(vals, 0, sp * dvp * sizeof *vals);
+    const int64_t dvp = (dv + BANDED_WIDE - 1) / BANDED_WIDE * BANDED_WIDE;
+    /* a head's packed keys: a span may reach a tile past the last key */
+    const int64_t np = (n + 2 * BANDED_WIDE) / BANDED_LANES * BANDED_LANES;
+    const int64_t extras = (s_count + nb + BANDED_WIDE - 1) / BANDED_WIDE * BANDED_WIDE;
+    const int64_t run = block + 2 * BANDED_WIDE; /* a far block's span, at most */
+    const int64_t p_max = (2 * band + 1) * block + 2 * BANDED_WIDE + r_count * run + extras;
+    float *keys = aligned_alloc(64, np * d * sizeof *keys);
+    float *values = aligned_alloc(64, dvp * np * sizeof *values);
+    float *xkeys = aligned_alloc(64, extras * d * sizeof *xkeys);
+    float *xvalues = aligned_alloc(64, dvp * extras * sizeof *xvalues);
+    float *bias = aligned_alloc(64, p_max * sizeof *bias);
+    float *logits = aligned_alloc(64, BANDED_GROUP * p_max * sizeof *logits);
+    float *acc = aligned_alloc(64, BANDED_GROUP * dvp * sizeof *acc);
+    float *xq = malloc(BANDED_GROUP * d * sizeof *xq);
+    float *scratch = malloc((d > dv ? d : dv) * sizeof *scratch);
+    banded_span *spans = malloc((r_count + 2) * sizeof *spans);
+    /* positions past a block's extras are biased out, but read: finite (stale or 0) */
+    memset(xkeys, 0, extras * d * sizeof *xkeys);
+    memset(xvalues, 0, dvp * extras * sizeof *xvalues);
     for (int64_t bh = bh0; bh < bh1; bh++) {
         const int64_t b = bh / heads;
-        const uint8_t *real = key_real + b * n;
+        const uint8_t *real = key_real + b * n, *count_row = counted + b * n;
+        banded_pack_keys(keys, k, dtype, bh * n, n, np, d, scratch);
+        banded_pack_values(values, v, dtype, bh * n, n, np, dv, np * BANDED_LANES, scratch);
         for (int64_t t = 0; t < nb; t++) {
-            int64_t p = 0; /* gather the keys of query block t */
+            int64_t n_spans = 0, p = 0;
             const int64_t lo = (t - band) * block < 0 ? 0 : (t - band) * block;
             const int64_t hi = (t + band + 1) * block > n ? n : (t + band + 1) * block;
-#define BANDED_TAKE(ROW_K, ROW_V, BIAS)                                                   \
-    do {                                                                                  \
-        const float *kr_ = (ROW_K);                                                       \
-        const float *vr_ = (ROW_V);                                                       \
-        float *kp_ = kt + BANDED_KT(p, 0);                                                \
-        for (int64_t s_ = 0; s_ < d; s_++) kp_[s_ * BANDED_LANES] = kr_[s_];              \
-        for (int64_t e_ = 0; e_ < dv; e_ += BANDED_LANES)                                 \
-            memcpy(vals + BANDED_VAL(p, e_), vr_ + e_, (dv - e_ < BANDED_LANES ? dv - e_ : BANDED_LANES) * sizeof *vals); \
-        bias[p++] = (BIAS);                                                               \
-    } while (0)
-            for (int64_t j = lo; j < hi; j++) {
-                if (!real[j]) continue;
-                widen_into(rows + SMYRF_GROUP * d, k, dtype, (bh * n + j) * d, d);
-                widen_into(acc, v, dtype, (bh * n + j) * dv, dv);
-                BANDED_TAKE(rows + SMYRF_GROUP * d, acc, 0.0f);
-            }
-            for (int64_t s = 0; s < s_count; s++) {
-                const int64_t j = sinks[b * s_count + s], sb = j / block;
-                if (!sink_real[b * s_count + s] || (sb >= t - band && sb <= t + band)) continue;
-                widen_into(rows + SMYRF_GROUP * d, k, dtype, (bh * n + j) * d, d);
-                widen_into(acc, v, dtype, (bh * n + j) * dv, dv);
-                BANDED_TAKE(rows + SMYRF_GROUP * d, acc, 0.0f);
-            }
+            spans[n_spans] = banded_run(keys, values, np * BANDED_LANES, d, lo, hi, real, bias + p);
+            p += spans[n_spans++].count;
             const int64_t *picked = chosen + (bh * nb + t) * r_count;
             for (int64_t r = 0; r < r_count; r++) {
                 if (picked[r] < 0) continue;
                 const int64_t j1 = (picked[r] + 1) * block > n ? n : (picked[r] + 1) * block;
-                for (int64_t j = picked[r] * block; j < j1; j++) {
-                    if (!counted[b * n + j]) continue;
-                    widen_into(rows + SMYRF_GROUP * d, k, dtype, (bh * n + j) * d, d);
-                    widen_into(acc, v, dtype, (bh * n + j) * dv, dv);
-                    BANDED_TAKE(rows + SMYRF_GROUP * d, acc, 0.0f);
-                }
+                spans[n_spans] = banded_run(keys, values, np * BANDED_LANES, d, picked[r] * block, j1, count_row,
+                                            bias + p);
+                p += spans[n_spans++].count;
+            }
+            int64_t e = 0; /* the extras: sinks outside the band, then the other pooled blocks */
+            for (int64_t s = 0; s < s_count; s++) {
+                const int64_t j = sinks[b * s_count + s], sb = j / block;
+                if (!sink_real[b * s_count + s] || (sb >= t - band && sb <= t + band)) continue;
+                banded_pack_keys(xkeys + (e / BANDED_LANES * d) * BANDED_LANES + e % BANDED_LANES, k, dtype,
+                                 bh * n + j, 1, 1, d, scratch);
+                banded_pack_values(xvalues + e * BANDED_LANES, v, dtype, bh * n + j, 1, 1, dv,
+                                   extras * BANDED_LANES, scratch);
+                bias[p + e++] = 0.0f;
             }
             for (int64_t c = 0; c < nb; c++) {
-                const float lc = plog[b * nb + c];
                 if ((c >= t - band && c <= t + band) || !pooled_real[b * nb + c]) continue;
                 int hit = 0;
                 for (int64_t r = 0; r < r_count; r++) hit |= picked[r] == c;
                 if (hit) continue;
-                BANDED_TAKE(pkeys + (bh * nb + c) * d, pvals + (bh * nb + c) * dv, lc);
+                banded_pack_keys(xkeys + (e / BANDED_LANES * d) * BANDED_LANES + e % BANDED_LANES, pkeys, F32,
+                                 bh * nb + c, 1, 1, d, scratch);
+                banded_pack_values(xvalues + e * BANDED_LANES, pvals, F32, bh * nb + c, 1, 1, dv,
+                                   extras * BANDED_LANES, scratch);
+                bias[p + e++] = plog[b * nb + c];
             }
-#undef BANDED_TAKE
+            if (e > 0) {
+                const int64_t count = (e + BANDED_WIDE - 1) / BANDED_WIDE * BANDED_WIDE;
+                for (int64_t o = e; o < count; o++) bias[p + o] = BANDED_NONE;
+                spans[n_spans++] = (banded_span){xkeys, xvalues, extras * BANDED_LANES, count};
+                p += count;
+            }
             const int64_t q0 = t * block, q1 = q0 + block > n ? n : q0 + block;
-            for (int64_t i0 = q0; i0 < q1; i0 += SMYRF_GROUP) {
-                for (int g = 0; g < SMYRF_GROUP; g++) { /* the group's rows, by dimension */
+            for (int64_t i0 = q0; i0 < q1; i0 += BANDED_GROUP) {
+                for (int g = 0; g < BANDED_GROUP; g++) { /* the group's rows, by dimension */
                     const int64_t i = i0 + g < q1 ? i0 + g : q1 - 1; /* a short tail repeats */
-                    const float *x = row_floats(q, dtype, (bh * n + i) * d, d, rows + SMYRF_GROUP * d);
-                    for (int64_t s = 0; s < d; s++) xq[s * SMYRF_GROUP + g] = x[s];
+                    const float *x = row_floats(q, dtype, (bh * n + i) * d, d, scratch);
+                    for (int64_t s = 0; s < d; s++) xq[s * BANDED_GROUP + g] = x[s];
                 }
-                banded_logits(xq, kt, d, sp, scale, logits);
-                float inv[SMYRF_GROUP];
-                for (int g = 0; g < SMYRF_GROUP; g++) {
-                    float *row = logits + g * sp;
-                    inv[g] = 0.0f;
-                    if (i0 + g >= q1 || !real[i0 + g] || p == 0) { /* no output: its weights 0 */
-                        memset(row, 0, p * sizeof *row);
-                        continue;
-                    }
-                    float top = -FLT_MAX;
-                    for (int64_t j = 0; j < p; j++) {
-                        row[j] += bias[j];
-                        top = row[j] > top ? row[j] : top;
-                    }
-                    float total = 0.0f;
-                    for (int64_t j = 0; j < p; j++) {
-                        row[j] = expf(row[j] - top);
-                        total += row[j];
-                    }
-                    inv[g] = 1.0f / total;
-                }
-                for (int64_t eb = 0; eb < dvp; eb += wide) { /* two value vectors meet BANDED_ROWS rows */
-                    for (int g0 = 0; g0 < SMYRF_GROUP; g0 += BANDED_ROWS) {
-                        bfloats s0[BANDED_ROWS], s1[BANDED_ROWS];
-                        for (int r = 0; r < BANDED_ROWS; r++) s0[r] = s1[r] = (bfloats){0};
-                        for (int64_t j = 0; j < p; j++) {
-                            const bfloats v0 = *(const bfloats *)(vals + BANDED_VAL(j, eb));
-                            const bfloats v1 = *(const bfloats *)(vals + BANDED_VAL(j, eb + BANDED_LANES));
-                            for (int r = 0; r < BANDED_ROWS; r++) {
-                                const float w = logits[(g0 + r) * sp + j];
-                                s0[r] += w * v0;
-                                s1[r] += w * v1;
-                            }
-                        }
-                        for (int r = 0; r < BANDED_ROWS; r++) {
-                            *(bfloats *)(acc + (g0 + r) * dvp + eb) = s0[r] * inv[g0 + r];
-                            *(bfloats *)(acc + (g0 + r) * dvp + eb + BANDED_LANES) = s1[r] * inv[g0 + r];
-                        }
+                for (int64_t i = 0, at = 0; i < n_spans; at += spans[i++].count)
+                    banded_logits(xq, &spans[i], d, scale, bias + at, logits + at, p);
+                float inv[BANDED_GROUP];
+                for (int g = 0; g < BANDED_GROUP; g++) {
+                    if (i0 + g >= q1 || !real[i0 + g]) { /* no output: its weights 0 */
+                        memset(logits + g * p, 0, p * sizeof *logits);
+                        inv[g] = 0.0f;
+                    } else {
+                        inv[g] = banded_softmax(logits + g * p, p);
                     }
                 }
-                for (int g = 0; g < SMYRF_GROUP && i0 + g < q1; g++) {
+                banded_values(logits, p, spans, n_spans, inv, dvp, acc);
+                for (int g = 0; g < BANDED_GROUP && i0 + g < q1; g++) {
                     if (dtype == F32) memcpy((float *)out + (bh * n + i0 + g) * dv, acc + g * dvp, dv * sizeof(float));
                     else store_row(out, dtype, (bh * n + i0 + g) * dv, acc + g * dvp, dv);
                 }
             }
         }
     }
-    free(kt), free(vals), free(bias), free(logits), free(rows), free(acc), free(xq);
+    free(keys), free(values), free(xkeys), free(xvalues), free(bias), free(logits), free(acc), free(xq), free(scratch);
+    free(spans);
 }

@@ -106,15 +106,24 @@ def pool(k: Tensor, v: Tensor, key_mask: Tensor, spec: AttentionSpec) -> Pooled:
     blocks = -(-n // size)
     tail = blocks * size - n
     counted = key_mask & ~is_sink(key_mask, spec.sinks)  # (B, N)
-    weight = F.pad(counted, (0, tail)).to(k.dtype).view(b, 1, blocks, size, 1)
-    count = weight.sum(dim=3)  # (B, 1, NB, 1)
+    weight = F.pad(counted, (0, tail)).to(k.dtype).view(b, 1, blocks, 1, size)
+    count = weight.sum(dim=4)  # (B, 1, NB, 1)
     per = count.clamp(min=1)
-    keys = (F.pad(k, (0, 0, 0, tail)).view(b, h, blocks, size, d) * weight).sum(3) / per
-    values = (F.pad(v, (0, 0, 0, tail)).view(b, h, blocks, size, -1) * weight).sum(3) / per
+    # Sums as products with each block's row of weights: no (B, H, N, D) temporary.
+    keys = (weight @ _blocked(k, blocks, size)).squeeze(3) / per
+    values = (weight @ _blocked(v, blocks, size)).squeeze(3) / per
     log_count = count[:, 0, :, 0].log()  # -inf for a block with no counted key
     positions, real = sink_positions(key_mask, spec.sinks)
     chosen = key_mask.new_zeros(b, h, blocks, 0, dtype=torch.int64)
     return Pooled(keys, values, log_count, positions, real, counted, chosen)
+
+
+def _blocked(x: Tensor, blocks: int, size: int) -> Tensor:
+    """(B, H, N, E) -> (B, H, NB, size, E), zero-padded to whole blocks (a view when N is a
+    whole number of blocks)."""
+    b, h, n, e = x.shape
+    tail = blocks * size - n
+    return (F.pad(x, (0, 0, 0, tail)) if tail else x).view(b, h, blocks, size, e)
 
 
 def far_count(spec: AttentionSpec, blocks: int) -> int:
@@ -133,14 +142,16 @@ def choice_scores(q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSp
     blocks = pooled.keys.shape[2]
     size = spec.block
     tail = blocks * size - n
-    keys = pooled.keys
-    q_pad = F.pad(q.to(keys.dtype), (0, 0, 0, tail)).view(b, h, blocks, size, d)
-    real = F.pad(key_mask, (0, tail)).view(b, 1, blocks, size, 1)
-    score = keys.new_empty(b, h, blocks, blocks)
+    keys_t = pooled.keys.transpose(-1, -2)  # (B, H, D, NB)
+    q_pad = _blocked(q.to(keys_t.dtype), blocks, size)
+    padded = ~F.pad(key_mask, (0, tail)).view(b, 1, blocks, size, 1)
+    score = keys_t.new_empty(b, h, blocks, blocks)
     for first in range(0, blocks, _BLOCKS_PER_STEP):
         last = min(blocks, first + _BLOCKS_PER_STEP)
-        logits = q_pad[:, :, first:last] @ keys[:, :, None].transpose(-1, -2)  # (B, H, c, size, NB)
-        score[:, :, first:last] = logits.masked_fill(~real[:, :, first:last], float("-inf")).amax(dim=3) * scale
+        # The run's queries as rows of one product with the mean keys: no broadcast copies.
+        rows = q_pad[:, :, first:last].reshape(b, h, (last - first) * size, d)
+        logits = (rows @ keys_t).view(b, h, last - first, size, blocks)
+        score[:, :, first:last] = logits.masked_fill_(padded[:, :, first:last], float("-inf")).amax(dim=3) * scale
     ids = torch.arange(blocks, device=q.device)
     near = (ids[:, None] - ids[None, :]).abs() <= min(spec.band, blocks - 1)
     return (score + pooled.log_count.to(score.dtype)[:, None, None, :]).masked_fill(near, float("-inf"))
