@@ -105,10 +105,15 @@ def native_missing():
     return native.library() is None
 
 
+# Native only: more sinks and pooled blocks than one tile of keys holds (a second tile of
+# extras), and blocks of 50 (runs that start and end inside a panel) with far blocks.
+NATIVE_CASES = [(130, 16, 2, 8, 0, [130, 97]), (130, 16, 1, 8, 3, [130, 97]), (200, 4, 1, 3, 2, [200, 150]),
+                (300, 50, 1, 2, 2, [300, 260])]
+
+
 @pytest.mark.skipif(native_missing(), reason="the native loops were not built (no C compiler)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, block, band, sinks, far, lengths", CASES + [(130, 16, 2, 8, 0, [130, 97]),
-                                                                         (130, 16, 1, 8, 3, [130, 97])])
+@pytest.mark.parametrize("n, block, band, sinks, far, lengths", CASES + NATIVE_CASES)
 def test_native_matches_reference(n, block, band, sinks, far, lengths, dtype):
     q, k, v = qkv(n=n, d=32, dv=24, dtype=dtype, seed=n + 1)
     mask = padding_mask(2, n, lengths) if lengths else None
