@@ -1204,9 +1204,9 @@ typedef struct {
     int64_t plane, count; /* floats between value planes; keys, a multiple of BANDED_WIDE */
 } banded_span;
 
-/* Rows [from, to) of x (rows of `width` elements in dtype, starting at row `first`) into
- * panels: row o's element s at keys[(o / lanes * width + s) * lanes + o % lanes]; rows past
- * `count` are zeros. */
+/* `rows` rows of x (rows of `width` elements in dtype) from row `first` into panels: row o's
+ * element s at keys[(o / lanes * width + s) * lanes + o % lanes]; rows from `count` on are
+ * zeros. */
 static void banded_pack_keys(float *keys, const void *x, int64_t dtype, int64_t first, int64_t count, int64_t rows,
                              int64_t width, float *scratch) {
     for (int64_t o = 0; o < rows; o++) {
@@ -1220,8 +1220,9 @@ static void banded_pack_keys(float *keys, const void *x, int64_t dtype, int64_t 
     }
 }
 
-/* Row o of x (`width` elements in dtype from row `first`) as value o of panels of `plane`
- * floats each (width rounded up to whole vectors: the rest zeros); rows past `count` zeros. */
+/* `rows` rows of x (`width` elements in dtype) from row `first` as values 0.. of panels of
+ * `plane` floats each (width rounded up to whole tiles: the rest zeros); rows from `count` on
+ * are zeros. */
 static void banded_pack_values(float *values, const void *x, int64_t dtype, int64_t first, int64_t count,
                                int64_t rows, int64_t width, int64_t plane, float *scratch) {
     const int64_t padded = (width + BANDED_WIDE - 1) / BANDED_WIDE * BANDED_WIDE;
