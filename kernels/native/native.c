@@ -1204,33 +1204,15 @@ typedef struct {
     int64_t plane, count; /* floats between value planes; keys, a multiple of BANDED_WIDE */
 } banded_span;
 
-/* `rows` rows of x (rows of `width` elements in dtype) from row `first` into panels: row o's
- * element s at keys[(o / lanes * width + s) * lanes + o % lanes]; rows from `count` on are
- * zeros. */
-static void banded_pack_keys(float *keys, const void *x, int64_t dtype, int64_t first, int64_t count, int64_t rows,
-                             int64_t width, float *scratch) {
-    for (int64_t o = 0; o < rows; o++) {
-        float *to = keys + (o / BANDED_LANES * width) * BANDED_LANES + o % BANDED_LANES;
-        if (o >= count) {
-            for (int64_t s = 0; s < width; s++) to[s * BANDED_LANES] = 0.0f;
-            continue;
-        }
-        const float *row = row_floats(x, dtype, (first + o) * width, width, scratch);
-        for (int64_t s = 0; s < width; s++) to[s * BANDED_LANES] = row[s];
-    }
-}
-
-/* `rows` rows of x (`width` elements in dtype) from row `first` as values 0.. of panels of
- * `plane` floats each (width rounded up to whole tiles: the rest zeros); rows from `count` on
- * are zeros. */
-static void banded_pack_values(float *values, const void *x, int64_t dtype, int64_t first, int64_t count,
-                               int64_t rows, int64_t width, int64_t plane, float *scratch) {
-    const int64_t padded = (width + BANDED_WIDE - 1) / BANDED_WIDE * BANDED_WIDE;
-    for (int64_t o = 0; o < rows; o++) {
-        const float *row = o < count ? row_floats(x, dtype, (first + o) * width, width, scratch) : NULL;
-        for (int64_t e = 0; e < padded; e++)
-            values[e / BANDED_LANES * plane + o * BANDED_LANES + e % BANDED_LANES] = row && e < width ? row[e] : 0.0f;
-    }
+/* A key row and its value row (float32) as key `at` of panels laid out as above, the value's
+ * elements from dv to the next whole tile zeros. */
+static void banded_put(float *keys, float *values, int64_t plane, int64_t at, const float *key, const float *value,
+                       int64_t d, int64_t dv) {
+    float *to = keys + (at / BANDED_LANES * d) * BANDED_LANES + at % BANDED_LANES;
+    for (int64_t s = 0; s < d; s++) to[s * BANDED_LANES] = key[s];
+    const int64_t dvp = (dv + BANDED_WIDE - 1) / BANDED_WIDE * BANDED_WIDE;
+    for (int64_t e = 0; e < dvp; e++)
+        values[e / BANDED_LANES * plane + at * BANDED_LANES + e % BANDED_LANES] = e < dv ? value[e] : 0.0f;
 }
 
 /* logits (BANDED_GROUP rows of `stride`) = scale * query g . key o + bias[o] over a span,
@@ -1344,6 +1326,7 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
     /* a head's packed keys: a span may reach a tile past the last key */
     const int64_t np = (n + 2 * BANDED_WIDE) / BANDED_LANES * BANDED_LANES;
     const int64_t extras = (s_count + nb + BANDED_WIDE - 1) / BANDED_WIDE * BANDED_WIDE;
+    const int64_t plane = np * BANDED_LANES, extra_plane = extras * BANDED_LANES; /* floats a value plane */
     const int64_t run = block + 2 * BANDED_WIDE; /* a far block's span, at most */
     const int64_t p_max = (2 * band + 1) * block + 2 * BANDED_WIDE + r_count * run + extras;
     float *keys = aligned_alloc(64, np * d * sizeof *keys);
@@ -1354,7 +1337,8 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
     float *logits = aligned_alloc(64, BANDED_GROUP * p_max * sizeof *logits);
     float *acc = aligned_alloc(64, BANDED_GROUP * dvp * sizeof *acc);
     float *xq = malloc(BANDED_GROUP * d * sizeof *xq);
-    float *scratch = malloc((d > dv ? d : dv) * sizeof *scratch);
+    float *scratch = malloc((d + dv) * sizeof *scratch); /* a widened key row, then its value row */
+    float *zeros = calloc(d > dv ? d : dv, sizeof *zeros); /* the rows past the last key */
     banded_span *spans = malloc((r_count + 2) * sizeof *spans);
     /* positions past a block's extras are biased out, but read: finite (stale or 0) */
     memset(xkeys, 0, extras * d * sizeof *xkeys);
@@ -1362,19 +1346,20 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
     for (int64_t bh = bh0; bh < bh1; bh++) {
         const int64_t b = bh / heads;
         const uint8_t *real = key_real + b * n, *count_row = counted + b * n;
-        banded_pack_keys(keys, k, dtype, bh * n, n, np, d, scratch);
-        banded_pack_values(values, v, dtype, bh * n, n, np, dv, np * BANDED_LANES, scratch);
+        for (int64_t j = 0; j < np; j++) /* the head's keys and values, zeros past the last */
+            banded_put(keys, values, plane, j, j < n ? row_floats(k, dtype, (bh * n + j) * d, d, scratch) : zeros,
+                       j < n ? row_floats(v, dtype, (bh * n + j) * dv, dv, scratch + d) : zeros, d, dv);
         for (int64_t t = 0; t < nb; t++) {
             int64_t n_spans = 0, p = 0;
             const int64_t lo = (t - band) * block < 0 ? 0 : (t - band) * block;
             const int64_t hi = (t + band + 1) * block > n ? n : (t + band + 1) * block;
-            spans[n_spans] = banded_run(keys, values, np * BANDED_LANES, d, lo, hi, real, bias + p);
+            spans[n_spans] = banded_run(keys, values, plane, d, lo, hi, real, bias + p);
             p += spans[n_spans++].count;
             const int64_t *picked = chosen + (bh * nb + t) * r_count;
             for (int64_t r = 0; r < r_count; r++) {
                 if (picked[r] < 0) continue;
                 const int64_t j1 = (picked[r] + 1) * block > n ? n : (picked[r] + 1) * block;
-                spans[n_spans] = banded_run(keys, values, np * BANDED_LANES, d, picked[r] * block, j1, count_row,
+                spans[n_spans] = banded_run(keys, values, plane, d, picked[r] * block, j1, count_row,
                                             bias + p);
                 p += spans[n_spans++].count;
             }
@@ -1382,10 +1367,8 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
             for (int64_t s = 0; s < s_count; s++) {
                 const int64_t j = sinks[b * s_count + s], sb = j / block;
                 if (!sink_real[b * s_count + s] || (sb >= t - band && sb <= t + band)) continue;
-                banded_pack_keys(xkeys + (e / BANDED_LANES * d) * BANDED_LANES + e % BANDED_LANES, k, dtype,
-                                 bh * n + j, 1, 1, d, scratch);
-                banded_pack_values(xvalues + e * BANDED_LANES, v, dtype, bh * n + j, 1, 1, dv,
-                                   extras * BANDED_LANES, scratch);
+                banded_put(xkeys, xvalues, extra_plane, e, row_floats(k, dtype, (bh * n + j) * d, d, scratch),
+                           row_floats(v, dtype, (bh * n + j) * dv, dv, scratch + d), d, dv);
                 bias[p + e++] = 0.0f;
             }
             for (int64_t c = 0; c < nb; c++) {
@@ -1393,16 +1376,13 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
                 int hit = 0;
                 for (int64_t r = 0; r < r_count; r++) hit |= picked[r] == c;
                 if (hit) continue;
-                banded_pack_keys(xkeys + (e / BANDED_LANES * d) * BANDED_LANES + e % BANDED_LANES, pkeys, F32,
-                                 bh * nb + c, 1, 1, d, scratch);
-                banded_pack_values(xvalues + e * BANDED_LANES, pvals, F32, bh * nb + c, 1, 1, dv,
-                                   extras * BANDED_LANES, scratch);
+                banded_put(xkeys, xvalues, extra_plane, e, pkeys + (bh * nb + c) * d, pvals + (bh * nb + c) * dv, d, dv);
                 bias[p + e++] = plog[b * nb + c];
             }
             if (e > 0) {
                 const int64_t count = (e + BANDED_WIDE - 1) / BANDED_WIDE * BANDED_WIDE;
                 for (int64_t o = e; o < count; o++) bias[p + o] = BANDED_NONE;
-                spans[n_spans++] = (banded_span){xkeys, xvalues, extras * BANDED_LANES, count};
+                spans[n_spans++] = (banded_span){xkeys, xvalues, extra_plane, count};
                 p += count;
             }
             const int64_t q0 = t * block, q1 = q0 + block > n ? n : q0 + block;
@@ -1432,5 +1412,5 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
         }
     }
     free(keys), free(values), free(xkeys), free(xvalues), free(bias), free(logits), free(acc), free(xq), free(scratch);
-    free(spans);
+    free(zeros), free(spans);
 }

@@ -197,14 +197,14 @@ def attend(
     k_pad = F.pad(k, (0, 0, reach, reach + tail))
     v_pad = F.pad(v, (0, 0, reach, reach + tail))
     real_pad = F.pad(key_mask, (reach, reach + tail), value=False)
-    q_pad = F.pad(q, (0, 0, 0, tail)).view(b, h, blocks, size, d)
+    q_pad = _blocked(q, blocks, size)
     sink_k = k.gather(2, pooled.sinks[:, None, :, None].expand(b, h, -1, d))  # (B, H, S, D)
     sink_v = v.gather(2, pooled.sinks[:, None, :, None].expand(b, h, -1, dv))
     sink_block = pooled.sinks // size  # (B, S)
     block_ids = torch.arange(blocks, device=q.device)
     r = pooled.chosen.shape[-1]
-    k_blocks = F.pad(k, (0, 0, 0, tail)).view(b, h, blocks, size, d)
-    v_blocks = F.pad(v, (0, 0, 0, tail)).view(b, h, blocks, size, dv)
+    k_blocks = _blocked(k, blocks, size)
+    v_blocks = _blocked(v, blocks, size)
     counted_blocks = F.pad(pooled.counted, (0, tail)).view(b, 1, blocks, size)
     rows, heads = torch.arange(b, device=q.device)[:, None, None, None], torch.arange(h, device=q.device)[None, :, None, None]
     out = q.new_empty(b, h, blocks, size, dv)
