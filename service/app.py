@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -166,7 +167,7 @@ def _load_and_start(state: ServiceState, load: Callable[[Settings], Encoder]) ->
         state.encoder, state.batcher = encoder, batcher
         state.throughput, state.work_budget = throughput, budget
         batcher.start()
-        state.ready = True
+        state.ready, state.ready_since = True, int(time.time())
     dtype = dtype_name(encoder.dtype)
     state.metrics.set_build_info(__version__, encoder.name, str(encoder.device), encoder.backend, dtype)
     log.info(

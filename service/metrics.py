@@ -34,6 +34,8 @@ INFERENCE_ENDPOINTS = (  # "/": TEI's root route, the same as /embed; /api/*: Ol
     "/v1/embeddings", "/embed", "/", "/embed_all", "/api/embed", "/api/embeddings",
 )
 OTHER_ENDPOINTS = (
+    "/v1/models",
+    "/v1/models/{model}",
     "/tokenize",
     "/api/tags",
     "/api/show",

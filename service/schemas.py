@@ -290,6 +290,18 @@ class EmbeddingResponse(BaseModel):
     adapter: str | None = Field(description="the task adapter that ran, or null (base weights)")
 
 
+class ModelCard(BaseModel):
+    id: str = Field(description="the served model's name, as /v1/embeddings answers it in `model`")
+    object: Literal["model"] = "model"
+    created: int = Field(description="Unix time, in seconds, at which this server had loaded the model")
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(description="the one model this server serves")
+
+
 class EmbedRequest(BaseModel):
     """POST /embed and POST / (Text Embeddings Inference), plus the `attention`, `adapter` and
     `fidelity` extensions."""

@@ -25,6 +25,7 @@ class ServiceState:
     encoder: Encoder | None = None  # once loaded; the one holder of the model's facts (limits, table, backend)
     batcher: Batcher | None = None
     ready: bool = False  # loaded, warmed up and not draining
+    ready_since: int = 0  # Unix seconds at which it turned ready (the `created` of /v1/models)
     draining: bool = False
     load_error: str | None = None
     work_budget: float = float("inf")  # estimated work units a request may take (models.planning.cost)

@@ -1,4 +1,6 @@
-"""POST /v1/embeddings: the OpenAI embeddings API, plus `attention`, `truncate`, `prompt_name`,
+"""OpenAI's API: POST /v1/embeddings, GET /v1/models and GET /v1/models/{model}.
+
+The embeddings route is OpenAI's, plus `attention`, `truncate`, `prompt_name`,
 `adapter` and `fidelity`.
 
 Token-id inputs are the model's vocabulary ids, used exactly as sent (no [CLS]/[SEP] is
@@ -16,6 +18,11 @@ input: `index` is the input's, `chunk` the chunk's number within it, `text_span`
 `token_span` its [start, stop) characters and tokens (models.planning.chunk_plan); the official client
 parses it as a list of embeddings and keeps the extra fields. With `late_chunking` (Jina's
 form) the inputs are the consecutive chunks of one text and `data` has one item per input.
+
+/v1/models lists the one served model (`client.models.list()`, and the clients and tools that
+look up a model there before they use it); /v1/models/{model} answers for its name and the
+names /api/tags gives it (Ollama's, with or without ":latest"), 404 for any other. Both take
+the API key where one is configured, as OpenAI's do, and answer 503 until the model is ready.
 """
 
 from __future__ import annotations
@@ -23,18 +30,27 @@ from __future__ import annotations
 import base64
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
+from .. import errors
 from ..auth import require_api_key
 from ..pipeline import FIDELITY_REFERENCE, embed
 from ..planning import EmbedOptions
 from ..responses import json_response, json_rows
-from ..schemas import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse
+from ..schemas import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse, ErrorResponse, ModelCard, ModelList, error_responses
+from ..state import ServiceState, get_state
+from .ollama import answers_to
 
-router = APIRouter(tags=["openai"], responses=ERROR_RESPONSES, dependencies=[Depends(require_api_key)])
+router = APIRouter(tags=["openai"], dependencies=[Depends(require_api_key)])
+MODEL_ERRORS = error_responses(
+    ErrorResponse,
+    {401: "missing or wrong API key (when one is configured)", 404: "no served model has that name",
+     503: "not ready"},
+)  # fmt: skip
+OWNED_BY = "clusterserve"
 
 
-@router.post("/v1/embeddings", response_model=EmbeddingResponse)
+@router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES)
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
     embedded = await embed(request, body.input, EmbedOptions.of(body, "input"))
 
@@ -72,3 +88,22 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
         return content
 
     return await json_response(answer, embedded.headers)
+
+
+def _card(state: ServiceState) -> dict:
+    encoder, _ = state.require_ready()
+    return {"id": encoder.name, "object": "model", "created": state.ready_since, "owned_by": OWNED_BY}
+
+
+@router.get("/v1/models", response_model=ModelList, responses=MODEL_ERRORS)
+async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_card(get_state(request))]})
+
+
+@router.get("/v1/models/{model}", response_model=ModelCard, responses=MODEL_ERRORS)
+async def retrieve_model(model: str, request: Request) -> JSONResponse:
+    card = _card(get_state(request))
+    if not answers_to(card["id"], model):
+        message = f"model {model!r} is not served here; GET /v1/models lists the one that is"
+        raise errors.ServiceError(404, "not_found", message, "model")
+    return JSONResponse(card)

@@ -207,6 +207,9 @@ async def test_401_api_key():
             assert response.headers["www-authenticate"] == "Bearer"
         assert (await http.post("/embed", json={"inputs": "a"})).status_code == 401
         assert (await http.post("/tokenize", json={"inputs": "a"})).status_code == 401
+        for listing in ("/v1/models", "/v1/models/fake-encoder"):  # as OpenAI's, behind the key
+            assert_error(await http.get(listing), 401, None, "API key")
+            assert (await http.get(listing, headers={"authorization": "Bearer s3cret"})).status_code == 200, listing
         ok = await http.post("/v1/embeddings", json=body, headers={"authorization": "Bearer s3cret"})
         assert ok.status_code == 200
         for open_path in ("/health/ready", "/health/live", "/metrics", "/info"):
@@ -262,6 +265,7 @@ async def test_503_until_the_model_is_loaded():
         assert response.headers["retry-after"] == "1"
         assert_error(await http.post("/tokenize", json={"inputs": "a"}), 503, None)
         assert_error(await http.get("/info"), 503, None)
+        assert_error(await http.get("/v1/models"), 503, None, "loading")
         loaded.set()
         import anyio
 

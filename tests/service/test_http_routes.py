@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from service_helpers import REAL_LIMITS, license_text, wait_ready
+from service_helpers import REAL_LIMITS, license_text, scrape, value, wait_ready
 
 from kernels import KNOB_RANGES, METHOD_KNOBS, AttentionSpec, backend_for
 from service.app import create_app
@@ -92,6 +92,31 @@ def test_openai_dimensions_cut_and_renormalise(client):
     cut = vectors(client.post("/v1/embeddings", json={**request, "dimensions": 16}))[0]
     assert cut.shape == (16,)
     np.testing.assert_allclose(cut, full[:16] / np.linalg.norm(full[:16]), rtol=1e-5, atol=1e-6)
+
+
+def test_openai_models_list_the_served_model_and_retrieve_it_by_its_names(client):
+    listed = client.get("/v1/models")
+    assert listed.status_code == 200, listed.text
+    body = listed.json()
+    assert body["object"] == "list" and len(body["data"]) == 1
+    card = body["data"][0]
+    assert card["id"] == "all-MiniLM-L6-v2" == client.post("/v1/embeddings", json={"input": "a"}).json()["model"]
+    assert card["object"] == "model" and card["owned_by"] == "clusterserve"
+    assert 0 < card["created"] <= time.time()  # when the server had loaded it
+    for name in ("all-MiniLM-L6-v2", "all-minilm", "ALL-MINILM:latest"):  # as /api/tags names it
+        retrieved = client.get(f"/v1/models/{name}")
+        assert retrieved.status_code == 200, (name, retrieved.text)
+        assert retrieved.json() == card
+    missing = client.get("/v1/models/text-embedding-3-small")
+    assert missing.status_code == 404
+    assert missing.json()["error"] == {
+        "message": "model 'text-embedding-3-small' is not served here; GET /v1/models lists the one that is",
+        "type": "not_found_error", "param": "model",
+    }  # fmt: skip
+    families = scrape(client.get("/metrics").text)
+    for endpoint, code in (("/v1/models", "200"), ("/v1/models/{model}", "200"), ("/v1/models/{model}", "404")):
+        assert value(families, "clusterserve_requests", "clusterserve_requests_total",
+                     endpoint=endpoint, method="none", code=code) >= 1, (endpoint, code)  # fmt: skip
 
 
 @pytest.mark.parametrize("method", ["full", "clustered", "i-clustered", "smyrf"])

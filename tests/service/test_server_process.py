@@ -51,6 +51,14 @@ def test_openai_client_base64_default_and_float_agree(client):
     assert default.usage.prompt_tokens == default.usage.total_tokens > 10
 
 
+def test_openai_client_lists_and_retrieves_the_served_model(client):
+    (listed,) = client.models.list().data
+    assert (listed.id, listed.object, listed.owned_by) == ("all-MiniLM-L6-v2", "model", "clusterserve")
+    assert client.models.retrieve("all-minilm") == listed  # Ollama's name for it
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.models.retrieve("text-embedding-3-small")
+
+
 def test_openai_client_long_document_each_method(client):
     vectors = {}
     for method in METHODS:
