@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Awaitable, Callable
+from typing import Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
 
 from models import Encoder
 from models.prompts import NO_PROMPT
@@ -46,22 +45,7 @@ from ..pipeline import embed
 from ..planning import EmbedOptions
 from ..responses import json_response, json_rows
 from ..state import get_state
-
-
-class JSONBodyRoute(APIRoute):
-    """A route that reads its body as JSON whatever the content type says, as Ollama's server
-    does: the `curl -d '{...}'` of Ollama's documentation sends a form's content type."""
-
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
-        handler = super().get_route_handler()
-
-        async def as_json(request: Request) -> Response:
-            headers = [(k, v) for k, v in request.scope["headers"] if k.lower() != b"content-type"]
-            request.scope["headers"] = [*headers, (b"content-type", b"application/json")]
-            return await handler(request)
-
-        return as_json
-
+from .json_body import JSONBodyRoute
 
 router = APIRouter(tags=["ollama"], route_class=JSONBodyRoute)
 AUTH = [Depends(require_api_key)]

@@ -39,9 +39,10 @@ from ..planning import EmbedOptions
 from ..responses import json_response, json_rows
 from ..schemas import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse, ErrorResponse, ModelCard, ModelList, error_responses
 from ..state import ServiceState, get_state
+from .json_body import JSONBodyRoute
 from .ollama import answers_to
 
-router = APIRouter(tags=["openai"], dependencies=[Depends(require_api_key)])
+router = APIRouter(route_class=JSONBodyRoute, tags=["openai"], dependencies=[Depends(require_api_key)])
 MODEL_ERRORS = error_responses(
     ErrorResponse,
     {401: "missing or wrong API key (when one is configured)", 404: "no served model has that name",

@@ -27,8 +27,9 @@ from ..pipeline import embed
 from ..planning import EmbedOptions
 from ..responses import json_response, json_rows
 from ..schemas import ERROR_RESPONSES, ChunkEmbedding, EmbedAllRequest, EmbedRequest
+from .json_body import JSONBodyRoute
 
-router = APIRouter(tags=["tei"], responses=ERROR_RESPONSES, dependencies=[Depends(require_api_key)])
+router = APIRouter(route_class=JSONBodyRoute, tags=["tei"], responses=ERROR_RESPONSES, dependencies=[Depends(require_api_key)])
 EMBEDDINGS = list[list[float]] | list[list[ChunkEmbedding]]
 
 

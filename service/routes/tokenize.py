@@ -15,8 +15,11 @@ from ..auth import require_api_key
 from ..planning import parse_inputs
 from ..schemas import ERROR_RESPONSES, Token, TokenizeRequest
 from ..state import get_state
+from .json_body import JSONBodyRoute
 
-router = APIRouter(tags=["tokenize"], responses=ERROR_RESPONSES, dependencies=[Depends(require_api_key)])
+router = APIRouter(
+    route_class=JSONBodyRoute, tags=["tokenize"], responses=ERROR_RESPONSES, dependencies=[Depends(require_api_key)]
+)
 
 
 @router.post("/tokenize", response_model=list[list[Token]])

@@ -6,6 +6,7 @@ with a fake encoder that can be held busy or made to fail.
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -94,6 +95,17 @@ def test_tokenize_answers_an_empty_text_with_its_special_tokens_and_the_schema_a
 def test_400_malformed_json(client, path, body):
     response = client.post(path, content=body, headers={"content-type": "application/json"})
     assert_error(response, 400, None, "not valid JSON")
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
+def test_a_json_body_is_read_whatever_its_content_type_says(client, content_type):
+    """`curl -d` without -H sends a form's content type: the body is still the request."""
+    headers = {"content-type": content_type} if content_type else {}
+    for path, body in (("/v1/embeddings", {"input": "a"}), ("/embed", {"inputs": "a"}), ("/", {"inputs": "a"}),
+                       ("/embed_all", {"inputs": "a"}), ("/tokenize", {"inputs": "a"})):  # fmt: skip
+        response = client.post(path, content=json.dumps(body), headers=headers)
+        assert response.status_code == 200, (path, response.text)
+    assert_error(client.post("/embed", content=b"inputs=a", headers=headers), 400, None, "not valid JSON")
 
 
 @pytest.mark.parametrize(
