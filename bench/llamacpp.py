@@ -1,20 +1,22 @@
 """This server against llama.cpp on the same GGUF, over HTTP as users call them.
 
     python -m bench.llamacpp [--repeats 3] [--threads 2] [--model FILE.gguf] [--server-args ...]
+                             [--workloads NAME ...] [--name llamacpp]
 
 Starts `python -m service` with its defaults (the default model; `auto` at the server's
 target fidelity, bfloat16 where the CPU is fast at it) and llama-cpp-python's server
 (`python -m llama_cpp.server`, an OpenAI-style /v1/embeddings) on the same GGUF file, both
 with the same threads, and posts the same workloads to each, the two in turn each round (so
-the machine's drift falls on both alike): 64 short texts in one request, 6 paragraphs of
-~460 tokens in one request, one ~2k-token document, one ~8k-token document. Texts carry
-nomic's "search_document: " themselves, which this server then leaves as they are, so both
-embed the same tokens. Past nomic's 2,048 trained positions this server applies the published
+the machine's drift falls on both alike): one short query (a search engine's every query;
+timed QUERY_CALLS times a round, the median kept), 64 short texts in one request, 6
+paragraphs of ~460 tokens in one request, one ~2k-token document, one ~8k-token document.
+Texts carry nomic's "search_query: " or "search_document: " themselves, which this server then
+leaves as they are, so both embed the same tokens. Past nomic's 2,048 trained positions this server applies the published
 dynamic NTK scaling; llama.cpp is given the same (the rotary base that scaling gives at the
 8k document's length) by a second llama.cpp server for that workload.
 
 Reports per workload each server's median seconds, the ratio, and the least cosine between
-the two servers' vectors; writes bench/results/llamacpp.json.
+the two servers' vectors; writes bench/results/<name>.json (`--workloads` runs only those named).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from .common import LICENSE_DIR, print_table, run_conditions, write_results
 from .short_texts import sentences
 
 PROMPT = "search_document: "
+QUERY = "search_query: what may I distribute under these terms?"
+QUERY_CALLS = 10  # timed calls a round of the one-query workload: one call is ~0.1 s
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -102,6 +106,7 @@ def workloads(tokenizer) -> dict[str, list[str]]:
         return PROMPT + " ".join(words[start : start + low])
 
     return {
+        "one short query": [QUERY],
         "64 short texts": [PROMPT + s for s in sentences(64)],
         "6 paragraphs of ~460 tokens": [of_tokens(460, 400 * i) for i in range(6)],
         "one 2k-token document": [of_tokens(2040)],
@@ -115,6 +120,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: the default model's)")
     parser.add_argument("--server-args", nargs="*", default=[], help="extra flags for python -m service")
+    parser.add_argument("--workloads", nargs="*", default=None, help="run only these (names as printed)")
+    parser.add_argument("--name", default="llamacpp", help="results file: bench/results/<name>.json")
     args = parser.parse_args()
 
     from models import load_encoder
@@ -127,6 +134,9 @@ def main() -> None:
         return len(tokenizer.encode([text])[0].ids)
 
     loads = workloads(count)
+    unknown = set(args.workloads or ()) - set(loads)
+    if unknown:
+        parser.error(f"--workloads: unknown {sorted(unknown)}; choose from {list(loads)}")
     long_tokens = count(loads["one 8k-token document"][0])
     config = encoder.model.config
     scaled_base = rotary_base(long_tokens, config.head_dim, config.rope_theta, config.rope_type, config.rope_factor,
@@ -148,11 +158,13 @@ def main() -> None:
         httpx.Client(timeout=1800) as http,
     ):
         for name, texts in loads.items():
+            if args.workloads and name not in args.workloads:
+                continue
             peer = llama_8k_url if name.startswith("one 8k") else llama_url
             _embed(http, ours_url, texts)  # untimed: first-request costs on both
             _embed(http, peer, texts)
             times = {"clusterserve": [], "llama.cpp": []}
-            for _ in range(args.repeats):
+            for _ in range(args.repeats * (QUERY_CALLS if texts == [QUERY] else 1)):
                 ours_s, ours_vectors = _embed(http, ours_url, texts)
                 peer_s, peer_vectors = _embed(http, peer, texts)
                 times["clusterserve"].append(ours_s)
@@ -173,7 +185,7 @@ def main() -> None:
     print_table(rows, ["workload", "tokens", "clusterserve_s", "llama_cpp_s", "speedup", "min_cosine", "attention"])
     meta = run_conditions(model=str(model), repeats=args.repeats, threads=args.threads, served_dtype=info.get("dtype"),
                           backend=info.get("backend"), llama_cpp_rope_freq_base_8k=scaled_base)
-    print(f"wrote {write_results('llamacpp', rows, meta)}")
+    print(f"wrote {write_results(args.name, rows, meta)}")
 
 
 if __name__ == "__main__":
