@@ -81,6 +81,7 @@ def load_model(settings: Settings) -> Encoder:
         calibration=settings.calibration,
         cuda_graphs=settings.cuda_graph_signatures if settings.cuda_graphs else 0,
         cuda_graph_max_length=settings.cuda_graph_max_length,
+        small_batch_weights=settings.small_batch_weights,
     )
 
 

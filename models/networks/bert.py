@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from kernels import AttentionSpec, attention
 from models.config import ACTIVATIONS, EncoderConfig
+from models.networks.linear import Linear
 from models.networks.rows import by_rows
 from models.runtime.forward import Pass
 from models.runtime.packing import Packed
@@ -41,10 +42,10 @@ class BertAttention(nn.Module):
     def __init__(self, config: EncoderConfig):
         super().__init__()
         self.num_heads = config.num_heads
-        self.q = nn.Linear(config.hidden_size, config.hidden_size)
-        self.k = nn.Linear(config.hidden_size, config.hidden_size)
-        self.v = nn.Linear(config.hidden_size, config.hidden_size)
-        self.out = nn.Linear(config.hidden_size, config.hidden_size)
+        self.q = Linear(config.hidden_size, config.hidden_size)
+        self.k = Linear(config.hidden_size, config.hidden_size)
+        self.v = Linear(config.hidden_size, config.hidden_size)
+        self.out = Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, x: Tensor, packed: Packed, backend: str = "auto") -> Tensor:
         """x: (T, C) packed -> (T, C)."""
@@ -65,8 +66,8 @@ class BertLayer(nn.Module):
         super().__init__()
         self.attn = BertAttention(config)
         self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
-        self.mlp_in = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.mlp_out = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.mlp_in = Linear(config.hidden_size, config.intermediate_size)
+        self.mlp_out = Linear(config.intermediate_size, config.hidden_size)
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.act = ACTIVATIONS[config.activation]
 

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from kernels import AttentionSpec, attention
 from models.config import ACTIVATIONS, EncoderConfig
+from models.networks.linear import Linear
 from models.networks.rotary import apply_rotary, packed_rotary
 from models.networks.rows import by_rows
 from models.runtime.forward import Pass
@@ -37,10 +38,10 @@ class EuroBertAttention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads or config.num_heads
         kv = self.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(c, c, bias=bias)
-        self.k_proj = nn.Linear(c, kv, bias=bias)
-        self.v_proj = nn.Linear(c, kv, bias=bias)
-        self.o_proj = nn.Linear(c, c, bias=bias)
+        self.q_proj = Linear(c, c, bias=bias)
+        self.k_proj = Linear(c, kv, bias=bias)
+        self.v_proj = Linear(c, kv, bias=bias)
+        self.o_proj = Linear(c, c, bias=bias)
 
     def forward(self, x: Tensor, packed: Packed, rotary: tuple[Tensor, Tensor], backend: str = "auto") -> Tensor:
         """x: (T, C) packed; rotary: cos, sin (T, 1, D) -> (T, C)."""
@@ -63,9 +64,9 @@ class EuroBertMLP(nn.Module):
     def __init__(self, config: EncoderConfig):
         super().__init__()
         c, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(c, inner, bias=bias)
-        self.up_proj = nn.Linear(c, inner, bias=bias)
-        self.down_proj = nn.Linear(inner, c, bias=bias)
+        self.gate_proj = Linear(c, inner, bias=bias)
+        self.up_proj = Linear(c, inner, bias=bias)
+        self.down_proj = Linear(inner, c, bias=bias)
         self.act = ACTIVATIONS[config.activation]
 
     def forward(self, x: Tensor) -> Tensor:

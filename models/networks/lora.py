@@ -6,7 +6,7 @@ W + scaling * delta_t with scaling = alpha / rank:
 - embedding, W (vocab, C): lora_A (T, vocab, r), lora_B (T, r, C), delta_t = A[t] @ B[t].
 The delta is applied to the activations (x A^T B^T), never merged into W, so one loaded model
 serves every task and no call pays for a (vocab x C) matrix. With `adapter=None` or no adapters
-the layers are plain `nn.Linear` / `nn.Embedding`.
+the layers are plain `Linear` (models.networks.linear) / `nn.Embedding`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.config import EncoderConfig
+from models.networks.linear import Linear
 
 
-class AdaptedLinear(nn.Linear):
+class AdaptedLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, config: EncoderConfig):
         super().__init__(in_features, out_features, bias=bias)
         tasks, rank = len(config.adapters), config.lora_rank
@@ -27,7 +28,7 @@ class AdaptedLinear(nn.Linear):
             self.lora_B = nn.Parameter(self.weight.new_empty(tasks, out_features, rank))
 
     def forward(self, x: Tensor, adapter: int | None = None) -> Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = self.product(x)
         if adapter is None:
             return out
         low_rank = F.linear(F.linear(x, self.lora_A[adapter]), self.lora_B[adapter])

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from kernels import AttentionSpec, attention
 from kernels.reference.local import local_attention
 from models.config import ACTIVATIONS, EncoderConfig
+from models.networks.linear import Linear
 from models.networks.rotary import apply_rotary, packed_rotary
 from models.networks.rows import by_rows
 from models.runtime.forward import Pass
@@ -37,8 +38,8 @@ class ModernBertAttention(nn.Module):
         self.num_heads = config.num_heads
         # None for global layers; the full band width for local ones.
         self.window = None if is_global else config.local_attention
-        self.Wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.attention_bias)
-        self.Wo = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
+        self.Wqkv = Linear(config.hidden_size, 3 * config.hidden_size, bias=config.attention_bias)
+        self.Wo = Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
 
     def forward(self, x: Tensor, packed: Packed, rotary: tuple[Tensor, Tensor], backend: str = "auto") -> Tensor:
         """x: (T, C) packed; rotary: cos, sin (T, 1, D) per token -> (T, C)."""
@@ -57,8 +58,8 @@ class ModernBertAttention(nn.Module):
 class ModernBertMLP(nn.Module):
     def __init__(self, config: EncoderConfig):
         super().__init__()
-        self.Wi = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.Wo = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.Wi = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.Wo = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act = ACTIVATIONS[config.activation]
 
     def forward(self, x: Tensor) -> Tensor:

@@ -1,0 +1,86 @@
+"""Linear layers on a CPU in float32 keep a oneDNN-packed copy of their weight for products of
+few rows (models.networks.linear): it is made for every layer, short inputs run on it, long ones
+and everything outside its conditions run through F.linear, and both give the same vectors to
+float rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from models import load_encoder
+from models.networks.linear import SMALL_BATCH_ROWS, Linear, pack_small_batches, small_batches_supported
+
+pytestmark = pytest.mark.skipif(
+    not small_batches_supported("cpu", torch.float32), reason="this torch build has no oneDNN linear"
+)
+PACKED_OP = "mkldnn::_linear_pointwise"
+
+
+def _ops(run) -> dict[str, int]:
+    """op name -> calls, for what run() does."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return {e.key: e.count for e in prof.key_averages()}
+
+
+def _layer(rows_in: int = 96, rows_out: int = 160, seed: int = 0) -> Linear:
+    generator = torch.Generator().manual_seed(seed)
+    layer = Linear(rows_in, rows_out)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(rows_out, rows_in, generator=generator))
+        layer.bias.copy_(torch.randn(rows_out, generator=generator))
+    return layer
+
+
+@pytest.mark.parametrize("rows", [1, 7, SMALL_BATCH_ROWS])
+def test_a_product_of_few_rows_runs_on_the_packed_copy_and_equals_f_linear(rows):
+    layer = _layer()
+    assert pack_small_batches(layer) == 160 * 96 * 4
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ops = _ops(lambda: layer(x))
+        got = layer(x)
+        strided = layer(torch.randn(96, rows).t())  # any layout of the rows
+    assert ops.get(PACKED_OP) == 1, ops
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert strided.shape == (rows, 160)
+
+
+def test_more_rows_than_the_limit_autograd_and_other_dtypes_run_f_linear_bit_for_bit():
+    layer = _layer()
+    pack_small_batches(layer)
+    long = torch.randn(2, SMALL_BATCH_ROWS // 2 + 1, 96)  # 2 rows more than the limit, in a batch of 2
+    short = torch.randn(3, 96)
+    with torch.inference_mode():
+        assert PACKED_OP not in _ops(lambda: layer(long))
+        assert torch.equal(layer(long), F.linear(long, layer.weight, layer.bias))
+        with pytest.raises(RuntimeError, match="same dtype"):  # not the packed copy: F.linear, which refuses
+            layer(short.double())
+    with torch.enable_grad():
+        out = layer(short)
+    assert torch.equal(out, F.linear(short, layer.weight, layer.bias)) and out.requires_grad
+
+
+def test_the_encoder_packs_every_linear_layer_and_only_short_inputs_use_them(default_encoder, full_spec, long_text):
+    layers = [m for m in default_encoder.model.modules() if isinstance(m, Linear)]
+    assert len(layers) == 36 and all(m.small_batch_weight is not None for m in layers)  # 6 layers x 6
+    short, long = ["a short query"], [long_text(700)]
+    assert PACKED_OP not in _ops(lambda: default_encoder.embed(long, full_spec))
+    assert _ops(lambda: default_encoder.embed(short, full_spec)).get(PACKED_OP) == len(layers)
+
+    plain = load_encoder("all-MiniLM-L6-v2", small_batch_weights=False)
+    assert all(m.small_batch_weight is None for m in plain.model.modules() if isinstance(m, Linear))
+    assert PACKED_OP not in _ops(lambda: plain.embed(short, full_spec))
+    for text in ("a short query", long_text(40)):  # each alone: the packed copies against F.linear
+        cosine = F.cosine_similarity(default_encoder.embed([text], full_spec), plain.embed([text], full_spec))
+        assert cosine.item() >= 1 - 1e-6, (text, cosine)
+
+
+def test_bfloat16_keeps_no_copy():
+    encoder = load_encoder("all-MiniLM-L6-v2", dtype="bfloat16")
+    assert all(m.small_batch_weight is None for m in encoder.model.modules() if isinstance(m, Linear))
+    assert not small_batches_supported("cpu", torch.bfloat16) and not small_batches_supported("meta", torch.float32)
+
