@@ -94,8 +94,8 @@ def load_encoder(
         batches. Elsewhere ignored. cuda_graph_max_length: batches with a longer input run
         eagerly, unpadded.
     small_batch_weights: on a CPU in float32, each linear layer also keeps its weight packed by
-        oneDNN, on which batches of up to 64 tokens run (one short query ~1.7x faster; as many
-        bytes again as the linear weights: models.networks.linear). Elsewhere ignored.
+        oneDNN for short batches (models.networks.linear: faster short texts, as many bytes
+        again as the linear weights). Elsewhere ignored.
     Raises UnsupportedArchitecture for a model we do not implement, FileNotFoundError for a
     folder that lacks a needed file or a default model that was not fetched.
     """
@@ -130,8 +130,8 @@ def load_encoder(
 
     model = _build_model(config, state, torch.device(device), dtype)
     if small_batch_weights and small_batches_supported(device, dtype):
-        log.info("%s: linear layers packed for batches of up to %d tokens (%.0f MB more)", name,
-                 SMALL_BATCH_ROWS, pack_small_batches(model) / 1e6)  # fmt: skip
+        size = pack_small_batches(model)
+        log.info("%s: linear layers packed for batches of up to %d tokens (%.0f MB more)", name, SMALL_BATCH_ROWS, size / 1e6)
     device_kind = torch.device(device).type
     folder = source.folder
     table_path = calibration if calibration is not None else find_calibration(name, folder, device_kind, dtype_name(dtype))

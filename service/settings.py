@@ -154,8 +154,8 @@ class Settings(BaseSettings):
     )
     small_batch_weights: bool = Field(
         True,
-        description="on a CPU in float32: each linear layer also keeps its weight packed by oneDNN, on which batches "
-        "of up to 64 tokens run (a short query ~1.7x faster; as many bytes again as the linear weights; on/off)",
+        description="on a CPU in float32: each linear layer also keeps its weight packed by oneDNN for short batches "
+        "(faster short texts; as many bytes again as the linear weights; on/off; docs/backends.md)",
     )
     cuda_graphs: bool = Field(
         True,

@@ -55,8 +55,7 @@ class Linear(nn.Linear):
             and x.device.type == "cpu"
             and not torch.is_grad_enabled()
         ):
-            bias = None if self.bias is None else self.bias.detach()
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 

@@ -43,11 +43,10 @@ from .json_body import JSONBodyRoute
 from .ollama import answers_to
 
 router = APIRouter(route_class=JSONBodyRoute, tags=["openai"], dependencies=[Depends(require_api_key)])
-MODEL_ERRORS = error_responses(
-    ErrorResponse,
-    {401: "missing or wrong API key (when one is configured)", 404: "no served model has that name",
-     503: "not ready"},
-)  # fmt: skip
+MODEL_ERRORS = {
+    401: ERROR_RESPONSES[401],
+    **error_responses(ErrorResponse, {404: "no served model has that name", 503: "not ready"}),
+}
 OWNED_BY = "clusterserve"
 
 
