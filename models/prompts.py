@@ -44,9 +44,15 @@ class Prompts:
         """`text` with prompt `name` in front. The default prompt (name None) is not added to a
         text that already starts with one of the prompts: a nomic user who writes
         "search_query: ..." as its model card says gets that text embedded as written."""
-        if name is None and any(text.startswith(prompt) for prompt in self.prompts.values() if prompt):
+        if name is None and self.written(text) is not None:
             return text
         return self.text(name) + text
+
+    def written(self, text: str) -> str | None:
+        """The name of the prompt `text` already starts with (the longest, where one prompt
+        starts another), else None."""
+        names = [name for name, prompt in self.prompts.items() if prompt and text.startswith(prompt)]
+        return max(names, key=lambda name: len(self.prompts[name])) if names else None
 
 
 def read_prompts(folder: Path | None) -> Prompts:

@@ -126,6 +126,16 @@ def test_the_default_prompt_applies_when_none_is_named_and_is_shown(clients):
     assert np.abs(_vectors(default) - _vectors(query)).max() > 1e-3
     openai = client.post("/v1/embeddings", json={"input": texts})
     assert openai.json()["prompt_name"] == "document" and openai.json()["adapter"] is None
+    # A text written with a prompt gets no default in front, and reports the prompt it carries;
+    # where the default went in front of any text, the default is reported.
+    written = [PLAIN_PROMPTS["query"] + SHORT]
+    as_written = client.post("/embed", json={"inputs": written})
+    assert as_written.headers["x-prompt-name"] == "query"
+    np.testing.assert_allclose(_vectors(as_written), _vectors(query), atol=1e-6)
+    assert client.post("/v1/embeddings", json={"input": written}).json()["prompt_name"] == "query"
+    assert client.post("/embed", json={"inputs": written + texts}).headers["x-prompt-name"] == "document"
+    both = [PLAIN_PROMPTS["query"] + SHORT, PLAIN_PROMPTS["document"] + SHORT]
+    assert "x-prompt-name" not in client.post("/embed", json={"inputs": both}).headers
     # Token ids are the model's input as given: no prompt, none reported.
     ids = client.post("/v1/embeddings", json={"input": [101, 7592, 102]})
     assert ids.status_code == 200 and ids.json()["prompt_name"] is None and "x-prompt-name" not in ids.headers
