@@ -6,6 +6,7 @@ nomic-embed-text's {"query": "search_query: ", "document": "search_document: "}.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +48,17 @@ class Prompts:
         if name is None and self.written(text) is not None:
             return text
         return self.text(name) + text
+
+    def applied(self, name: str | None, texts: Iterable[str]) -> str | None:
+        """The name of the prompt `texts` get from prepend(name, ...): `name`, none for
+        NO_PROMPT; for the default (None), the default where it goes in front of any text, else
+        the prompt they all already start with, or none where they start with different ones."""
+        if name is not None or self.default_name is None:
+            return name or None
+        written = {self.written(text) for text in texts}
+        if None in written:
+            return self.default_name
+        return written.pop() if len(written) == 1 else None
 
     def written(self, text: str) -> str | None:
         """The name of the prompt `text` already starts with (the longest, where one prompt

@@ -3,13 +3,11 @@ out by oneDNN for products of few rows.
 
 A short text is a product of a few rows by each weight matrix. The GEMM library that F.linear
 calls on a CPU (MKL) re-packs the weight for every call, so such a product costs far more a
-row than a long one: on a 2-core Xeon, nomic-embed-text-v1.5's 84 products for one 12-token
-query take ~85 ms. oneDNN's product with a weight reordered once at load time takes ~51 ms for
-the same query; it is 1.6-1.8x faster at 16 rows and 1.3-1.4x at 64, and its lead shrinks
-with the rows (1.15x at 128, level at 512, 0.7-0.85x at 2,048). So a layer keeps both, and a
-product of up to SMALL_BATCH_ROWS rows runs on the packed copy, a longer one through F.linear.
-The copy costs as many bytes again as the weights it packs (453 MB for nomic's linear layers
-in float32). Its rows are what F.linear gives to float rounding (the two libraries add in other
+row than a long one; oneDNN's product with a weight reordered once at load time does not, and
+its lead shrinks with the rows until MKL leads (figures: docs/backends.md, "Short texts on a
+CPU"). So a layer keeps both, and a product of up to SMALL_BATCH_ROWS rows runs on the packed
+copy, a longer one through F.linear. The copy costs as many bytes again as the weights it
+packs. Its rows are what F.linear gives to float rounding (the two libraries add in other
 orders), as MKL's own rows are for another number of rows.
 """
 

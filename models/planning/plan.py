@@ -126,12 +126,10 @@ def choose_prompt_and_adapter(
 ) -> tuple[str | None, str | None]:
     """The prompt the texts get and the task adapter that runs (None: none, the base weights).
 
-    The prompt is the one named, else the checkpoint's default prompt; NO_PROMPT and token-id
-    inputs get none. Where the default applies and every text already starts with a prompt
-    (Prompts.prepend adds the default to none of them), it is the prompt they all start with,
-    or none where they start with different ones. The adapter is the one named, else the
-    adapter named like the prompt in effect: Jina v3 names its prompts after its tasks, so
-    `prompt_name="retrieval.query"` selects both.
+    The prompt is Prompts.applied's: the one named, else the checkpoint's default prompt (or,
+    where every text already starts with a prompt, theirs); NO_PROMPT and token-id inputs get
+    none. The adapter is the one named, else the adapter named like the prompt in effect: Jina
+    v3 names its prompts after its tasks, so `prompt_name="retrieval.query"` selects both.
     Raises UnknownPrompt or UnknownAdapter naming the ones the checkpoint has."""
     prompts, adapters = encoder.prompts, tuple(encoder.adapters)
     if prompt_name not in (None, NO_PROMPT) and prompt_name not in prompts.prompts:
@@ -139,12 +137,7 @@ def choose_prompt_and_adapter(
     if adapter is not None and adapter not in adapters:
         raise UnknownAdapter(adapter, adapters)
     texts = all(isinstance(one, str) for one in inputs)
-    chosen = (prompt_name if prompt_name is not None else prompts.default_name) if texts else None
-    if prompt_name is None and chosen is not None:
-        written = {prompts.written(text) for text in inputs}
-        if None not in written:
-            chosen = written.pop() if len(written) == 1 else None
-    chosen = chosen or None  # NO_PROMPT: none
+    chosen = prompts.applied(prompt_name, inputs) if texts else None
     if adapter is not None:
         return chosen, adapter
     return chosen, chosen if chosen in adapters else None
