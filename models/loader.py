@@ -28,7 +28,7 @@ from models.config import EncoderConfig
 from models.fetch import default_model_path
 from models.gguf_checkpoint import read_gguf
 from models.networks import NETWORKS
-from models.networks.linear import SMALL_BATCH_ROWS, pack_small_batches, small_batches_supported
+from models.networks.linear import pack_small_batches, packed_rows, small_batches_supported
 from models.networks.network import Network
 from models.planning.calibration import CalibrationError, find_calibration, load_calibration
 from models.pooling import PoolingConfig, read_pooling
@@ -93,9 +93,9 @@ def load_encoder(
         captured in CUDA graphs (models.runtime.graphs); 0 = none, every layer runs eagerly on unpadded
         batches. Elsewhere ignored. cuda_graph_max_length: batches with a longer input run
         eagerly, unpadded.
-    small_batch_weights: on a CPU in float32, each linear layer also keeps its weight packed by
-        oneDNN for short batches (models.networks.linear: faster short texts, as many bytes
-        again as the linear weights). Elsewhere ignored.
+    small_batch_weights: on a CPU, each linear layer also keeps its weight packed by oneDNN
+        (models.networks.linear): in float32 for short batches, in bfloat16 for every batch
+        (faster products, as many bytes again as the linear weights). Elsewhere ignored.
     Raises UnsupportedArchitecture for a model we do not implement, FileNotFoundError for a
     folder that lacks a needed file or a default model that was not fetched.
     """
@@ -131,7 +131,9 @@ def load_encoder(
     model = _build_model(config, state, torch.device(device), dtype)
     if small_batch_weights and small_batches_supported(device, dtype):
         size = pack_small_batches(model)
-        log.info("%s: linear layers packed for batches of up to %d tokens (%.0f MB more)", name, SMALL_BATCH_ROWS, size / 1e6)
+        rows = packed_rows(dtype)
+        scope = "every batch" if rows is None else f"batches of up to {rows} tokens"
+        log.info("%s: linear layers packed by oneDNN for %s (%.0f MB more)", name, scope, size / 1e6)
     device_kind = torch.device(device).type
     folder = source.folder
     table_path = calibration if calibration is not None else find_calibration(name, folder, device_kind, dtype_name(dtype))

@@ -154,8 +154,9 @@ class Settings(BaseSettings):
     )
     small_batch_weights: bool = Field(
         True,
-        description="on a CPU in float32: each linear layer also keeps its weight packed by oneDNN for short batches "
-        "(faster short texts; as many bytes again as the linear weights; on/off; docs/backends.md)",
+        description="on a CPU: each linear layer also keeps its weight packed by oneDNN, for short batches in float32 "
+        "and every batch in bfloat16 (faster short texts; as many bytes again as the linear weights; on/off; "
+        "docs/backends.md)",
     )
     cuda_graphs: bool = Field(
         True,

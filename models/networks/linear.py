@@ -1,14 +1,17 @@
-"""The networks' linear layer: nn.Linear, which on a CPU in float32 can also keep its weight laid
-out by oneDNN for products of few rows.
+"""The networks' linear layer: nn.Linear, which on a CPU can also keep its weight laid out by
+oneDNN once, at load time.
 
-A short text is a product of a few rows by each weight matrix. The GEMM library that F.linear
-calls on a CPU (MKL) re-packs the weight for every call, so such a product costs far more a
-row than a long one; oneDNN's product with a weight reordered once at load time does not, and
-its lead shrinks with the rows until MKL leads (figures: docs/backends.md, "Short texts on a
-CPU"). So a layer keeps both, and a product of up to SMALL_BATCH_ROWS rows runs on the packed
-copy, a longer one through F.linear. The copy costs as many bytes again as the weights it
-packs. Its rows are what F.linear gives to float rounding (the two libraries add in other
-orders), as MKL's own rows are for another number of rows.
+F.linear on a CPU re-lays the weight out for every call: in float32 the GEMM library (MKL)
+re-packs it, in bfloat16 oneDNN reorders it. A product with a weight reordered once does not,
+which pays most where a call has few rows to spread that cost over: a short text. So a layer
+keeps both, and a product runs on the packed copy
+- in float32, up to SMALL_BATCH_ROWS rows: oneDNN's lead over MKL shrinks with the rows until
+  MKL leads on some CPUs; its rows are what F.linear gives to float rounding (the libraries add
+  in other orders), as MKL's own rows are for another number of rows;
+- in bfloat16, at any number of rows: F.linear runs oneDNN's own kernel there, so the packed
+  copy gives the same bits, without the reorder.
+The copy costs as many bytes again as the weights it packs (figures: docs/backends.md, "Short
+texts on a CPU").
 """
 
 from __future__ import annotations
@@ -17,39 +20,49 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# Rows (tokens of a batch) up to which a product runs on the packed copy: where oneDNN's lead
-# is clear (an input of up to 64 tokens is exact under every method's default knobs, so the
-# library that runs it moves its vector by rounding only).
+# float32 rows (tokens of a batch) up to which a product runs on the packed copy: where
+# oneDNN's lead over MKL is clear on every CPU measured (an input of up to 64 tokens is exact
+# under every method's default knobs, so the library that runs it moves its vector by rounding only).
 SMALL_BATCH_ROWS = 64
 # The batch size oneDNN is told to lay the weight out for (a hint: any row count runs on it).
 PACKED_FOR_ROWS = 16
 
 
 def small_batches_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether layers on `device` in `dtype` can keep a packed copy: float32 on a CPU, with
-    torch's oneDNN."""
-    return (
+    """Whether layers on `device` in `dtype` can keep a packed copy: on a CPU with torch's
+    oneDNN, in float32, or in bfloat16 where oneDNN has bf16 kernels for the CPU (AVX-512 or
+    AVX-NE-CONVERT)."""
+    if not (
         torch.device(device).type == "cpu"
-        and dtype == torch.float32
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    ):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
+
+
+def packed_rows(dtype: torch.dtype) -> int | None:
+    """The most rows a product in `dtype` runs on the packed copy; None: any number."""
+    return None if dtype == torch.bfloat16 else SMALL_BATCH_ROWS
 
 
 class Linear(nn.Linear):
     small_batch_weight: Tensor | None = None  # the packed copy, once pack_small_batches made it
+    small_batch_rows: int | None = None  # packed_rows of its dtype
 
     def forward(self, x: Tensor) -> Tensor:
         return self.product(x)
 
     def product(self, x: Tensor) -> Tensor:
-        """x W^T + b: on the packed copy for up to SMALL_BATCH_ROWS rows of float32 inputs on a
-        CPU outside autograd, else F.linear."""
-        packed = self.small_batch_weight
+        """x W^T + b: on the packed copy for inputs of the weight's dtype on a CPU outside
+        autograd, of up to small_batch_rows rows, else F.linear."""
+        packed, rows = self.small_batch_weight, self.small_batch_rows
         if (
             packed is not None
-            and x.numel() <= SMALL_BATCH_ROWS * x.shape[-1]
-            and x.dtype == torch.float32
+            and (rows is None or x.numel() <= rows * x.shape[-1])
+            and x.dtype == self.weight.dtype
             and x.device.type == "cpu"
             and not torch.is_grad_enabled()
         ):
@@ -58,11 +71,13 @@ class Linear(nn.Linear):
 
 
 def pack_small_batches(model: nn.Module) -> int:
-    """Give every Linear of a float32 CPU model its packed copy; returns the bytes they take."""
+    """Give every Linear of a CPU model (float32 or bfloat16: small_batches_supported) its
+    packed copy; returns the bytes they take."""
     size = 0
     for layer in model.modules():
         if isinstance(layer, Linear):
             weight = layer.weight.detach()
             layer.small_batch_weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
+            layer.small_batch_rows = packed_rows(weight.dtype)
             size += weight.numel() * weight.element_size()
     return size

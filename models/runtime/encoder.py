@@ -297,13 +297,15 @@ class Encoder:
     def float32(self) -> Encoder:
         """This encoder in float32, the precision fidelity is measured against: itself when it
         runs in float32, else the same checkpoint loaded again in float32 (once; its weights
-        as the checkpoint has them, not upcast from this encoder's)."""
+        as the checkpoint has them, not upcast from this encoder's; without packed copies of
+        them: it serves the occasional fidelity check, where its memory weighs more than its
+        short inputs' speed)."""
         if self.dtype == torch.float32:
             return self
         if self._float32 is None:
             if self.reload is None:
                 raise ValueError("float32: this encoder was not built by load_encoder; load a float32 one")
-            self._float32 = self.reload(dtype=torch.float32)
+            self._float32 = self.reload(dtype=torch.float32, small_batch_weights=False)
             if self.graphs is not None and self._float32.graphs is not None:
                 self._float32.graphs.on_event = self.graphs.on_event  # counted with this encoder's
         return self._float32

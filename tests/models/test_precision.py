@@ -19,6 +19,7 @@ import torch
 import models.runtime.precision as precision
 from kernels import AttentionSpec
 from models import load_encoder
+from models.networks.linear import Linear
 from models.runtime.precision import cpu_has_bf16, resolve_dtype
 
 SMALL = dict(clusters=16, topk=16, iterations=5, refine=1, hash_rounds=2, cluster_size=32, seed=3)
@@ -80,6 +81,8 @@ def test_the_default_model_in_bfloat16_matches_float32(default_encoder, long_tex
     texts = [long_text(700, seed=11), "a short query", long_text(200, seed=12)]
     _agree(default_encoder, half, texts, dict(seed=3), every_method_to_parity=False)  # the default knobs
     assert half.float32().dtype == torch.float32 and half.float32() is half.float32()
+    reference_layers = [m for m in half.float32().model.modules() if isinstance(m, Linear)]
+    assert reference_layers and all(m.small_batch_weight is None for m in reference_layers)  # no packed copy
 
 
 def _tiny_checkpoints():

@@ -1,7 +1,8 @@
-"""Linear layers on a CPU in float32 keep a oneDNN-packed copy of their weight for products of
-few rows (models.networks.linear): it is made for every layer, short inputs run on it, long ones
-and everything outside its conditions run through F.linear, and both give the same vectors to
-float rounding."""
+"""Linear layers on a CPU keep a oneDNN-packed copy of their weight (models.networks.linear): in
+float32 for products of few rows, in bfloat16 for every product. It is made for every layer;
+in float32 short inputs run on it, long ones and everything outside its conditions run through
+F.linear, and both give the same vectors to float rounding; in bfloat16 every input runs on it
+and gets F.linear's bits."""
 
 from __future__ import annotations
 
@@ -79,8 +80,38 @@ def test_the_encoder_packs_every_linear_layer_and_only_short_inputs_use_them(def
         assert cosine.item() >= 1 - 1e-6, (text, cosine)
 
 
-def test_bfloat16_keeps_no_copy():
-    encoder = load_encoder("all-MiniLM-L6-v2", dtype="bfloat16")
-    assert all(m.small_batch_weight is None for m in encoder.model.modules() if isinstance(m, Linear))
-    assert not small_batches_supported("cpu", torch.bfloat16) and not small_batches_supported("meta", torch.float32)
+bf16_packed = pytest.mark.skipif(
+    not small_batches_supported("cpu", torch.bfloat16), reason="oneDNN has no bfloat16 kernels for this CPU"
+)
 
+
+@bf16_packed
+@pytest.mark.parametrize("rows", [1, 7, SMALL_BATCH_ROWS + 1, 300])
+def test_bfloat16_runs_every_product_on_the_packed_copy_with_f_linears_bits(rows):
+    layer = _layer().to(torch.bfloat16)
+    assert pack_small_batches(layer) == 160 * 96 * 2
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.inference_mode():
+        ops = _ops(lambda: layer(x))
+        got = layer(x)
+        with pytest.raises(RuntimeError):  # a float32 input is not the copy's: F.linear, which refuses
+            layer(x.float())
+    assert ops.get(PACKED_OP) == 1, ops
+    assert torch.equal(got, F.linear(x, layer.weight, layer.bias))
+
+
+@bf16_packed
+def test_a_bfloat16_encoder_runs_short_and_long_inputs_on_the_copies_with_the_same_vectors(full_spec, long_text):
+    encoder = load_encoder("all-MiniLM-L6-v2", dtype="bfloat16")
+    layers = [m for m in encoder.model.modules() if isinstance(m, Linear)]
+    assert all(m.small_batch_weight is not None for m in layers)
+    plain = load_encoder("all-MiniLM-L6-v2", dtype="bfloat16", small_batch_weights=False)
+    for texts in (["a short query"], [long_text(700), "a short query"]):
+        assert _ops(lambda: encoder.embed(texts, full_spec)).get(PACKED_OP) == len(layers)
+        assert PACKED_OP not in _ops(lambda: plain.embed(texts, full_spec))
+        assert torch.equal(encoder.embed(texts, full_spec), plain.embed(texts, full_spec))
+
+
+def test_no_copy_off_the_cpu_or_in_other_dtypes():
+    assert not small_batches_supported("meta", torch.float32) and not small_batches_supported("meta", torch.bfloat16)
+    assert not small_batches_supported("cpu", torch.float16) and not small_batches_supported("cpu", torch.float64)
