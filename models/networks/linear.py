@@ -39,7 +39,7 @@ def small_batches_supported(device: torch.device | str, dtype: torch.dtype) -> b
     ):
         return False
     if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported") and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return dtype == torch.float32
 
 
