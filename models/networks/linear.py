@@ -50,15 +50,14 @@ def packed_rows(dtype: torch.dtype) -> int | None:
 
 class Linear(nn.Linear):
     small_batch_weight: Tensor | None = None  # the packed copy, once pack_small_batches made it
-    small_batch_rows: int | None = None  # packed_rows of its dtype
 
     def forward(self, x: Tensor) -> Tensor:
         return self.product(x)
 
     def product(self, x: Tensor) -> Tensor:
         """x W^T + b: on the packed copy for inputs of the weight's dtype on a CPU outside
-        autograd, of up to small_batch_rows rows, else F.linear."""
-        packed, rows = self.small_batch_weight, self.small_batch_rows
+        autograd, of up to packed_rows(dtype) rows, else F.linear."""
+        packed, rows = self.small_batch_weight, packed_rows(self.weight.dtype)
         if (
             packed is not None
             and (rows is None or x.numel() <= rows * x.shape[-1])
@@ -78,6 +77,5 @@ def pack_small_batches(model: nn.Module) -> int:
         if isinstance(layer, Linear):
             weight = layer.weight.detach()
             layer.small_batch_weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
-            layer.small_batch_rows = packed_rows(weight.dtype)
             size += weight.numel() * weight.element_size()
     return size
