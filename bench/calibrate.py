@@ -1,7 +1,7 @@
 """Calibrate auto mode: fidelity and time of a grid of attention configurations per length.
 
     python -m bench.calibrate [--model DIR|FILE.gguf|NAME] [--dtype float32|bfloat16|auto]
-                              [--lengths 512 ... 8192] [--docs 2] [--grid FILE] [--out PATH]
+                              [--lengths 512 ... 8192] [--docs 2] [--repeats N] [--grid FILE] [--out PATH]
     python -m bench.calibrate --plot [--table PATH]
 
 For each length bucket, embeds `--docs` documents of real text (Debian's license texts, the
@@ -13,7 +13,8 @@ says what a user gets; in bfloat16 each bucket also records exact attention's ow
 (`exact_fidelity_min`). The same passes give late chunking's fidelity: the mean token state
 over each CHUNK_TOKENS-token span of a document against exact attention's, worst over every
 span (`chunk_fidelity_min`), which auto judges late-chunking windows by. Time is per
-document, in the served dtype. Writes the table
+document, in the served dtype: the median of 3 calls up to 2048 tokens and of 1 from there
+(`--repeats` sets it for every length). Writes the table
 (models/planning/calibration.py has the format) next to the model (DIR/calibration.<device>[-bf16].json),
 or for a model given by name (the default, nomic-embed-text-v1.5, or all-MiniLM-L6-v2) to
 models/calibrations/, which ships with clusterserve; `--out` writes it elsewhere. `--grid`
@@ -83,6 +84,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--grid", type=Path, default=None, help="one AttentionSpec's JSON keyword arguments per line")
     parser.add_argument("--docs", type=int, default=2, help="calibration documents per length")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per document (default: 3 to 2048 tokens, then 1)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=DTYPE_SETTINGS, help="the served precision")
     parser.add_argument("--out", type=Path, default=None, help="where to write the table")
@@ -109,7 +111,7 @@ def main() -> None:
     grid = GRID if args.grid is None else [
         AttentionSpec(**json.loads(line)) for line in args.grid.read_text().splitlines() if line.strip()
     ]
-    raw = measure(encoder, args.lengths, args.docs, grid)
+    raw = measure(encoder, args.lengths, args.docs, grid, args.repeats)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(raw, indent=1) + "\n")
     table = parse_calibration(raw, str(out))
@@ -126,8 +128,9 @@ def pooled_and_chunks(encoder, ids: list[int], spec: AttentionSpec) -> tuple[tor
     return pool_one(states, encoder.pooling.mode), chunks
 
 
-def measure(encoder, lengths: list[int], docs: int, grid: list[AttentionSpec] = GRID) -> dict:
-    """Run the grid on `docs` calibration documents per length; the table as JSON-ready dicts."""
+def measure(encoder, lengths: list[int], docs: int, grid: list[AttentionSpec] = GRID, repeats: int | None = None) -> dict:
+    """Run the grid on `docs` calibration documents per length, timing the median of `repeats`
+    calls (None: 3 up to 2048 tokens, 1 past it); the table as JSON-ready dicts."""
     sync = torch.cuda.synchronize if encoder.device.type == "cuda" else (lambda: None)
 
     def timed(ids: list[int], spec: AttentionSpec, repeats: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -154,9 +157,9 @@ def measure(encoder, lengths: list[int], docs: int, grid: list[AttentionSpec] = 
         pooled_and_chunks(encoder, warm, spec)  # one-off costs (first calls, Triton compiles) stay out of the times
     buckets = []
     for n in lengths:
-        repeats = 3 if n <= 2048 else 1
+        calls = repeats or (3 if n <= 2048 else 1)
         documents = [long_text_ids(encoder, n, offset=5000 * d, texts=CALIBRATION_TEXTS) for d in range(docs)]
-        exact = [timed(ids, full, repeats) for ids in documents]
+        exact = [timed(ids, full, calls) for ids in documents]
         if reference is not encoder:
             references = [pooled_and_chunks(reference, ids, full) for ids in documents]
         else:
@@ -169,7 +172,7 @@ def measure(encoder, lengths: list[int], docs: int, grid: list[AttentionSpec] = 
                 continue
             cosines, chunk_cosines, times = [], [], []
             for ids, (exact_vector, exact_chunks) in zip(documents, references):
-                vector, chunks, ms = timed(ids, spec, repeats)
+                vector, chunks, ms = timed(ids, spec, calls)
                 cosines.append(worst(vector, exact_vector))
                 chunk_cosines.append(worst(chunks, exact_chunks))
                 times.append(ms)
@@ -188,7 +191,7 @@ def measure(encoder, lengths: list[int], docs: int, grid: list[AttentionSpec] = 
             )
         exact_ms = statistics.fmean(ms for _, _, ms in exact)
         print(f"{n:>6} tokens  exact {exact_ms:.1f} ms, cosine to float32 exact {exact_fidelity:.5f}")
-        bucket = {"tokens": n, "exact_ms": exact_ms, "configs": configs}
+        bucket = {"tokens": n, "exact_ms": exact_ms, "timed_calls": calls, "configs": configs}
         if reference is not encoder:
             bucket["exact_fidelity_min"] = exact_fidelity
             bucket["exact_chunk_fidelity_min"] = exact_chunk_fidelity

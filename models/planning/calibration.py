@@ -314,12 +314,16 @@ def find_calibration(model: str, folder: Path | None, device: str, dtype: str = 
     (models/calibrations/); where neither has one for `dtype`, the float32 table of the same
     device kind: its fidelities hold in another dtype within what a second seed moves a
     vector, and its times rank configurations by float32's costs. A device kind with no table
-    (CUDA, where none is shipped) takes the CPU's the same way: its fidelities are the
-    reference's, which the GPU kernels give (tests/gpu), and its times rank by the CPU's costs.
-    The server logs where and in which dtype a table was measured."""
+    (CUDA, where none is shipped) takes the CPU's, float32's first whatever its own dtype: its
+    fidelities are the reference's, which the GPU kernels give (tests/gpu); its times rank by
+    the CPU's costs, and the float32 table's choices are those an H100 ran end to end (a CPU
+    in bfloat16 ranks by costs further from a GPU's: its layers outside attention run 3x
+    faster and its attention does not). The server logs where and in which dtype a table was
+    measured."""
+    orders = [(device, (dtype, "float32"))] + ([("cpu", ("float32", dtype))] if device != "cpu" else [])
     candidates = []
-    for kind_of_device in dict.fromkeys((device, "cpu")):
-        for kind in dict.fromkeys((dtype, "float32")):
+    for kind_of_device, kinds in orders:
+        for kind in dict.fromkeys(kinds):
             if folder is not None:
                 candidates.append(folder / f"calibration.{kind_of_device}{DTYPE_SUFFIXES[kind]}.json")
             candidates.append(SHIPPED_DIR / table_name(model, kind_of_device, kind))

@@ -208,13 +208,16 @@ def test_a_device_kind_without_a_table_takes_the_cpus(tmp_path):
     (tmp_path / "calibration.cpu.json").write_text(json.dumps(TABLE))
     assert find_calibration("no-such-model", tmp_path, "cuda", "bfloat16") == tmp_path / "calibration.cpu.json"
     (tmp_path / "calibration.cpu-bf16.json").write_text(json.dumps(TABLE))
+    # The CPU's float32 table before its bfloat16 one: the choices an H100 ran end to end.
+    assert find_calibration("no-such-model", tmp_path, "cuda", "bfloat16") == tmp_path / "calibration.cpu.json"
+    (tmp_path / "calibration.cpu.json").unlink()
     assert find_calibration("no-such-model", tmp_path, "cuda", "bfloat16") == tmp_path / "calibration.cpu-bf16.json"
     (tmp_path / "calibration.cuda.json").write_text(json.dumps(TABLE))
     assert find_calibration("no-such-model", tmp_path, "cuda", "bfloat16") == tmp_path / "calibration.cuda.json"
-    # The default model's shipped CPU table serves it on a GPU.
-    assert find_calibration("nomic-embed-text-v1.5", None, "cuda", "bfloat16") == SHIPPED_DIR / table_name(
-        "nomic-embed-text-v1.5", "cpu"
-    )
+    # The shipped CPU tables serve on a GPU, float32's though both models ship a bfloat16 one.
+    for model in ("nomic-embed-text-v1.5", "all-MiniLM-L6-v2"):
+        assert (SHIPPED_DIR / table_name(model, "cpu", "bfloat16")).is_file()
+        assert find_calibration(model, None, "cuda", "bfloat16") == SHIPPED_DIR / table_name(model, "cpu")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

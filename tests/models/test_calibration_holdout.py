@@ -1,5 +1,5 @@
-"""The shipped CPU calibration tables (float32 and bfloat16), checked on texts they were not
-measured on.
+"""The shipped CPU calibration tables (float32 and bfloat16, of both models), checked on texts
+they were not measured on.
 
 For each length and fidelity target, the table's choice embeds held-back documents (Debian
 license texts outside the calibration set); its cosine to the exact embedding must meet the
@@ -19,6 +19,7 @@ from bench.calibrate import pooled_and_chunks
 from bench.common import HELD_BACK_TEXTS, LICENSE_DIR, long_text_ids
 from models import load_encoder
 from models.planning.calibration import SHIPPED_DIR, load_calibration, table_name
+from models.runtime.precision import cpu_has_bf16
 
 # Each configuration is checked at the first of these lengths that chooses it, so a length adds
 # time only where its table chooses something new: both tables choose at 8k as at 4k, float32's
@@ -58,38 +59,61 @@ def test_choices_meet_their_target_on_held_back_texts(default_encoder, full_spec
     assert met >= 0.9 * len(outcomes), outcomes
 
 
+def pooled_and_chunk_vectors(encoder, docs: list[list[int]], spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The documents' pooled vectors, and their 256-token chunks' vectors, from one pass each."""
+    passes = [pooled_and_chunks(encoder, ids, spec) for ids in docs]
+    return torch.cat([pooled for pooled, _ in passes]), torch.cat([chunks for _, chunks in passes])
+
+
+@pytest.fixture(scope="module")
+def nomic_held_back_4k(nomic_encoder, full_spec):
+    """2 held-back documents of 4,096 tokens and exact attention's float32 vectors of them."""
+    docs = [long_text_ids(nomic_encoder, 4096, offset=4000 * d, texts=HELD_BACK_TEXTS) for d in range(DOCS)]
+    return docs, pooled_and_chunk_vectors(nomic_encoder, docs, full_spec)
+
+
 @pytest.mark.skipif(not (LICENSE_DIR / HELD_BACK_TEXTS[0]).is_file(), reason="needs Debian's license texts")
-def test_the_default_models_choices_meet_their_target_on_held_back_texts(nomic_encoder, full_spec):
-    """nomic-embed-text-v1.5's float32 table at 4k, where it chooses banded attention with far
-    blocks for the default target (0.98) and for 0.99, for whole documents and, by their
-    chunks' fidelity, for late-chunking windows: each document choice keeps its target for
-    every held-back document's vector; each window choice for at least 80% of the documents'
-    256-token chunks, and none more than 0.01 below it: the table's worst chunk is the worst
-    of 2 calibration documents, and a few chunks of other texts fall a little below it (at
-    0.98, 4 of 32 held-back chunks, the worst at 0.976)."""
-    table = load_calibration(SHIPPED_DIR / table_name(nomic_encoder.name, "cpu", "float32"))
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "float32",
+        pytest.param(
+            "bfloat16",
+            marks=pytest.mark.skipif(
+                not cpu_has_bf16(),
+                reason="no bfloat16 instructions on this CPU: dtype auto serves float32 here",
+            ),
+        ),
+    ],
+)
+def test_the_default_models_choices_meet_their_target_on_held_back_texts(nomic_encoder, nomic_held_back_4k, dtype):
+    """nomic-embed-text-v1.5's CPU table of each dtype at 4k, where it chooses banded attention
+    with far blocks for the default target (0.98) and for 0.99, for whole documents and, by
+    their chunks' fidelity, for late-chunking windows, run by an encoder in that dtype: each
+    document choice keeps its target for every held-back document's vector; each window choice
+    for at least 80% of the documents' 256-token chunks, and none more than 0.01 below it: the
+    table's worst chunk is the worst of 2 calibration documents, and a few chunks of other
+    texts fall a little below it (at 0.98, 4 of 32 held-back chunks, the worst at 0.976).
+    bfloat16 is checked where the CPU has bfloat16 instructions, the only CPUs whose server
+    runs it by default (dtype auto); elsewhere it runs emulated and slowly."""
+    encoder = nomic_encoder if dtype == "float32" else load_encoder(None, dtype=dtype)
+    table = load_calibration(SHIPPED_DIR / table_name(encoder.name, "cpu", dtype))
+    assert table.dtype == dtype
     n, targets = 4096, (0.98, 0.99)
     documents = {target: table.choose(n, target).spec for target in targets}
     windows = {target: table.choose(n, target, chunks=True).spec for target in targets}
     chosen = [*documents.values(), *windows.values()]
     assert all(spec.method == "banded" and spec.far_blocks for spec in chosen), chosen
     assert windows != documents, "the chunks' fidelity chose as the documents' did: nothing new is checked"
-    docs = [long_text_ids(nomic_encoder, n, offset=4000 * d, texts=HELD_BACK_TEXTS) for d in range(DOCS)]
-
-    def vectors(spec):
-        """The documents' pooled vectors, and their 256-token chunks' vectors, from one pass each."""
-        passes = [pooled_and_chunks(nomic_encoder, ids, spec) for ids in docs]
-        return torch.cat([pooled for pooled, _ in passes]), torch.cat([chunks for _, chunks in passes])
-
-    exact = vectors(full_spec)
-    embedded = {spec: vectors(spec) for spec in set(chosen)}
+    docs, exact = nomic_held_back_4k
+    embedded = {spec: pooled_and_chunk_vectors(encoder, docs, spec) for spec in set(chosen)}
     for target in targets:
         spec = documents[target]
         cosines = torch.nn.functional.cosine_similarity(embedded[spec][0], exact[0], dim=-1)
-        print(f"{n} target {target}: {spec.to_json()} document cosines {cosines.tolist()}")
+        print(f"{dtype} {n} target {target}: {spec.to_json()} document cosines {cosines.tolist()}")
         assert (cosines >= target).all(), (target, spec, cosines)
         spec = windows[target]
         cosines = torch.nn.functional.cosine_similarity(embedded[spec][1], exact[1], dim=-1)
         met = (cosines >= target).float().mean().item()
-        print(f"{n} target {target}: {spec.to_json()} chunks: worst {cosines.min():.4f}, {met:.0%} meet it")
+        print(f"{dtype} {n} target {target}: {spec.to_json()} chunks: worst {cosines.min():.4f}, {met:.0%} meet it")
         assert met >= 0.8 and cosines.min() >= target - 0.01, (target, spec, sorted(cosines.tolist())[:5])
