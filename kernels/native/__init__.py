@@ -1,5 +1,5 @@
-"""Native CPU loops for the clustered methods and SMYRF: native.c, built with the package,
-called by ctypes.
+"""Native CPU loops for the clustered methods, SMYRF, banded attention and rotary positions:
+native.c, built with the package, called by ctypes.
 
 On a CPU the PyTorch reference spends its time in (N, C) score matrices and their argmax,
 (C, M) softmax and top-k, and tiles of gathered rows; SMYRF's in per-round gathers, (L, S, S)
@@ -63,6 +63,7 @@ _SIGNATURES = {
     "smyrf_hashes": (_PTR, _PTR, _I64) + (_PTR,) * 3 + (_I64,) * 6 + (_PTR, _PTR, _I64, _I64),
     "argsort_rows": (_PTR, _I64, _PTR, _I64, _I64),
     "banded_attention": (_PTR,) * 3 + (_I64,) + (_PTR,) * 9 + (_I64,) * 8 + (ctypes.c_float, _PTR, _I64, _I64),
+    "rotary": (_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64),
     "bf16_dot": (),
 }
 _RESULTS = {"bf16_dot": ctypes.c_int}  # the others return nothing
@@ -417,3 +418,31 @@ def banded_attention(
         chosen.shape[-1], h, n, d, dv, block, band, positions.shape[1], scale, _ptr(out),
     )
     return out
+
+
+# Elements of x below which the rotation runs on the calling thread: handing a short input's
+# few rows to the pool costs more than rotating them.
+ROTARY_SPLIT_ELEMENTS = 1 << 16
+
+
+def rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor | None:
+    """apply_rotary_torch bit for bit, in one pass: x (T, H, D) float32 or bfloat16, cos and sin
+    (T, 1, D) float32 (rows may be strided) -> (T, H, D) in x's dtype; None where this loop does
+    not apply (no library, another dtype or layout, an odd D)."""
+    lib = library()
+    t, h, d = x.shape if x.dim() == 3 else (0, 0, 0)
+    applies = (
+        lib is not None and x.dtype in DTYPES and x.dim() == 3 and x.is_contiguous() and d % 2 == 0
+        and all(c.dtype == torch.float32 and c.shape == (t, 1, d) and c.stride(2) == 1 for c in (cos, sin))
+        and cos.stride(0) == sin.stride(0)
+    )
+    if not applies:
+        return None
+    out = torch.empty_like(x)
+    args = (_ptr(x), DTYPES[x.dtype], cos.data_ptr(), sin.data_ptr(), cos.stride(0), h, d, int(interleaved), _ptr(out))
+    if x.numel() < ROTARY_SPLIT_ELEMENTS:
+        lib.rotary(*args, 0, t)
+    else:
+        _split(lib.rotary, t, *args)
+    return out
+

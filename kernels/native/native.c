@@ -1,5 +1,5 @@
-/* Native CPU loops of clustered and improved clustered attention (Vyas et al. 2020) and of
- * SMYRF (Daras et al. 2020).
+/* Native CPU loops of clustered and improved clustered attention (Vyas et al. 2020), of
+ * SMYRF (Daras et al. 2020), of banded attention and of rotary positions.
  *
  * The PyTorch reference in clustered.py, kmeans.py and smyrf.py defines what every function
  * here computes; these loops do the same work without materialising the (N, C) score
@@ -1413,4 +1413,36 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
     }
     free(keys), free(values), free(xkeys), free(xvalues), free(bias), free(logits), free(acc), free(xq), free(scratch);
     free(zeros), free(spans);
+}
+
+/* ---- Rotary positions ------------------------------------------------------------------ */
+
+/* models.networks.rotary.apply_rotary_torch for tokens [t0, t1): x and out (T, H, D) in dtype,
+ * cos and sin float32, token t's row at t * cs_stride (shared by its heads). Each element is
+ * x * cos + rotated * sin in float32, each product and the sum rounded as PyTorch's separate
+ * multiplies and add round them, then rounded once to dtype; rotated is (-x[D/2:], x[:D/2]),
+ * or with `interleaved` (-x[2i+1], x[2i]) in each pair. The products go through memory before
+ * the sum (the empty asm below): -ffast-math would otherwise fuse a product into the add, whose
+ * single rounding differs from PyTorch's two. */
+void rotary(const void *x, int64_t dtype, const float *cos, const float *sin, int64_t cs_stride, int64_t heads,
+            int64_t d, int64_t interleaved, void *out, int64_t t0, int64_t t1) {
+    float *row = malloc(4 * d * sizeof *row), *turned = row + d, *straight = row + 2 * d, *across = row + 3 * d;
+    const int64_t half = d / 2;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *c = cos + t * cs_stride, *s = sin + t * cs_stride;
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t at = (t * heads + h) * d;
+            widen_into(row, x, dtype, at, d);
+            if (interleaved) {
+                for (int64_t i = 0; i + 1 < d; i += 2) turned[i] = -row[i + 1], turned[i + 1] = row[i];
+            } else {
+                for (int64_t i = 0; i < half; i++) turned[i] = -row[half + i], turned[half + i] = row[i];
+            }
+            for (int64_t i = 0; i < d; i++) straight[i] = row[i] * c[i], across[i] = turned[i] * s[i];
+            __asm__ volatile("" : : : "memory");
+            for (int64_t i = 0; i < d; i++) row[i] = straight[i] + across[i];
+            store_row(out, dtype, at, row, d);
+        }
+    }
+    free(row);
 }

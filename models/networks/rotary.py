@@ -1,7 +1,8 @@
 """Rotary position embeddings (RoPE, Su et al. 2021, arXiv:2104.09864) for every rotary encoder.
 
 `rotary_tables` builds the (N, D) cos / sin angles for positions 0..n-1 and `apply_rotary`
-rotates (B, H, N, D) queries or keys by them (on a GPU, packed tokens in one Triton kernel).
+rotates (B, H, N, D) queries or keys by them (packed tokens: on a GPU in one Triton kernel, on a
+CPU in one pass of the native loops).
 The frequency schedules checkpoints ship:
 
 - "default": theta^(-2i/D);
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels import native
 from models.config import ROPE_TYPES
 from models.runtime.packing import Packed
 
@@ -84,11 +86,17 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False)
     """Rotate x: (..., N, D) by the angles of its N positions, cos and sin broadcasting to x's
     shape: (N, D) for (B, H, N, D), or (T, 1, D) for packed (T, H, D). Computed in float32,
     returned in x's dtype. Packed CUDA tensors take one Triton kernel (kernels.triton.rotary),
-    bit for bit `apply_rotary_torch`'s result; everything else takes `apply_rotary_torch`."""
+    bit for bit `apply_rotary_torch`'s result; packed CPU tensors in float32 or bfloat16 one pass
+    of the native loops (kernels.native.rotary), bit for bit the same, without the five
+    float32 temporaries of the element-wise ops; everything else takes `apply_rotary_torch`."""
     if x.is_cuda and x.dim() == 3 and cos.dim() == 3:
         from kernels.triton.rotary import rotary_triton
 
         return rotary_triton(x, cos, sin, interleaved)
+    if x.device.type == "cpu":
+        rotated = native.rotary(x, cos, sin, interleaved)
+        if rotated is not None:
+            return rotated
     return apply_rotary_torch(x, cos, sin, interleaved)
 
 
