@@ -8,7 +8,9 @@ Each head's keys and values are packed in panels once; a block of queries reads 
 its chosen far blocks as runs of those panels in place, and gathers only its sinks outside the
 band and the other pooled keys into one more run; positions a run covers beyond its keys are
 biased to weight 0. One softmax per query over all the runs, each product in register tiles of
-8 queries by two vectors (4 on AVX2)."""
+8 queries by two vectors (4 on AVX2). On bfloat16 with AVX512-BF16 (native.bf16_dot()) the
+band's and far blocks' products run on vdpbf16ps, their weights rounded to bfloat16
+(docs/native.md#banded-attention)."""
 
 from __future__ import annotations
 

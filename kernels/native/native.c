@@ -1202,6 +1202,8 @@ typedef float bfloats __attribute__((vector_size(4 * BANDED_LANES)));
 typedef struct {
     const float *keys, *values;
     int64_t plane, count; /* floats between value planes; keys, a multiple of BANDED_WIDE */
+    const uint32_t *words; /* the keys as bfloat16 pairs (banded_logits_bf16), or NULL */
+    const uint32_t *value_words; /* and the values as pairs of keys (banded_values_bf16) */
 } banded_span;
 
 /* A key row and its value row (float32) as key `at` of panels laid out as above, the value's
@@ -1241,6 +1243,44 @@ static void banded_logits(const float *xq, const banded_span *span, int64_t d, f
         }
     }
 }
+
+#if defined(__AVX512F__)
+/* banded_logits on bfloat16 queries and keys by AVX512-BF16's vdpbf16ps, as SMYRF's
+ * group_logits_bf16: two exact products a step added to a float32 sum, half the instructions
+ * of widening and multiplying; the sums differ from banded_logits' by their order, within
+ * float32 rounding (bfloat16 subnormals count as 0). Only for keys that are bfloat16 rows as
+ * they are (the band, the far blocks), not the gathered extras (pooled keys are float32).
+ * words: a span's keys by panels and pairs of dimensions, word (o / BANDED_LANES * D / 2 + s) *
+ * BANDED_LANES + o % BANDED_LANES holding key o's dimensions 2s and 2s + 1; xw (D / 2,
+ * BANDED_GROUP) the group's queries' words. */
+__attribute__((target("avx512bf16"))) static void banded_logits_bf16(const uint32_t *xw, const uint32_t *words,
+                                                                     int64_t count, int64_t pairs, float scale,
+                                                                     const float *bias, float *logits, int64_t stride) {
+    for (int64_t tb = 0; tb < count; tb += BANDED_WIDE) {
+        const uint32_t *panel = words + tb * pairs, *next = panel + BANDED_LANES * pairs;
+        const __m512 b0 = _mm512_loadu_ps(bias + tb), b1 = _mm512_loadu_ps(bias + tb + BANDED_LANES);
+        for (int g0 = 0; g0 < BANDED_GROUP; g0 += BANDED_ROWS) {
+            __m512 a0[BANDED_ROWS], a1[BANDED_ROWS];
+            for (int r = 0; r < BANDED_ROWS; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+            for (int64_t s = 0; s < pairs; s++) {
+                const __m512bh c0 = (__m512bh)_mm512_load_si512(panel + s * BANDED_LANES);
+                const __m512bh c1 = (__m512bh)_mm512_load_si512(next + s * BANDED_LANES);
+                for (int r = 0; r < BANDED_ROWS; r++) {
+                    const __m512bh x = (__m512bh)_mm512_set1_epi32((int)xw[s * BANDED_GROUP + g0 + r]);
+                    a0[r] = _mm512_dpbf16_ps(a0[r], x, c0);
+                    a1[r] = _mm512_dpbf16_ps(a1[r], x, c1);
+                }
+            }
+            const __m512 scaled = _mm512_set1_ps(scale);
+            for (int r = 0; r < BANDED_ROWS; r++) {
+                _mm512_storeu_ps(logits + (g0 + r) * stride + tb, _mm512_add_ps(_mm512_mul_ps(a0[r], scaled), b0));
+                _mm512_storeu_ps(logits + (g0 + r) * stride + tb + BANDED_LANES,
+                                 _mm512_add_ps(_mm512_mul_ps(a1[r], scaled), b1));
+            }
+        }
+    }
+}
+#endif
 
 /* A row of logits (p of them) -> its softmax weights, unnormalised (positions that stand for
  * no key: exactly 0); returns 1 / their sum. */
@@ -1288,18 +1328,101 @@ static void banded_values(const float *weights, int64_t stride, const banded_spa
     }
 }
 
+#if defined(__AVX512F__)
+/* banded_values with the spans that have words on vdpbf16ps: their weights are rounded to
+ * bfloat16 (as flash attention's probabilities are before they meet bfloat16 values), in
+ * `weights` too, so that the caller's sums are those of the weights used, and paired into ww
+ * (rows of stride / 2 words); a pair of keys' values is one word a value element, word
+ * (e / BANDED_LANES * plane + o / 2 * BANDED_LANES + e % BANDED_LANES) of value_words holding
+ * keys o and o + 1 (plane: words between planes, `plane` / 2 of the float panels'). The other
+ * spans (the gathered extras) take banded_values' float32 arithmetic. Returns nothing; acc as
+ * banded_values'. */
+__attribute__((target("avx512bf16"))) static void banded_values_bf16(const float *weights, uint32_t *ww, int64_t stride,
+                                                                     const banded_span *spans, int64_t n_spans,
+                                                                     const float *inv, int64_t dvp, float *acc) {
+    for (int64_t eb = 0; eb < dvp; eb += BANDED_WIDE) {
+        for (int g0 = 0; g0 < BANDED_GROUP; g0 += BANDED_ROWS) {
+            __m512 s0[BANDED_ROWS], s1[BANDED_ROWS];
+            for (int r = 0; r < BANDED_ROWS; r++) s0[r] = s1[r] = _mm512_setzero_ps();
+            for (int64_t i = 0, at = 0; i < n_spans; at += spans[i++].count) {
+                const int64_t count = spans[i].count;
+                if (spans[i].value_words) {
+                    const int64_t plane = spans[i].plane / 2;
+                    const uint32_t *u0 = spans[i].value_words + eb / BANDED_LANES * plane, *u1 = u0 + plane;
+                    for (int64_t o = 0; o < count; o += 2) {
+                        const __m512bh x0 = (__m512bh)_mm512_load_si512(u0 + o / 2 * BANDED_LANES);
+                        const __m512bh x1 = (__m512bh)_mm512_load_si512(u1 + o / 2 * BANDED_LANES);
+                        for (int r = 0; r < BANDED_ROWS; r++) {
+                            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)ww[(g0 + r) * (stride / 2) + (at + o) / 2]);
+                            s0[r] = _mm512_dpbf16_ps(s0[r], w, x0);
+                            s1[r] = _mm512_dpbf16_ps(s1[r], w, x1);
+                        }
+                    }
+                } else {
+                    const float *v0 = spans[i].values + eb / BANDED_LANES * spans[i].plane;
+                    const float *v1 = v0 + spans[i].plane;
+                    for (int64_t o = 0; o < count; o++) {
+                        const __m512 x0 = _mm512_load_ps(v0 + o * BANDED_LANES);
+                        const __m512 x1 = _mm512_load_ps(v1 + o * BANDED_LANES);
+                        for (int r = 0; r < BANDED_ROWS; r++) {
+                            const __m512 w = _mm512_set1_ps(weights[(g0 + r) * stride + at + o]);
+                            s0[r] = _mm512_fmadd_ps(w, x0, s0[r]);
+                            s1[r] = _mm512_fmadd_ps(w, x1, s1[r]);
+                        }
+                    }
+                }
+            }
+            for (int r = 0; r < BANDED_ROWS; r++) {
+                const __m512 scaled = _mm512_set1_ps(inv[g0 + r]);
+                _mm512_storeu_ps(acc + (g0 + r) * dvp + eb, _mm512_mul_ps(s0[r], scaled));
+                _mm512_storeu_ps(acc + (g0 + r) * dvp + eb + BANDED_LANES, _mm512_mul_ps(s1[r], scaled));
+            }
+        }
+    }
+}
+
+/* A row's weights (p of them) over the spans with words rounded to bfloat16 in place and
+ * paired into words (word o / 2: positions o, o + 1); returns 1 / the sum of the row's weights
+ * as rounded (positions of spans without words keep their float32 weight). */
+__attribute__((target("avx512bf16"))) static float banded_round_weights(float *row, uint32_t *words,
+                                                                        const banded_span *spans, int64_t n_spans) {
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t i = 0, at = 0; i < n_spans; at += spans[i++].count) {
+        for (int64_t o = at; o < at + spans[i].count; o += 2 * BANDED_LANES) {
+            __m512 lo = _mm512_loadu_ps(row + o), hi = _mm512_loadu_ps(row + o + BANDED_LANES);
+            if (spans[i].value_words) {
+                /* _mm512_cvtne2ps_pbh(b, a): a's 16 into the low words, b's into the high;
+                 * the pairs (o, o + 1) come from interleaving the two halves */
+                const __m256bh rl = _mm512_cvtneps_pbh(lo), rh = _mm512_cvtneps_pbh(hi);
+                lo = _mm512_cvtpbh_ps(rl), hi = _mm512_cvtpbh_ps(rh);
+                _mm512_storeu_ps(row + o, lo), _mm512_storeu_ps(row + o + BANDED_LANES, hi);
+                uint16_t halves16[2 * BANDED_LANES];
+                memcpy(halves16, &rl, sizeof rl), memcpy(halves16 + BANDED_LANES, &rh, sizeof rh);
+                memcpy(words + o / 2, halves16, sizeof halves16); /* little-endian: word j = (o + 2j, o + 2j + 1) */
+            }
+            total = _mm512_add_ps(total, _mm512_add_ps(lo, hi));
+        }
+    }
+    const float sum = _mm512_reduce_add_ps(total);
+    return 1.0f / sum;
+}
+#endif
+
 /* The span of keys [lo, hi) of a head packed whole (keys, values: panels of `plane` keys),
  * widened to whole tiles from lo rounded down, with its bias at `bias`: 0 where `take` (a
  * row's flags, per key) and the key is in [lo, hi), BANDED_NONE elsewhere. */
-static banded_span banded_run(const float *keys, const float *values, int64_t plane, int64_t d, int64_t lo,
-                              int64_t hi, const uint8_t *take, float *bias) {
+static banded_span banded_run(const float *keys, const float *values, const uint32_t *words,
+                              const uint32_t *value_words, int64_t plane, int64_t d, int64_t lo, int64_t hi,
+                              const uint8_t *take, float *bias) {
     const int64_t first = lo / BANDED_LANES * BANDED_LANES;
     const int64_t count = (hi - first + BANDED_WIDE - 1) / BANDED_WIDE * BANDED_WIDE;
     for (int64_t o = 0; o < count; o++) {
         const int64_t j = first + o;
         bias[o] = j >= lo && j < hi && take[j] ? 0.0f : BANDED_NONE;
     }
-    return (banded_span){keys + first * d, values + first * BANDED_LANES, plane, count};
+    return (banded_span){keys + first * d, values + first * BANDED_LANES, plane, count,
+                         words ? words + first * (d / 2) : NULL,
+                         value_words ? value_words + first / 2 * BANDED_LANES : NULL};
 }
 
 /* banded.attend for slices [bh0, bh1): q, k (BH, N, D), v (BH, N, Dv) and out (BH, N, Dv) in
@@ -1340,6 +1463,15 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
     float *scratch = malloc((d + dv) * sizeof *scratch); /* a widened key row, then its value row */
     float *zeros = calloc(d > dv ? d : dv, sizeof *zeros); /* the rows past the last key */
     banded_span *spans = malloc((r_count + 2) * sizeof *spans);
+    /* bfloat16 rows on a CPU with vdpbf16ps: the band's and far blocks' logits by
+     * banded_logits_bf16, from the head's keys as words (kw) and the group's queries' (xw) */
+    const int64_t pairs = d / 2;
+    const int by_words = dtype == BF16 && d % 2 == 0 && bf16_dot();
+    uint32_t *kw = by_words ? aligned_alloc(64, np * pairs * sizeof *kw) : NULL;
+    uint32_t *xw = by_words ? malloc(BANDED_GROUP * pairs * sizeof *xw) : NULL;
+    /* and the values by pairs of keys (vw), the weights by pairs (ww) */
+    uint32_t *vw = by_words ? aligned_alloc(64, dvp * np / 2 * sizeof *vw) : NULL;
+    uint32_t *ww = by_words ? malloc(BANDED_GROUP * (p_max / 2 + 1) * sizeof *ww) : NULL;
     /* positions past a block's extras are biased out, but read: finite (stale or 0) */
     memset(xkeys, 0, extras * d * sizeof *xkeys);
     memset(xvalues, 0, dvp * extras * sizeof *xvalues);
@@ -1349,17 +1481,33 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
         for (int64_t j = 0; j < np; j++) /* the head's keys and values, zeros past the last */
             banded_put(keys, values, plane, j, j < n ? row_floats(k, dtype, (bh * n + j) * d, d, scratch) : zeros,
                        j < n ? row_floats(v, dtype, (bh * n + j) * dv, dv, scratch + d) : zeros, d, dv);
+        for (int64_t j = 0; vw && j < np; j += 2) { /* the values as words */
+            const uint16_t *even = (const uint16_t *)v + (bh * n + j) * dv, *odd = even + dv;
+            for (int64_t e = 0; e < dvp; e++) {
+                const uint32_t lo = j < n && e < dv ? even[e] : 0, hi = j + 1 < n && e < dv ? odd[e] : 0;
+                vw[e / BANDED_LANES * (plane / 2) + j / 2 * BANDED_LANES + e % BANDED_LANES] = lo | hi << 16;
+            }
+        }
+        for (int64_t j = 0; kw && j < np; j++) { /* and the keys as words */
+            uint32_t *to = kw + (j / BANDED_LANES * pairs) * BANDED_LANES + j % BANDED_LANES;
+            const uint16_t *key = (const uint16_t *)k + (bh * n + j) * d;
+            for (int64_t s = 0; s < pairs; s++) {
+                uint32_t word = 0;
+                if (j < n) memcpy(&word, key + 2 * s, sizeof word);
+                to[s * BANDED_LANES] = word;
+            }
+        }
         for (int64_t t = 0; t < nb; t++) {
             int64_t n_spans = 0, p = 0;
             const int64_t lo = (t - band) * block < 0 ? 0 : (t - band) * block;
             const int64_t hi = (t + band + 1) * block > n ? n : (t + band + 1) * block;
-            spans[n_spans] = banded_run(keys, values, plane, d, lo, hi, real, bias + p);
+            spans[n_spans] = banded_run(keys, values, kw, vw, plane, d, lo, hi, real, bias + p);
             p += spans[n_spans++].count;
             const int64_t *picked = chosen + (bh * nb + t) * r_count;
             for (int64_t r = 0; r < r_count; r++) {
                 if (picked[r] < 0) continue;
                 const int64_t j1 = (picked[r] + 1) * block > n ? n : (picked[r] + 1) * block;
-                spans[n_spans] = banded_run(keys, values, plane, d, picked[r] * block, j1, count_row,
+                spans[n_spans] = banded_run(keys, values, kw, vw, plane, d, picked[r] * block, j1, count_row,
                                             bias + p);
                 p += spans[n_spans++].count;
             }
@@ -1382,7 +1530,7 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
             if (e > 0) {
                 const int64_t count = (e + BANDED_WIDE - 1) / BANDED_WIDE * BANDED_WIDE;
                 for (int64_t o = e; o < count; o++) bias[p + o] = BANDED_NONE;
-                spans[n_spans++] = (banded_span){xkeys, xvalues, extra_plane, count};
+                spans[n_spans++] = (banded_span){xkeys, xvalues, extra_plane, count, NULL, NULL};
                 p += count;
             }
             const int64_t q0 = t * block, q1 = q0 + block > n ? n : q0 + block;
@@ -1391,9 +1539,18 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
                     const int64_t i = i0 + g < q1 ? i0 + g : q1 - 1; /* a short tail repeats */
                     const float *x = row_floats(q, dtype, (bh * n + i) * d, d, scratch);
                     for (int64_t s = 0; s < d; s++) xq[s * BANDED_GROUP + g] = x[s];
+                    for (int64_t s = 0; xw && s < pairs; s++)
+                        memcpy(xw + s * BANDED_GROUP + g, (const uint16_t *)q + (bh * n + i) * d + 2 * s, sizeof *xw);
                 }
-                for (int64_t i = 0, at = 0; i < n_spans; at += spans[i++].count)
+                for (int64_t i = 0, at = 0; i < n_spans; at += spans[i++].count) {
+#if defined(__AVX512F__)
+                    if (spans[i].words) {
+                        banded_logits_bf16(xw, spans[i].words, spans[i].count, pairs, scale, bias + at, logits + at, p);
+                        continue;
+                    }
+#endif
                     banded_logits(xq, &spans[i], d, scale, bias + at, logits + at, p);
+                }
                 float inv[BANDED_GROUP];
                 for (int g = 0; g < BANDED_GROUP; g++) {
                     if (i0 + g >= q1 || !real[i0 + g]) { /* no output: its weights 0 */
@@ -1403,6 +1560,15 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
                         inv[g] = banded_softmax(logits + g * p, p);
                     }
                 }
+#if defined(__AVX512F__)
+                if (ww) {
+                    for (int g = 0; g < BANDED_GROUP; g++) {
+                        if (inv[g] == 0.0f) memset(ww + g * (p / 2), 0, p / 2 * sizeof *ww);
+                        else inv[g] = banded_round_weights(logits + g * p, ww + g * (p / 2), spans, n_spans);
+                    }
+                    banded_values_bf16(logits, ww, p, spans, n_spans, inv, dvp, acc);
+                } else
+#endif
                 banded_values(logits, p, spans, n_spans, inv, dvp, acc);
                 for (int g = 0; g < BANDED_GROUP && i0 + g < q1; g++) {
                     if (dtype == F32) memcpy((float *)out + (bh * n + i0 + g) * dv, acc + g * dvp, dv * sizeof(float));
@@ -1412,7 +1578,7 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
         }
     }
     free(keys), free(values), free(xkeys), free(xvalues), free(bias), free(logits), free(acc), free(xq), free(scratch);
-    free(zeros), free(spans);
+    free(zeros), free(spans), free(kw), free(xw), free(vw), free(ww);
 }
 
 /* ---- Rotary positions ------------------------------------------------------------------ */

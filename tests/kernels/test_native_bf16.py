@@ -3,10 +3,11 @@
 The loops widen each bfloat16 row as they read it (exact) and compute in float32, so every
 stage must give what the float32 loops give on the same values upcast, bit for bit, and the
 output that result rounded to bfloat16. Where the CPU has AVX512-BF16 (native.bf16_dot()),
-two parts multiply bfloat16 as it is: SMYRF's logits (summed in another order, within float32
-rounding) and clustered attention's centroid pass (native.bf16_centroid_pass: the centroids
+three parts multiply bfloat16 as it is: SMYRF's logits (summed in another order, within
+float32 rounding), clustered attention's centroid pass (native.bf16_centroid_pass: the centroids
 and the probabilities rounded to bfloat16, as a bfloat16 SDPA computes, within CENTROID_PASS_TOL
-of exact attention). Against the reference run on those values in float32 (float64 where the
+of exact attention) and banded attention's band and far blocks (logits in another order,
+weights rounded to bfloat16). Against the reference run on those values in float32 (float64 where the
 method is exact), discrete decisions follow the tie rules of ties.py and outputs agree to the
 output's bfloat16 rounding. No stage may make a float32 copy of q, k or v.
 """
@@ -139,6 +140,28 @@ def reloaded():
     native.library.cache_clear()
     yield
     native.library.cache_clear()
+
+
+@pytest.mark.parametrize("level", native.runnable_levels())
+@pytest.mark.parametrize("d", [32, 15])
+def test_banded_reads_bfloat16_at_every_level(level, d, monkeypatch, reloaded):
+    """Banded attention's band and far blocks run on vdpbf16ps where the level has it (an even
+    D): logits summed in another order (within float32 rounding), and their weights rounded to
+    bfloat16 before they meet the values, divided by the sum of the rounded weights, as the
+    centroid pass's are: the output within CENTROID_PASS_TOL of the largest |v| of the float32
+    loop's. Elsewhere (and for the pooled keys and sinks always) the float32 loop's arithmetic
+    on the widened rows, bit for bit."""
+    monkeypatch.setenv(native.ISA_VARIABLE, level)
+    assert native.level() == level
+    q, k, v = bf16_qkv(n=200, d=d, dv=24, seed=d)
+    mask = padding_mask(2, 200, [200, 151])
+    spec = AttentionSpec(method="banded", band=1, block=16, sinks=3, far_blocks=2)
+    out = attention(q, k, v, spec, key_padding_mask=mask, backend="native")
+    want = attention(*upcast(q, k, v), spec, key_padding_mask=mask, backend="native")
+    if native.bf16_dot() and d % 2 == 0:
+        assert (out.float() - want).abs().max() <= CENTROID_PASS_TOL * v.float().abs().max()
+    else:
+        assert torch.equal(out, want.to(BF16))
 
 
 @pytest.mark.parametrize("level", native.runnable_levels())
