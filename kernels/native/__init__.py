@@ -445,4 +445,3 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor | N
     else:
         _split(lib.rotary, t, *args)
     return out
-
