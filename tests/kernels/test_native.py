@@ -159,14 +159,6 @@ def test_auto_runs_the_native_loops_for_float_cpu_tensors_and_the_reference_for_
         backend_for("cpu", torch.float64, "native")
 
 
-@pytest.fixture
-def reloaded():
-    """native.library() forgets the loaded library now and after the test."""
-    native.library.cache_clear()
-    yield
-    native.library.cache_clear()
-
-
 def test_without_a_built_library_auto_runs_the_reference(monkeypatch, caplog, reloaded, tmp_path):
     q, k, v = qkv(n=48)
     spec = AttentionSpec(method="i-clustered", clusters=5, topk=8)

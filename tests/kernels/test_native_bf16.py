@@ -134,14 +134,6 @@ def test_smyrf_logits_agree_with_the_reference_in_float32(n, m, d, dv, cluster_s
         assert torch.equal(out, want.to(BF16)) and torch.equal(top, want_top) and torch.equal(total, want_total)
 
 
-@pytest.fixture
-def reloaded():
-    """native.library() forgets the loaded library now and after the test."""
-    native.library.cache_clear()
-    yield
-    native.library.cache_clear()
-
-
 @pytest.mark.parametrize("level", native.runnable_levels())
 @pytest.mark.parametrize("d", [32, 15])
 def test_banded_reads_bfloat16_at_every_level(level, d, monkeypatch, reloaded):

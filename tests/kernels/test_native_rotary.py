@@ -34,14 +34,6 @@ def rows(t: int, h: int, d: int, dtype: torch.dtype, seed: int = 0) -> torch.Ten
     return x.to(dtype)
 
 
-@pytest.fixture
-def reloaded():
-    """native.library() forgets the loaded library now and after the test."""
-    native.library.cache_clear()
-    yield
-    native.library.cache_clear()
-
-
 @pytest.mark.parametrize("level", native.runnable_levels())
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True])
