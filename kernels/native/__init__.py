@@ -430,13 +430,12 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor | N
     (T, 1, D) float32 (rows may be strided) -> (T, H, D) in x's dtype; None where this loop does
     not apply (no library, another dtype or layout, an odd D)."""
     lib = library()
-    t, h, d = x.shape if x.dim() == 3 else (0, 0, 0)
-    applies = (
-        lib is not None and x.dtype in DTYPES and x.dim() == 3 and x.is_contiguous() and d % 2 == 0
-        and all(c.dtype == torch.float32 and c.shape == (t, 1, d) and c.stride(2) == 1 for c in (cos, sin))
-        and cos.stride(0) == sin.stride(0)
-    )
-    if not applies:
+    if lib is None or x.dtype not in DTYPES or x.dim() != 3 or not x.is_contiguous():
+        return None
+    t, h, d = x.shape
+    if d % 2 or cos.stride(0) != sin.stride(0) or any(
+        c.dtype != torch.float32 or c.shape != (t, 1, d) or c.stride(2) != 1 for c in (cos, sin)
+    ):
         return None
     out = torch.empty_like(x)
     args = (_ptr(x), DTYPES[x.dtype], cos.data_ptr(), sin.data_ptr(), cos.stride(0), h, d, int(interleaved), _ptr(out))

@@ -1329,14 +1329,12 @@ static void banded_values(const float *weights, int64_t stride, const banded_spa
 }
 
 #if defined(__AVX512F__)
-/* banded_values with the spans that have words on vdpbf16ps: their weights are rounded to
- * bfloat16 (as flash attention's probabilities are before they meet bfloat16 values), in
- * `weights` too, so that the caller's sums are those of the weights used, and paired into ww
- * (rows of stride / 2 words); a pair of keys' values is one word a value element, word
- * (e / BANDED_LANES * plane + o / 2 * BANDED_LANES + e % BANDED_LANES) of value_words holding
- * keys o and o + 1 (plane: words between planes, `plane` / 2 of the float panels'). The other
- * spans (the gathered extras) take banded_values' float32 arithmetic. Returns nothing; acc as
- * banded_values'. */
+/* banded_values with the spans that have words on vdpbf16ps, from their weights rounded to
+ * bfloat16 and paired by banded_round_weights into ww (rows of stride / 2 words); a pair of
+ * keys' values is one word a value element, word (e / BANDED_LANES * plane + o / 2 *
+ * BANDED_LANES + e % BANDED_LANES) of value_words holding keys o and o + 1 (plane: words
+ * between planes, half the float panels'). The other spans (the gathered extras) take
+ * banded_values' float32 arithmetic on `weights`. acc as banded_values'. */
 __attribute__((target("avx512bf16"))) static void banded_values_bf16(const float *weights, uint32_t *ww, int64_t stride,
                                                                      const banded_span *spans, int64_t n_spans,
                                                                      const float *inv, int64_t dvp, float *acc) {
@@ -1381,9 +1379,11 @@ __attribute__((target("avx512bf16"))) static void banded_values_bf16(const float
     }
 }
 
-/* A row's weights (p of them) over the spans with words rounded to bfloat16 in place and
- * paired into words (word o / 2: positions o, o + 1); returns 1 / the sum of the row's weights
- * as rounded (positions of spans without words keep their float32 weight). */
+/* A row's weights (p of them) over the spans with words rounded to bfloat16 (as flash
+ * attention's probabilities are before they meet bfloat16 values), in place and paired into
+ * words (word o / 2: positions o, o + 1); returns 1 / the sum of the row's weights as rounded,
+ * so that the row is divided by the sum of the weights its values meet (positions of spans
+ * without words keep their float32 weight). */
 __attribute__((target("avx512bf16"))) static float banded_round_weights(float *row, uint32_t *words,
                                                                         const banded_span *spans, int64_t n_spans) {
     __m512 total = _mm512_setzero_ps();
@@ -1391,14 +1391,12 @@ __attribute__((target("avx512bf16"))) static float banded_round_weights(float *r
         for (int64_t o = at; o < at + spans[i].count; o += 2 * BANDED_LANES) {
             __m512 lo = _mm512_loadu_ps(row + o), hi = _mm512_loadu_ps(row + o + BANDED_LANES);
             if (spans[i].value_words) {
-                /* _mm512_cvtne2ps_pbh(b, a): a's 16 into the low words, b's into the high;
-                 * the pairs (o, o + 1) come from interleaving the two halves */
-                const __m256bh rl = _mm512_cvtneps_pbh(lo), rh = _mm512_cvtneps_pbh(hi);
-                lo = _mm512_cvtpbh_ps(rl), hi = _mm512_cvtpbh_ps(rh);
+                /* positions o .. o + 31 rounded, in order: word j holds o + 2j (low) and o + 2j + 1 */
+                const __m512i rounded = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+                _mm512_storeu_si512(words + o / 2, rounded);
+                lo = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(rounded));
+                hi = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64(rounded, 1));
                 _mm512_storeu_ps(row + o, lo), _mm512_storeu_ps(row + o + BANDED_LANES, hi);
-                uint16_t halves16[2 * BANDED_LANES];
-                memcpy(halves16, &rl, sizeof rl), memcpy(halves16 + BANDED_LANES, &rh, sizeof rh);
-                memcpy(words + o / 2, halves16, sizeof halves16); /* little-endian: word j = (o + 2j, o + 2j + 1) */
             }
             total = _mm512_add_ps(total, _mm512_add_ps(lo, hi));
         }

@@ -81,3 +81,15 @@ def tile_positions(layout, n_tiles: int, tile: int) -> tuple[torch.Tensor, torch
     rank = (layout.start.gather(1, c)[..., None] + slot).clamp(0, layout.order.shape[1] - 1)
     positions = layout.order.long().gather(1, rank.flatten(1)).view_as(rank)
     return torch.where(valid, positions, -1), cluster
+
+
+def packed_rotary_tables(t: int, d: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (T, 1, D) of one sequence of t tokens, as the encoders get them (packed_rotary:
+    strided views of one table)."""
+    from kernels import AttentionSpec
+    from models.networks.rotary import packed_rotary
+    from models.runtime.packing import pack
+
+    cpu = torch.device("cpu")
+    _, packed = pack([[1] * t], [AttentionSpec()], cpu)
+    return packed_rotary(packed, d, 1000.0, cpu, interleaved=interleaved)

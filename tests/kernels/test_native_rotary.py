@@ -6,22 +6,14 @@ an ulp, which these comparisons see."""
 
 import pytest
 import torch
+from kernel_inputs import packed_rotary_tables
 
-from kernels import AttentionSpec, native
-from models.networks.rotary import apply_rotary, apply_rotary_torch, packed_rotary
-from models.runtime.packing import pack
+from kernels import native
+from models.networks.rotary import apply_rotary, apply_rotary_torch
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native loops were not built (no C compiler)")
 
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def tables(t: int, d: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (T, 1, D) of one sequence of t tokens, as the encoders get them (packed_rotary:
-    strided views of one table)."""
-    cpu = torch.device("cpu")
-    _, packed = pack([[1] * t], [AttentionSpec()], cpu)
-    return packed_rotary(packed, d, 1000.0, cpu, interleaved=interleaved)
 
 
 def rows(t: int, h: int, d: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -44,7 +36,7 @@ def test_equals_apply_rotary_torch_at_every_level(level, dtype, interleaved, mon
     # that the loop splits over threads (ROTARY_SPLIT_ELEMENTS)
     for t, h, d in [(1, 1, 2), (7, 3, 6), (33, 2, 128), (300, 12, 64), (2000, 5, 48)]:
         x = rows(t, h, d, dtype, seed=t)
-        cos, sin = tables(t, d, interleaved)
+        cos, sin = packed_rotary_tables(t, d, interleaved)
         got = native.rotary(x, cos, sin, interleaved)
         want = apply_rotary_torch(x, cos, sin, interleaved)
         assert got is not None and got.dtype == dtype
@@ -55,7 +47,7 @@ def test_apply_rotary_takes_the_loop_for_packed_cpu_rows_only(monkeypatch):
     taken = []
     loop = native.rotary
     monkeypatch.setattr(native, "rotary", lambda *args: taken.append(args[0].shape) or loop(*args))
-    cos, sin = tables(40, 64, False)
+    cos, sin = packed_rotary_tables(40, 64, False)
     x = rows(40, 4, 64, torch.bfloat16)
     assert torch.equal(apply_rotary(x, cos, sin), apply_rotary_torch(x, cos, sin))
     assert taken == [(40, 4, 64)]

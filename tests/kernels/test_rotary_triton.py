@@ -7,21 +7,12 @@ os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
 
 import pytest
 import torch
-from kernel_inputs import poison_empty
+from kernel_inputs import packed_rotary_tables, poison_empty
 
-from kernels import AttentionSpec
 from kernels.triton.rotary import BLOCK_T, rotary_triton
-from models.networks.rotary import apply_rotary_torch, packed_rotary
-from models.runtime.packing import pack
+from models.networks.rotary import apply_rotary_torch
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def tables(t: int, d: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (T, 1, D) of one sequence of t tokens, as the encoders get them (packed_rotary)."""
-    cpu = torch.device("cpu")
-    _, packed = pack([[1] * t], [AttentionSpec()], cpu)
-    return packed_rotary(packed, d, 1000.0, cpu, interleaved=interleaved)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -31,7 +22,7 @@ def test_equals_apply_rotary_torch(dtype, interleaved, d, monkeypatch):
     poison_empty(monkeypatch)
     t, h = 2 * BLOCK_T + 5, 3  # a partial last block of tokens
     x = (torch.randn(t, h, d, generator=torch.Generator().manual_seed(d)) * 4).to(dtype)
-    cos, sin = tables(t, d, interleaved)
+    cos, sin = packed_rotary_tables(t, d, interleaved)
     got = rotary_triton(x, cos, sin, interleaved)
     want = apply_rotary_torch(x, cos, sin, interleaved)
     assert got.dtype == dtype and got.shape == want.shape
@@ -44,14 +35,14 @@ def test_strided_queries_as_a_fused_projection_gives_them():
     t, h, d = 40, 2, 32
     qkv = torch.randn(t, 3, h, d, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     q = qkv.unbind(1)[0]
-    cos, sin = tables(t, d, False)
+    cos, sin = packed_rotary_tables(t, d, False)
     assert not q.is_contiguous()
     assert torch.equal(rotary_triton(q, cos, sin), apply_rotary_torch(q, cos, sin))
 
 
 def test_no_tokens():
     x = torch.empty(0, 2, 16)
-    cos, sin = (table[:0] for table in tables(1, 16, False))
+    cos, sin = (table[:0] for table in packed_rotary_tables(1, 16, False))
     assert rotary_triton(x, cos, sin).shape == (0, 2, 16)
 
 
