@@ -27,7 +27,7 @@ from kernels import backend_for
 from models.config import EncoderConfig
 from models.gguf_checkpoint import read_gguf
 from models.networks import NETWORKS
-from models.networks.linear import pack_small_batches, packed_rows, small_batches_supported
+from models.networks.linear import float32_packed_rows, pack_small_batches, small_batches_supported
 from models.networks.network import Network
 from models.planning.calibration import CalibrationError, find_calibration, load_calibration
 from models.pooling import PoolingConfig, read_pooling
@@ -93,8 +93,9 @@ def load_encoder(
         batches. Elsewhere ignored. cuda_graph_max_length: batches with a longer input run
         eagerly, unpadded.
     small_batch_weights: on a CPU, each linear layer also keeps its weight packed by oneDNN
-        (models.networks.linear): in float32 for short batches, in bfloat16 for every batch
-        (faster products, as many bytes again as the linear weights). Elsewhere ignored.
+        (models.networks.linear): in float32 for short batches, or every batch where oneDNN
+        also leads MKL on long products on this CPU (timed at load), in bfloat16 for every
+        batch (faster products, as many bytes again as the linear weights). Elsewhere ignored.
     Raises UnsupportedArchitecture for a model we do not implement, FileNotFoundError for a
     folder that lacks a needed file or a default model that was not fetched.
     """
@@ -129,9 +130,12 @@ def load_encoder(
 
     model = _build_model(config, state, torch.device(device), dtype)
     if small_batch_weights and small_batches_supported(device, dtype):
-        size = pack_small_batches(model)
-        rows = packed_rows(dtype)
-        scope = "every batch" if rows is None else f"batches of up to {rows} tokens"
+        rows = float32_packed_rows(model) if dtype == torch.float32 else None
+        size = pack_small_batches(model, rows)
+        if rows is not None:
+            scope = f"batches of up to {rows} tokens"
+        else:
+            scope = "every batch" if dtype == torch.bfloat16 else "every batch, as oneDNN led MKL on long products here"
         log.info("%s: linear layers packed by oneDNN for %s (%.0f MB more)", name, scope, size / 1e6)
     device_kind = torch.device(device).type
     folder = source.folder

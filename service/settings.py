@@ -155,8 +155,8 @@ class Settings(BaseSettings):
     small_batch_weights: bool = Field(
         True,
         description="on a CPU: each linear layer also keeps its weight packed by oneDNN, for short batches in float32 "
-        "and every batch in bfloat16 (faster short texts; as many bytes again as the linear weights; on/off; "
-        "docs/backends.md)",
+        "(every batch where oneDNN also leads MKL on long products, timed at load) and every batch in bfloat16 "
+        "(faster short texts; as many bytes again as the linear weights; on/off; docs/backends.md)",
     )
     cuda_graphs: bool = Field(
         True,

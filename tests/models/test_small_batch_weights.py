@@ -1,8 +1,9 @@
 """Linear layers on a CPU keep a oneDNN-packed copy of their weight (models.networks.linear): in
-float32 for products of few rows, in bfloat16 for every product. It is made for every layer;
-in float32 short inputs run on it, long ones and everything outside its conditions run through
-F.linear, and both give the same vectors to float rounding; in bfloat16 every input runs on it
-and gets F.linear's bits."""
+float32 for products of few rows, or of any number where oneDNN leads MKL on long products on
+this CPU (timed once at load), in bfloat16 for every product. It is made for every layer; in
+float32 the inputs within the limit run on it, the rest and everything outside its conditions
+run through F.linear, and both give the same vectors to float rounding; in bfloat16 every input
+runs on it and gets F.linear's bits."""
 
 from __future__ import annotations
 
@@ -12,7 +13,16 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from models import load_encoder
-from models.networks.linear import SMALL_BATCH_ROWS, Linear, pack_small_batches, small_batches_supported
+from models.networks import linear
+from models.networks.linear import (
+    PACKED_LEAD,
+    SMALL_BATCH_ROWS,
+    Linear,
+    float32_packed_rows,
+    pack_small_batches,
+    packed_lead,
+    small_batches_supported,
+)
 
 pytestmark = pytest.mark.skipif(
     not small_batches_supported("cpu", torch.float32), reason="this torch build has no oneDNN linear"
@@ -65,19 +75,37 @@ def test_more_rows_than_the_limit_autograd_and_other_dtypes_run_f_linear_bit_for
     assert torch.equal(out, F.linear(short, layer.weight, layer.bias)) and out.requires_grad
 
 
-def test_the_encoder_packs_every_linear_layer_and_only_short_inputs_use_them(default_encoder, full_spec, long_text):
-    layers = [m for m in default_encoder.model.modules() if isinstance(m, Linear)]
-    assert len(layers) == 36 and all(m.small_batch_weight is not None for m in layers)  # 6 layers x 6
+@pytest.mark.parametrize("lead", [1.0, PACKED_LEAD])  # MKL as fast; oneDNN just far enough ahead
+def test_the_encoder_packs_every_linear_layer_and_long_inputs_take_the_library_measured_faster(
+    monkeypatch, lead, full_spec, long_text
+):
+    monkeypatch.setattr(linear, "packed_lead", lambda *shape_and_threads: lead)
+    encoder = load_encoder("all-MiniLM-L6-v2")
+    layers = [m for m in encoder.model.modules() if isinstance(m, Linear)]
+    limit = None if lead >= PACKED_LEAD else SMALL_BATCH_ROWS
+    assert len(layers) == 36 and all(m.small_batch_weight is not None and m.packed_rows == limit for m in layers)
     short, long = ["a short query"], [long_text(700)]
-    assert PACKED_OP not in _ops(lambda: default_encoder.embed(long, full_spec))
-    assert _ops(lambda: default_encoder.embed(short, full_spec)).get(PACKED_OP) == len(layers)
+    assert _ops(lambda: encoder.embed(long, full_spec)).get(PACKED_OP) == (len(layers) if limit is None else None)
+    assert _ops(lambda: encoder.embed(short, full_spec)).get(PACKED_OP) == len(layers)
 
     plain = load_encoder("all-MiniLM-L6-v2", small_batch_weights=False)
     assert all(m.small_batch_weight is None for m in plain.model.modules() if isinstance(m, Linear))
     assert PACKED_OP not in _ops(lambda: plain.embed(short, full_spec))
-    for text in ("a short query", long_text(40)):  # each alone: the packed copies against F.linear
-        cosine = F.cosine_similarity(default_encoder.embed([text], full_spec), plain.embed([text], full_spec))
+    for text in ("a short query", long_text(40), long_text(700)):  # each alone: the packed copies against F.linear
+        cosine = F.cosine_similarity(encoder.embed([text], full_spec), plain.embed([text], full_spec))
         assert cosine.item() >= 1 - 1e-6, (text, cosine)
+
+
+def test_the_float32_limit_follows_the_lead_measured_once_a_process_on_the_widest_layer(monkeypatch):
+    lead = packed_lead(96, 160, torch.get_num_threads())
+    assert 0 < lead < float("inf") and packed_lead(96, 160, torch.get_num_threads()) == lead  # cached: no new timing
+    model = torch.nn.Sequential(_layer(96, 160), torch.nn.ReLU(), _layer(160, 8))
+    asked = []
+    for measured, limit in ((PACKED_LEAD, None), (2.0, None), (PACKED_LEAD - 0.01, SMALL_BATCH_ROWS)):
+        monkeypatch.setattr(linear, "packed_lead", lambda *shape, measured=measured: asked.append(shape) or measured)
+        assert float32_packed_rows(model) == limit
+    assert asked == [(96, 160, torch.get_num_threads())] * 3
+    assert float32_packed_rows(torch.nn.Sequential(torch.nn.ReLU())) == SMALL_BATCH_ROWS  # no linear layer
 
 
 bf16_packed = pytest.mark.skipif(
