@@ -63,6 +63,7 @@ _SIGNATURES = {
     "smyrf_hashes": (_PTR, _PTR, _I64) + (_PTR,) * 3 + (_I64,) * 6 + (_PTR, _PTR, _I64, _I64),
     "argsort_rows": (_PTR, _I64, _PTR, _I64, _I64),
     "banded_attention": (_PTR,) * 3 + (_I64,) + (_PTR,) * 9 + (_I64,) * 8 + (ctypes.c_float, _PTR, _I64, _I64),
+    "banded_block_max": (_PTR, _I64, _PTR, _PTR) + (_I64,) * 6 + (_PTR, _I64, _I64),
     "rotary": (_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64),
     "bf16_dot": (),
 }
@@ -417,6 +418,22 @@ def banded_attention(
         _ptr(flags[0]), _ptr(positions), _ptr(flags[1]), _ptr(flags[2]), _ptr(flags[3]), _ptr(chosen),
         chosen.shape[-1], h, n, d, dv, block, band, positions.shape[1], scale, _ptr(out),
     )
+    return out
+
+
+def banded_block_max(q: Tensor, keys: Tensor, key_mask: Tensor, size: int) -> Tensor:
+    """banded.block_max_logits: q (B, H, N, D) float32 or bfloat16, keys (B, H, NB, D) the
+    pooled keys, key_mask (B, N), `size` queries a block -> (B, H, NB, NB) float32, the largest
+    q . key_c over query block t's real queries; -FLT_MAX where t has none."""
+    b, h, n, d = q.shape
+    blocks = keys.shape[2]
+    nbp = -(-blocks // LANES) * LANES  # whole vectors of blocks, dimension by dimension
+    keys_t = _aligned_zeros(b, h, d, nbp)
+    keys_t[..., :blocks] = keys.transpose(-1, -2)
+    q, real = q.contiguous(), key_mask.to(torch.uint8).contiguous()
+    out = torch.empty(b, h, blocks, blocks, dtype=torch.float32)
+    _split(library().banded_block_max, b * h, _ptr(q), _dtype(q), _ptr(keys_t), _ptr(real), h, n, d, blocks, nbp,
+           size, _ptr(out))
     return out
 
 

@@ -1,8 +1,10 @@
 """The native backend of banded attention (banded.py): the attend stage as the C loop
 `banded_attention` of native.c (bound in kernels.native), one (batch, head) slice per call, on
 float32 or bfloat16 CPU tensors (bfloat16 rows widened as they are read). The pool and select
-stages are the reference's (O(N D) means in float32; the far blocks' scores, one matrix
-product).
+stages are the reference's with their heavy parts in C, reading q, k and v as they are (no
+float32 copies): the blocks' mean keys and values summed by `cluster_means` (a key's cluster
+is its block; keys not counted are in none), and the far blocks' choice logits, the max over
+each query block of its queries' dots with the mean keys, by `banded_block_max`.
 
 Each head's keys and values are packed in panels once; a block of queries reads its band and
 its chosen far blocks as runs of those panels in place, and gathers only its sinks outside the
@@ -14,12 +16,24 @@ band's and far blocks' products run on vdpbf16ps, their weights rounded to bfloa
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from kernels import native
-from kernels.reference.banded import BandedStages, Pooled, pool
+from kernels.reference.banded import BandedStages, Pooled, choice_scores, pool, select
 from kernels.spec import AttentionSpec
+
+
+def block_means(k: Tensor, v: Tensor, counted: Tensor, size: int) -> tuple[Tensor, Tensor]:
+    """banded.block_means by native.cluster_means: k (B, H, N, D), v (B, H, N, Dv) float32 or
+    bfloat16, counted (B, N) -> mean keys (B, H, NB, D), mean values (B, H, NB, Dv) float32."""
+    b, h, n, _ = k.shape
+    blocks = -(-n // size)
+    block = torch.arange(n, device=k.device) // size
+    assign = torch.where(counted, block, blocks)[:, None].expand(b, h, n)  # not counted: no block
+    return native.cluster_means(k, assign, blocks), native.cluster_means(v, assign, blocks)
 
 
 def attend(
@@ -34,4 +48,8 @@ def attend(
     return out.to(dtype)
 
 
-NATIVE = BandedStages(name="native", compute=native.compute_dtype, pool=pool, attend=attend, contiguous=True)
+NATIVE = BandedStages(
+    name="native", compute=native.compute_dtype, pool=functools.partial(pool, means=block_means), attend=attend,
+    contiguous=True,
+    select=functools.partial(select, scores=functools.partial(choice_scores, block_max=native.banded_block_max)),
+)

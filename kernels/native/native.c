@@ -1579,6 +1579,55 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
     free(zeros), free(spans), free(kw), free(xw), free(vw), free(ww);
 }
 
+/* ---- Banded attention: the far blocks' choice logits --------------------------------- */
+
+/* Queries scored together by banded_block_max: each vector of pooled keys read from L1 feeds
+ * that many FMA chains. */
+#define CHOICE_GROUP 8
+
+/* banded.block_max_logits for slices [bh0, bh1): q (BH, N, D) in dtype; keys_t (BH, D, NBP)
+ * float32, 64-byte aligned, each head's pooled keys dimension by dimension, NBP a multiple of
+ * LANES (padding columns finite); real (B, N) the real queries -> out (BH, NB, NB) float32:
+ * for query block t (`size` queries) and block c, the largest q . key_c over t's real
+ * queries, each dot summed over D in order. A query block with no real query gets -FLT_MAX
+ * (-ffast-math assumes finite floats; the caller masks it). */
+void banded_block_max(const void *q, int64_t dtype, const float *keys_t, const uint8_t *real, int64_t h, int64_t n,
+                      int64_t d, int64_t blocks, int64_t nbp, int64_t size, float *out, int64_t bh0, int64_t bh1) {
+    float *rows = malloc(CHOICE_GROUP * d * sizeof *rows); /* the group's queries, widened */
+    floats *best = aligned_alloc(64, nbp * sizeof(float));
+    const float *x[CHOICE_GROUP];
+    for (int64_t bh = bh0; bh < bh1; bh++) {
+        const uint8_t *mask = real + bh / h * n;
+        const float *kt = keys_t + bh * d * nbp;
+        for (int64_t t = 0; t < blocks; t++) {
+            for (int64_t jb = 0; jb < nbp / LANES; jb++) best[jb] = (floats){0} - FLT_MAX;
+            const int64_t stop = (t + 1) * size < n ? (t + 1) * size : n;
+            for (int64_t i = t * size; i < stop;) {
+                int g = 0;
+                for (; i < stop && g < CHOICE_GROUP; i++)
+                    if (mask[i]) x[g] = row_floats(q, dtype, (bh * n + i) * d, d, rows + g * d), g++;
+                if (g == 0) break;
+                for (int r = g; r < CHOICE_GROUP; r++) x[r] = x[0]; /* a short group repeats a query: same max */
+                for (int64_t jb = 0; jb < nbp; jb += LANES) {
+                    floats acc[CHOICE_GROUP] = {0};
+                    for (int64_t s = 0; s < d; s++) {
+                        const floats col = *(const floats *)(kt + s * nbp + jb);
+                        for (int r = 0; r < CHOICE_GROUP; r++) acc[r] += x[r][s] * col;
+                    }
+                    floats top = best[jb / LANES];
+                    for (int r = 0; r < CHOICE_GROUP; r++) {
+                        const ints wins = acc[r] > top;
+                        top = (floats)(((ints)acc[r] & wins) | ((ints)top & ~wins));
+                    }
+                    best[jb / LANES] = top;
+                }
+            }
+            memcpy(out + (bh * blocks + t) * blocks, best, blocks * sizeof *out);
+        }
+    }
+    free(rows), free(best);
+}
+
 /* ---- Rotary positions ------------------------------------------------------------------ */
 
 /* models.networks.rotary.apply_rotary_torch for tokens [t0, t1): x and out (T, H, D) in dtype,

@@ -96,23 +96,35 @@ def is_sink(key_mask: Tensor, sinks: int) -> Tensor:
     return out.scatter_(1, positions, real) if positions.numel() else out
 
 
-def pool(k: Tensor, v: Tensor, key_mask: Tensor, spec: AttentionSpec) -> Pooled:
-    """The pool stage (every backend): mean key, mean value and log count of each block's real
-    non-sink keys, in float32 (float64 for float64). k (B, H, N, D), v (B, H, N, Dv),
-    key_mask (B, N)."""
-    b, h, n, d = k.shape
+def block_means(k: Tensor, v: Tensor, counted: Tensor, size: int) -> tuple[Tensor, Tensor]:
+    """Each block's mean key (B, H, NB, D) and mean value (B, H, NB, Dv) over its `counted`
+    (B, N) keys, 0 where it has none, in float32 (float64 for float64). The reference's
+    matrix products; native.cluster_means sums them in C."""
+    b, h, n, _ = k.shape
     k, v = k.to(float32_or_64(k.dtype)), v.to(float32_or_64(v.dtype))
-    size = spec.block
     blocks = -(-n // size)
-    tail = blocks * size - n
-    counted = key_mask & ~is_sink(key_mask, spec.sinks)  # (B, N)
-    weight = F.pad(counted, (0, tail)).to(k.dtype).view(b, 1, blocks, 1, size)
-    count = weight.sum(dim=4)  # (B, 1, NB, 1)
-    per = count.clamp(min=1)
+    weight = F.pad(counted, (0, blocks * size - n)).to(k.dtype).view(b, 1, blocks, 1, size)
+    per = weight.sum(dim=4).clamp(min=1)  # (B, 1, NB, 1)
     # Sums as products with each block's row of weights: no (B, H, N, D) temporary.
     keys = (weight @ _blocked(k, blocks, size)).squeeze(3) / per
     values = (weight @ _blocked(v, blocks, size)).squeeze(3) / per
-    log_count = count[:, 0, :, 0].log()  # -inf for a block with no counted key
+    return keys, values
+
+
+def pool(
+    k: Tensor, v: Tensor, key_mask: Tensor, spec: AttentionSpec,
+    means: Callable[..., tuple[Tensor, Tensor]] = block_means,
+) -> Pooled:
+    """The pool stage (every backend): mean key, mean value (`means`: block_means, or a
+    backend's loop of it) and log count of each block's real non-sink keys, in float32 (float64
+    for float64). k (B, H, N, D), v (B, H, N, Dv), key_mask (B, N)."""
+    b, h, n, d = k.shape
+    size = spec.block
+    blocks = -(-n // size)
+    counted = key_mask & ~is_sink(key_mask, spec.sinks)  # (B, N)
+    keys, values = means(k, v, counted, size)
+    count = F.pad(counted, (0, blocks * size - n)).view(b, blocks, size).sum(dim=2)
+    log_count = count.to(float32_or_64(k.dtype)).log()  # -inf for a block with no counted key
     positions, real = sink_positions(key_mask, spec.sinks)
     chosen = key_mask.new_zeros(b, h, blocks, 0, dtype=torch.int64)
     return Pooled(keys, values, log_count, positions, real, counted, chosen)
@@ -133,28 +145,41 @@ def far_count(spec: AttentionSpec, blocks: int) -> int:
     return max(0, min(spec.far_blocks, blocks - band - 1))
 
 
-def choice_scores(q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, scale: float) -> Tensor:
-    """(B, H, NB, NB) float32 (float64 for float64): how strongly query block t leans on block c,
-    max over t's real queries of q . mean key of c * scale + log count of c; -inf where c is
-    within t's band, holds no counted key, or t has no real query. The reference's; the Triton
-    backend has its kernel."""
+def block_max_logits(q: Tensor, keys: Tensor, key_mask: Tensor, size: int) -> Tensor:
+    """(B, H, NB, NB) float32 (float64 for float64): for query block t and block c, the largest
+    q . key_c over t's real queries (keys: (B, H, NB, D) the pooled keys); -inf where t has
+    none. The reference's matrix products; native.banded_block_max is its C loop."""
     b, h, n, d = q.shape
-    blocks = pooled.keys.shape[2]
-    size = spec.block
-    tail = blocks * size - n
-    keys_t = pooled.keys.transpose(-1, -2)  # (B, H, D, NB)
+    blocks = keys.shape[2]
+    keys_t = keys.transpose(-1, -2)  # (B, H, D, NB)
     q_pad = _blocked(q.to(keys_t.dtype), blocks, size)
-    padded = ~F.pad(key_mask, (0, tail)).view(b, 1, blocks, size, 1)
-    score = keys_t.new_empty(b, h, blocks, blocks)
+    padded = ~F.pad(key_mask, (0, blocks * size - n)).view(b, 1, blocks, size, 1)
+    out = keys_t.new_empty(b, h, blocks, blocks)
     for first in range(0, blocks, _BLOCKS_PER_STEP):
         last = min(blocks, first + _BLOCKS_PER_STEP)
         # The run's queries as rows of one product with the mean keys: no broadcast copies.
         rows = q_pad[:, :, first:last].reshape(b, h, (last - first) * size, d)
         logits = (rows @ keys_t).view(b, h, last - first, size, blocks)
-        score[:, :, first:last] = logits.masked_fill_(padded[:, :, first:last], float("-inf")).amax(dim=3) * scale
+        out[:, :, first:last] = logits.masked_fill_(padded[:, :, first:last], float("-inf")).amax(dim=3)
+    return out
+
+
+def choice_scores(
+    q: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, scale: float,
+    block_max: Callable[..., Tensor] = block_max_logits,
+) -> Tensor:
+    """(B, H, NB, NB) float32 (float64 for float64): how strongly query block t leans on block c,
+    max over t's real queries of q . mean key of c * scale + log count of c (the max:
+    `block_max`, block_max_logits or a backend's loop of it); -inf where c is within t's band,
+    holds no counted key, or t has no real query. The Triton backend has its own kernel."""
+    b, _, n, _ = q.shape
+    blocks = pooled.keys.shape[2]
+    has_query = F.pad(key_mask, (0, blocks * spec.block - n)).view(b, 1, blocks, spec.block, 1).any(dim=3)
+    score = block_max(q, pooled.keys, key_mask, spec.block) * scale
     ids = torch.arange(blocks, device=q.device)
     near = (ids[:, None] - ids[None, :]).abs() <= min(spec.band, blocks - 1)
-    return (score + pooled.log_count.to(score.dtype)[:, None, None, :]).masked_fill(near, float("-inf"))
+    score = (score + pooled.log_count.to(score.dtype)[:, None, None, :]).masked_fill(near, float("-inf"))
+    return score.masked_fill(~has_query, float("-inf"))
 
 
 def select(

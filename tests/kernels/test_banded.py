@@ -125,6 +125,39 @@ def test_native_matches_reference(n, block, band, sinks, far, lengths, dtype):
     assert torch.allclose(out.float(), expected.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(native_missing(), reason="the native loops were not built (no C compiler)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, d, block, band, sinks, far, lengths", [
+    (37, 16, 4, 1, 2, 3, [37, 3]),  # 10 blocks (one vector, padded), a row whose blocks are mostly queryless
+    (200, 24, 4, 2, 3, 6, [200, 150]),  # 50 blocks: four vectors of them; D not a multiple of 16
+    (70, 32, 8, 0, 0, 2, [70, 61]),  # a last block of 6 queries, 5 real: a short group
+])
+def test_native_pool_and_choice_scores_match_the_reference(n, d, block, band, sinks, far, lengths, dtype):
+    """The native pool and select stages (the block means and the choice logits in C, from q, k
+    and v as they are) against the reference's: means to float32 rounding, the same counts,
+    the same -inf scores (band, empty blocks, query blocks with no real query), the same
+    chosen blocks."""
+    from kernels.native.banded import NATIVE
+    from kernels.reference import banded as reference
+
+    q, k, v = qkv(b=2, h=3, n=n, d=d, dv=8, dtype=dtype, seed=n + d)
+    mask = padding_mask(2, n, lengths)
+    spec = banded(band, block, sinks, far)
+    expected, got = reference.pool(k, v, mask, spec), NATIVE.pool(k, v, mask, spec)
+    assert torch.equal(got.counted, expected.counted) and torch.equal(got.log_count, expected.log_count)
+    assert torch.isinf(expected.log_count).any()
+    for name in ("keys", "values"):
+        assert torch.allclose(getattr(got, name), getattr(expected, name), atol=1e-6, rtol=1e-5), name
+    want = reference.choice_scores(q, expected, mask, spec, 0.25)
+    scores = reference.choice_scores(q, expected, mask, spec, 0.25, block_max=native.banded_block_max)
+    queryless = torch.isinf(want).all(dim=-1)
+    assert queryless.any() and not queryless.all() and torch.equal(torch.isinf(scores), torch.isinf(want))
+    finite = torch.isfinite(want)
+    assert torch.allclose(scores[finite], want[finite], atol=1e-5, rtol=1e-5)
+    chosen = NATIVE.select(q, got, mask, spec, 0.25).chosen
+    assert torch.equal(chosen, reference.select(q, expected, mask, spec, 0.25).chosen) and (chosen >= 0).any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n, block, band, sinks, far, lengths", [
     (37, 8, 1, 3, 0, [37, 22]), (40, 16, 0, 2, 0, None), (37, 8, 0, 3, 2, [37, 22]), (70, 32, 0, 1, 1, [70, 50]),
