@@ -36,7 +36,7 @@ from .common import print_table
 EXACT = AttentionSpec(method="full")
 # The steps whose code depends on the dtype get a weight per dtype in the fit (models.planning.cost's
 # docstring says why); every other step one weight for all dtypes.
-PER_DTYPE = ("dense", "exact", "centroid")
+PER_DTYPE = ("dense", "exact", "centroid", "banded")
 # How hard each fitted log-weight is pulled toward its current value: steps the tables cannot
 # tell apart keep their weights instead of trading them off against each other.
 RIDGE = 0.3

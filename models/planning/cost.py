@@ -13,28 +13,31 @@ C clusters, top-k k, SMYRF cluster size S:
                   that also keeps each cluster's top k)  +  topk x 4 n k d  +  gather x C k d
                   (each cluster's top-k keys and values gathered, memory-bound)
     smyrf         rounds x (smyrf x 4 n S d  +  sort x n log2 n)
-    banded        exact x 4 n (block (2 band + 1 + far_blocks) + n / block + sinks) d
-                  +  exact x 2 n (n / block) d  with far_blocks  (each query's pooled scores)
+    banded        banded x 4 n (block (2 band + 1 + far_blocks) + n / block + sinks) d
+                  +  banded x 2 n (n / block) d  with far_blocks  (each query's pooled scores)
     local window  exact x 4 n w d
 
 and outside attention, dense x 2 x the layers' parameters per token. The weights (WEIGHTS)
 were fitted to the measured times of the shipped CPU calibration tables, all at once
 (`python -m bench.cost_check --fit`: least squares of every configuration's time on a log
 scale, each table at its own device speed), with one weight per step for every dtype except
-the three steps whose code depends on it: the dense layers (bfloat16 GEMMs run ~3.5x faster
+the four steps whose code depends on it: the dense layers (bfloat16 GEMMs run ~3.5x faster
 than float32's on a CPU with AVX512-BF16), exact attention (SDPA keeps float32's pace in
-bfloat16) and clustered attention's centroid pass (SDPA in float32, the native vdpbf16ps
-pass in bfloat16); the native loops read bfloat16 and compute in float32 at about
-float32's pace. That is why the dtype matters: in bfloat16 the dense layers are a smaller
-part of every input, so exact attention costs relatively more and the approximate methods
-save relatively more, and their fixed costs (clustering, gathers) weigh more at short
-lengths. `python -m bench.cost_check` compares the estimate with every table, as
-estimated over measured cost relative to exact attention in the same bucket (1.0 is exact):
+bfloat16), clustered attention's centroid pass (SDPA in float32, the native vdpbf16ps
+pass in bfloat16) and banded attention (its band and far blocks on vdpbf16ps in bfloat16);
+the other native loops read bfloat16 and compute in float32 at about float32's pace. That
+is why the dtype matters: in bfloat16 the dense layers are a smaller part of every input,
+so exact attention costs relatively more and the approximate methods save relatively more,
+and their fixed costs (clustering, gathers) weigh more at short lengths.
+`python -m bench.cost_check` compares the estimate with every table, as estimated over
+measured cost relative to exact attention in the same bucket (1.0 is exact):
 
-    all-MiniLM-L6-v2   float32    1k-32k tokens    72 configurations   0.43-1.14
-    all-MiniLM-L6-v2   bfloat16   512-32k tokens   84 configurations   0.67-1.39
+    all-MiniLM-L6-v2        float32    1k-32k tokens    72 configurations   0.43-1.12
+    all-MiniLM-L6-v2        bfloat16   512-32k tokens   84 configurations   0.67-1.36
+    nomic-embed-text-v1.5   float32    512-8k tokens    32 configurations   0.87-1.14
+    nomic-embed-text-v1.5   bfloat16   512-8k tokens    32 configurations   0.81-1.18
 
-(measured on a 2-core AMD EPYC with AVX512-BF16; tests hold every shipped table to 1/3-3x).
+(tables measured on 2-core AMD EPYCs; tests hold every shipped table to 1/3-3x).
 
 A device turns units into seconds at its own rate (`Throughput`, measured once at start-up
 by a forward pass in the served dtype), so a budget in units holds the same work on every
@@ -61,13 +64,13 @@ from models.config import EncoderConfig
 # module docstring); one unit is one operation of float32 dense layers.
 WEIGHTS: dict[str, dict[str, float]] = {
     "float32": {
-        "dense": 1.0, "exact": 0.83, "centroid": 1.7,
-        "hash": 0.82, "kmeans": 2.8, "refine": 0.48, "centroid_topk": 1.1, "topk": 1.5, "gather": 1500.0,
+        "dense": 1.0, "exact": 0.85, "centroid": 1.7, "banded": 1.0,
+        "hash": 0.78, "kmeans": 2.7, "refine": 0.52, "centroid_topk": 1.2, "topk": 1.4, "gather": 1500.0,
         "smyrf": 0.5, "sort": 24.0,
     },
     "bfloat16": {
-        "dense": 0.28, "exact": 0.79, "centroid": 0.16,
-        "hash": 0.82, "kmeans": 2.8, "refine": 0.48, "centroid_topk": 1.1, "topk": 1.5, "gather": 1500.0,
+        "dense": 0.3, "exact": 0.82, "centroid": 0.15, "banded": 0.38,
+        "hash": 0.78, "kmeans": 2.7, "refine": 0.52, "centroid_topk": 1.2, "topk": 1.4, "gather": 1500.0,
         "smyrf": 0.5, "sort": 24.0,
     },
 }  # fmt: skip
@@ -129,7 +132,7 @@ class CostModel:
             blocks = -(-tokens // spec.block)
             keys = min((2 * spec.band + 1 + spec.far_blocks) * spec.block, tokens) + blocks + spec.sinks + 1
             select = 2 * n * blocks * d if spec.far_blocks else 0.0  # choosing the far blocks
-            return {"exact": 4 * n * min(keys, tokens) * d + select}
+            return {"banded": 4 * n * min(keys, tokens) * d + select}
         if spec.method not in ("clustered", "i-clustered"):
             raise ValueError(f"spec: a concrete method, got {spec.method!r}")
         clusters = min(spec.clusters, tokens)
