@@ -32,7 +32,8 @@ def block_means(k: Tensor, v: Tensor, counted: Tensor, size: int) -> tuple[Tenso
     b, h, n, _ = k.shape
     blocks = -(-n // size)
     block = torch.arange(n, device=k.device) // size
-    assign = torch.where(counted, block, blocks)[:, None].expand(b, h, n)  # not counted: no block
+    # not counted: no block; laid out once for both calls (cluster_means reads it contiguous)
+    assign = torch.where(counted, block, blocks)[:, None].expand(b, h, n).contiguous()
     return native.cluster_means(k, assign, blocks), native.cluster_means(v, assign, blocks)
 
 
