@@ -4,7 +4,7 @@ bfloat16 halves the bytes every layer moves and, where the hardware multiplies i
 multiplies faster: on CUDA (tensor cores, FlashAttention in SDPA) and on CPUs with AVX512-BF16
 or AMX, whose bf16 matrix products run 2-3x float32's in torch. Elsewhere (AVX2-only CPUs)
 bf16 is emulated and slower, so `auto` keeps float32 there. A CPU that reports the
-instructions is also measured once (`bf16_is_faster`), so a virtual machine that hides or
+instructions is also measured once (`bf16_speedup`), so a virtual machine that hides or
 traps them, or a torch build that does not use them, keeps float32 too.
 """
 
@@ -51,27 +51,32 @@ def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return any(flag in flags for flag in BF16_CPU_FLAGS)
 
 
+def bf16_is_faster() -> bool:
+    """Whether bfloat16 matrix products run at least MIN_BF16_SPEEDUP times faster than
+    float32's on this CPU (bf16_speedup, measured once per process)."""
+    return bf16_speedup() >= MIN_BF16_SPEEDUP
+
+
 @functools.lru_cache(maxsize=1)
-def bf16_is_faster(rows: int = 2048, width: int = 384, inner: int = 1536) -> bool:
-    """Whether a (rows x width) @ (width x inner) product, the shape of an encoder's
-    feed-forward block, runs at least MIN_BF16_SPEEDUP times faster in bfloat16 than in
-    float32 on this CPU (best of 3 each, once per process: ~0.1 s)."""
-    return cpu_matmul_seconds(torch.float32, rows, width, inner) >= MIN_BF16_SPEEDUP * cpu_matmul_seconds(
-        torch.bfloat16, rows, width, inner
-    )
-
-
-def cpu_matmul_seconds(dtype: torch.dtype, rows: int, width: int, inner: int, repeats: int = 3) -> float:
+def bf16_speedup(rows: int = 2048, width: int = 384, inner: int = 1536, rounds: int = 7) -> float:
+    """float32's time over bfloat16's for a (rows x width) @ (width x inner) product, the shape
+    of an encoder's feed-forward block, on this CPU (~0.2 s, once per process). The two dtypes
+    are timed in alternation, one call each a round, and each keeps its fastest call: a burst
+    of load from another process slows both sides of a round, and a quiet moment in any round
+    counts, so a busy machine still measures what its instructions can do."""
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, width, generator=generator).to(dtype)
-    w = torch.randn(inner, width, generator=generator).to(dtype)
-    torch.nn.functional.linear(x, w)  # untimed: first-call costs
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.nn.functional.linear(x, w)
-        best = min(best, time.perf_counter() - start)
-    return best
+    x = torch.randn(rows, width, generator=generator)
+    w = torch.randn(inner, width, generator=generator)
+    operands = {dtype: (x.to(dtype), w.to(dtype)) for dtype in (torch.float32, torch.bfloat16)}
+    best = dict.fromkeys(operands, float("inf"))
+    for a, b in operands.values():
+        torch.nn.functional.linear(a, b)  # untimed: first-call costs
+    for _ in range(rounds):
+        for dtype, (a, b) in operands.items():
+            start = time.perf_counter()
+            torch.nn.functional.linear(a, b)
+            best[dtype] = min(best[dtype], time.perf_counter() - start)
+    return best[torch.float32] / best[torch.bfloat16]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

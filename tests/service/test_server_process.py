@@ -19,7 +19,7 @@ from server_process import running_server
 from service_helpers import license_text, scrape, value
 
 from kernels import backend_for
-from models.runtime.precision import dtype_name, resolve_dtype
+from models.runtime.precision import DTYPES, cpu_has_bf16
 
 METHODS = ["full", "clustered", "i-clustered", "smyrf"]
 DOCUMENT = license_text(17000)  # real prose, ~3,300 tokens
@@ -108,12 +108,15 @@ def test_plain_http(server):
 
         metrics = http.get("/metrics").text
         assert 'clusterserve_requests_total{code="200",endpoint="/embed",method="auto"} 1.0' in metrics
-        # The default dtype is "auto": bfloat16 on a CPU with fast bf16 matrix instructions.
-        dtype = resolve_dtype("auto", "cpu")
-        backend = backend_for(torch.device("cpu"), dtype)
-        label = f'clusterserve_build_info{{backend="{backend}",device="cpu",dtype="{dtype_name(dtype)}",model="all-MiniLM-L6-v2"'
+        # The default dtype is "auto": float32 on a CPU without bf16 matrix instructions, else
+        # what the server's own start-up measurement chose (bfloat16 where it is fast); /info,
+        # the metric and the backend agree on it.
+        info = http.get("/info").json()
+        assert info["dtype"] in (("float32", "bfloat16") if cpu_has_bf16() else ("float32",))
+        dtype, backend = info["dtype"], info["backend"]
+        assert backend == backend_for(torch.device("cpu"), DTYPES[dtype])
+        label = f'clusterserve_build_info{{backend="{backend}",device="cpu",dtype="{dtype}",model="all-MiniLM-L6-v2"'
         assert label in metrics
-        assert http.get("/info").json()["dtype"] == dtype_name(dtype)
 
 
 def test_a_client_that_hangs_up_while_queued_is_dropped_unrun_and_counted(server):
