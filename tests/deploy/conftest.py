@@ -22,7 +22,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def exported(server) -> dict[str, set[str]]:
     """Sample name -> label names, from one scrape of the running server's /metrics."""
-    response = httpx.get(server["base"] + "/metrics", timeout=10)
+    response = httpx.get(server["base"] + "/metrics", timeout=60)
     response.raise_for_status()
     labels: dict[str, set[str]] = defaultdict(set)
     for family in text_string_to_metric_families(response.text):

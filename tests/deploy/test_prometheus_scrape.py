@@ -84,7 +84,7 @@ def wait_for(condition, timeout_s: float, message) -> None:
 
 
 def query(base: str, promql: str) -> list[dict]:
-    response = httpx.get(base + "/api/v1/query", params={"query": promql}, timeout=10)
+    response = httpx.get(base + "/api/v1/query", params={"query": promql}, timeout=60)
     body = response.json()
     assert response.status_code == 200 and body["status"] == "success", f"{promql!r}: {body}"
     assert body["data"]["resultType"] == "vector"
@@ -141,7 +141,7 @@ def test_latency_quantile_by_method(prometheus, traffic):
 def test_adapter_rule_yields_the_per_pod_metric(prometheus, traffic):
     """The HPA's metric, queried the way prometheus-adapter queries it for one pod."""
     (rule,) = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["custom"]
-    series = httpx.get(prometheus + "/api/v1/series", params={"match[]": rule["seriesQuery"]}, timeout=10).json()
+    series = httpx.get(prometheus + "/api/v1/series", params={"match[]": rule["seriesQuery"]}, timeout=60).json()
     assert series["status"] == "success" and series["data"], f"no series for {rule['seriesQuery']}"
     name = re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", rule["seriesQuery"]).group(0)
     promql = (rule["metricsQuery"].replace("<<.Series>>", name)
