@@ -1213,8 +1213,10 @@ static void banded_put(float *keys, float *values, int64_t plane, int64_t at, co
     float *to = keys + (at / BANDED_LANES * d) * BANDED_LANES + at % BANDED_LANES;
     for (int64_t s = 0; s < d; s++) to[s * BANDED_LANES] = key[s];
     const int64_t dvp = (dv + BANDED_WIDE - 1) / BANDED_WIDE * BANDED_WIDE;
-    for (int64_t e = 0; e < dvp; e++)
-        values[e / BANDED_LANES * plane + at * BANDED_LANES + e % BANDED_LANES] = e < dv ? value[e] : 0.0f;
+    for (int64_t e0 = 0; e0 < dvp; e0 += BANDED_LANES) { /* a panel's row: contiguous, not a scatter */
+        float *row = values + e0 / BANDED_LANES * plane + at * BANDED_LANES;
+        for (int64_t l = 0; l < BANDED_LANES; l++) row[l] = e0 + l < dv ? value[e0 + l] : 0.0f;
+    }
 }
 
 /* logits (BANDED_GROUP rows of `stride`) = scale * query g . key o + bias[o] over a span,
@@ -1285,8 +1287,15 @@ __attribute__((target("avx512bf16"))) static void banded_logits_bf16(const uint3
 /* A row of logits (p of them) -> its softmax weights, unnormalised (positions that stand for
  * no key: exactly 0); returns 1 / their sum. */
 static float banded_softmax(float *row, int64_t p) {
+    /* the max in four vectors' lanes at a time: four chains, not one, wait on vmaxps' latency */
+    float tops[4 * BANDED_LANES];
+    for (int l = 0; l < 4 * BANDED_LANES; l++) tops[l] = -FLT_MAX;
+    int64_t j = 0;
+    for (; j + 4 * BANDED_LANES <= p; j += 4 * BANDED_LANES)
+        for (int l = 0; l < 4 * BANDED_LANES; l++) tops[l] = row[j + l] > tops[l] ? row[j + l] : tops[l];
+    for (; j < p; j++) tops[0] = row[j] > tops[0] ? row[j] : tops[0];
     float top = -FLT_MAX;
-    for (int64_t j = 0; j < p; j++) top = row[j] > top ? row[j] : top;
+    for (int l = 0; l < 4 * BANDED_LANES; l++) top = tops[l] > top ? tops[l] : top;
     float total = 0.0f;
     for (int64_t j = 0; j < p; j++) {
         /* clamped: exp of the biased positions would take the vector expf's slow path */
@@ -1476,14 +1485,17 @@ void banded_attention(const void *q, const void *k, const void *v, int64_t dtype
     for (int64_t bh = bh0; bh < bh1; bh++) {
         const int64_t b = bh / heads;
         const uint8_t *real = key_real + b * n, *count_row = counted + b * n;
-        for (int64_t j = 0; j < np; j++) /* the head's keys and values, zeros past the last */
+        for (int64_t j = 0; !by_words && j < np; j++) /* the head's keys and values, zeros past the last */
             banded_put(keys, values, plane, j, j < n ? row_floats(k, dtype, (bh * n + j) * d, d, scratch) : zeros,
                        j < n ? row_floats(v, dtype, (bh * n + j) * dv, dv, scratch + d) : zeros, d, dv);
         for (int64_t j = 0; vw && j < np; j += 2) { /* the values as words */
             const uint16_t *even = (const uint16_t *)v + (bh * n + j) * dv, *odd = even + dv;
-            for (int64_t e = 0; e < dvp; e++) {
-                const uint32_t lo = j < n && e < dv ? even[e] : 0, hi = j + 1 < n && e < dv ? odd[e] : 0;
-                vw[e / BANDED_LANES * (plane / 2) + j / 2 * BANDED_LANES + e % BANDED_LANES] = lo | hi << 16;
+            for (int64_t e0 = 0; e0 < dvp; e0 += BANDED_LANES) { /* a panel's row: contiguous */
+                uint32_t *row = vw + e0 / BANDED_LANES * (plane / 2) + j / 2 * BANDED_LANES;
+                for (int64_t l = 0, e = e0; l < BANDED_LANES; l++, e++) {
+                    const uint32_t lo = j < n && e < dv ? even[e] : 0, hi = j + 1 < n && e < dv ? odd[e] : 0;
+                    row[l] = lo | hi << 16;
+                }
             }
         }
         for (int64_t j = 0; kw && j < np; j++) { /* and the keys as words */
