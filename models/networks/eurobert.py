@@ -70,7 +70,7 @@ class EuroBertMLP(nn.Module):
         self.act = ACTIVATIONS[config.activation]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)).mul_(self.up_proj(x)))
 
 
 class EuroBertLayer(nn.Module):

@@ -64,7 +64,7 @@ class ModernBertMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         inputs, gate = self.Wi(x).chunk(2, dim=-1)  # GeGLU: act(input) * gate
-        return self.Wo(self.act(inputs) * gate)
+        return self.Wo(self.act(inputs).mul_(gate))
 
 
 class ModernBertLayer(nn.Module):

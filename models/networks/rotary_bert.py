@@ -91,7 +91,7 @@ class RotaryBertLayer(nn.Module):
 
     def mlp(self, x: Tensor, adapter: int | None) -> Tensor:
         if self.gated:
-            return self.mlp_out(self.act(self.mlp_gate(x, adapter)) * self.mlp_up(x, adapter), adapter)
+            return self.mlp_out(self.act(self.mlp_gate(x, adapter)).mul_(self.mlp_up(x, adapter)), adapter)
         return self.mlp_out(self.act(self.mlp_in(x, adapter)), adapter)
 
     def forward(
