@@ -1286,6 +1286,26 @@ __attribute__((target("avx512bf16"))) static void banded_logits_bf16(const uint3
 
 /* A row of logits (p of them) -> its softmax weights, unnormalised (positions that stand for
  * no key: exactly 0); returns 1 / their sum. */
+typedef int32_t bints __attribute__((vector_size(4 * BANDED_LANES)));
+
+/* e^x for x in [-87, 0], a vector at a time, inline: x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2
+ * in two parts), e^r = 1 + r + r^2 P(r) with Cephes' degree-5 P (about 1 ulp, as the vector
+ * expf), 2^n written into the exponent bits. The vector expf is a call, around which the
+ * softmax loop spills its registers. */
+static inline bfloats banded_exp(bfloats x) {
+    const bints n = __builtin_convertvector(x * 1.44269504f - 0.5f, bints); /* nearest, for x <= 0 */
+    const bfloats f = __builtin_convertvector(n, bfloats);
+    const bfloats r = x - f * 0.693359375f - f * -2.12194440e-4f;
+    bfloats poly = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    poly = poly * r + 8.3334519073e-3f;
+    poly = poly * r + 4.1665795894e-2f;
+    poly = poly * r + 1.6666665459e-1f;
+    poly = poly * r + 5.0000001201e-1f;
+    return (poly * (r * r) + r + 1.0f) * (bfloats)((n + 127) << 23);
+}
+
+/* A row's logits (p of them, a multiple of BANDED_WIDE) to its softmax weights, unnormalised,
+ * in place: e^(logit - max), 0 at biased-out positions; returns 1 / their sum. */
 static float banded_softmax(float *row, int64_t p) {
     /* the max in four vectors' lanes at a time: four chains, not one, wait on vmaxps' latency */
     float tops[4 * BANDED_LANES];
@@ -1296,14 +1316,19 @@ static float banded_softmax(float *row, int64_t p) {
     for (; j < p; j++) tops[0] = row[j] > tops[0] ? row[j] : tops[0];
     float top = -FLT_MAX;
     for (int l = 0; l < 4 * BANDED_LANES; l++) top = tops[l] > top ? tops[l] : top;
-    float total = 0.0f;
-    for (int64_t j = 0; j < p; j++) {
-        /* clamped: exp of the biased positions would take the vector expf's slow path */
-        const float w = expf(fmaxf(row[j] - top, -87.0f));
-        row[j] = row[j] > 0.5f * BANDED_NONE ? w : 0.0f;
-        total += row[j];
+    bfloats total = {0};
+    for (j = 0; j < p; j += BANDED_LANES) {
+        bfloats *at = (bfloats *)(row + j);
+        const bfloats x = *at - top, floor = (bfloats){0} - 87.0f;
+        /* clamped to e^-87's normal range; the biased positions' weights are then made 0 */
+        const bints low = x < floor;
+        const bfloats w = banded_exp((bfloats)(((bints)x & ~low) | ((bints)floor & low)));
+        *at = (bfloats)((bints)w & (*at > 0.5f * BANDED_NONE));
+        total += *at;
     }
-    return 1.0f / total;
+    float sum = 0.0f;
+    for (int l = 0; l < BANDED_LANES; l++) sum += total[l];
+    return 1.0f / sum;
 }
 
 /* acc (BANDED_GROUP rows of dvp) = weights (rows of `stride`) @ the spans' values, each row
