@@ -1284,8 +1284,6 @@ __attribute__((target("avx512bf16"))) static void banded_logits_bf16(const uint3
 }
 #endif
 
-/* A row of logits (p of them) -> its softmax weights, unnormalised (positions that stand for
- * no key: exactly 0); returns 1 / their sum. */
 typedef int32_t bints __attribute__((vector_size(4 * BANDED_LANES)));
 
 /* e^x for x in [-87, 0], a vector at a time, inline: x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2

@@ -111,7 +111,6 @@ def test_plain_http(server):
         # The default dtype is "auto": float32 on a CPU without bf16 matrix instructions, else
         # what the server's own start-up measurement chose (bfloat16 where it is fast); /info,
         # the metric and the backend agree on it.
-        info = http.get("/info").json()
         assert info["dtype"] in (("float32", "bfloat16") if cpu_has_bf16() else ("float32",))
         dtype, backend = info["dtype"], info["backend"]
         assert backend == backend_for(torch.device("cpu"), DTYPES[dtype])
