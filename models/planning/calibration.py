@@ -165,12 +165,12 @@ class Calibration:
         return all(m.chunk_fidelity_min is not None for b in self.buckets for m in b.configs)
 
     def choose(self, tokens: int, target: float, seed: int = 0, chunks: bool = False) -> Choice:
-        """The fastest calibrated configuration for an input of `tokens` tokens whose worst
-        measured fidelity is >= target and which is at least MIN_SPEEDUP times faster than
-        exact, in every bucket around the input (`around`); exact attention when none is.
-        Fidelity and speed-up are the worst of those buckets'; speed is compared in the
-        longer one. chunks: the input is a late-chunking window, judged by the fidelity of its
-        chunks where the table measured it (`has_chunk_fidelity`)."""
+        """The fastest calibrated configuration for an input of `tokens` tokens whose measured
+        fidelity is >= target in every bucket around the input (`around`; the worst of them is
+        its fidelity) and whose speed-up at the input's length (`speedup_at`) is at least
+        MIN_SPEEDUP; exact attention when none is. Speed is compared in the longer bucket.
+        chunks: the input is a late-chunking window, judged by the fidelity of its chunks
+        where the table measured it (`has_chunk_fidelity`)."""
         chunks = chunks and self.has_chunk_fidelity
         upper = self.bucket_for(tokens)
         judged = self.around(tokens)
@@ -180,10 +180,9 @@ class Calibration:
             measured = [bucket.measured(entry.spec) for bucket in judged]
             if not judged or None in measured or entry.ms >= best_ms:
                 continue
-            pairs = list(zip(judged, measured))
-            if all(m.fidelity(chunks) >= target and m.ms * MIN_SPEEDUP <= b.exact_ms for b, m in pairs):
-                fidelity = min(m.fidelity(chunks) for m in measured)
-                speedup = min(b.exact_ms / m.ms for b, m in pairs)
+            fidelity = min(m.fidelity(chunks) for m in measured)
+            speedup = speedup_at(tokens, [(b.tokens, b.exact_ms / m.ms) for b, m in zip(judged, measured)])
+            if fidelity >= target and speedup >= MIN_SPEEDUP:
                 spec = dataclasses.replace(entry.spec, seed=seed)
                 best, best_ms = Choice(spec, upper.tokens, fidelity, speedup, chunks), entry.ms
         return best
@@ -209,6 +208,19 @@ class Calibration:
                 for b in self.buckets
             ],
         }
+
+
+def speedup_at(tokens: int, points: list[tuple[int, float]]) -> float:
+    """A configuration's speed-up over exact attention at `tokens`, from its measured speed-ups
+    at the lengths around it (`points`: (tokens, speed-up), one or two, shorter first): the
+    one, or the line through the two. Exact attention costs a token more the longer the input
+    while the approximations cost about the same, so the speed-up grows about linearly with
+    length between buckets; the shorter bucket's alone would hold an input just short of a
+    bucket to the speed-up of one half its length."""
+    if len(points) == 1:
+        return points[0][1]
+    (lo, at_lo), (hi, at_hi) = points
+    return at_lo + (at_hi - at_lo) * (tokens - lo) / (hi - lo)
 
 
 def load_calibration(path: str | Path) -> Calibration:

@@ -15,6 +15,7 @@ from models.planning.calibration import (
     find_calibration,
     load_calibration,
     parse_calibration,
+    speedup_at,
     table_name,
 )
 
@@ -72,7 +73,9 @@ def test_bucket_is_the_next_longer_one_and_the_longest_beyond():
 
 def test_an_input_between_buckets_is_judged_by_both():
     # 200 clusters meet 0.98 at 2048 but not at 1024 (a short document's vector averages fewer
-    # tokens' errors): an input in between runs what meets the target and pays at both.
+    # tokens' errors): an input in between takes only what meets the target at both. Its
+    # speed-up is the line between the two buckets': SMYRF pays 2.67x at 2048 and not at 1024,
+    # so it runs from where the line crosses 1.1x.
     between = {**TABLE, "buckets": [
         {"tokens": 1024, "exact_ms": 100.0, "configs": [config("clustered", 0.97, 80.0, clusters=200),
                                                         config("clustered", 0.99, 85.0, clusters=400),
@@ -86,11 +89,22 @@ def test_an_input_between_buckets_is_judged_by_both():
     assert [b.tokens for b in table.around(2048)] == [2048] and [b.tokens for b in table.around(9000)] == [2048]
     assert table.around(1000) == ()
     assert table.choose(2048, 0.98).spec == AttentionSpec(method="smyrf")
-    chosen = table.choose(1500, 0.98)  # smyrf does not pay at 1024, 200 clusters miss the target there
-    assert chosen.spec == AttentionSpec(method="clustered", clusters=400)
-    assert (chosen.bucket, chosen.fidelity, chosen.speedup) == (2048, 0.99, 100.0 / 85.0)
+    near_short = table.choose(1030, 0.98)  # smyrf ~1.02x here; 200 clusters miss the target at 1024
+    assert near_short.spec == AttentionSpec(method="clustered", clusters=400)
+    assert (near_short.bucket, near_short.fidelity) == (2048, 0.99)
+    assert near_short.speedup == pytest.approx(100 / 85 + (400 / 250 - 100 / 85) * 6 / 1024)
+    middle = table.choose(1500, 0.98)
+    assert middle.spec == AttentionSpec(method="smyrf")
+    assert middle.speedup == pytest.approx(100 / 99 + (400 / 150 - 100 / 99) * 476 / 1024)
     assert table.choose(1500, 0.995).spec.method == "full"
     assert table.choose(1000, 0.5).spec.method == "full"  # shorter than every bucket: exact
+
+
+def test_the_speedup_between_buckets_is_the_line_through_theirs():
+    assert speedup_at(3000, [(2048, 1.5)]) == 1.5
+    assert speedup_at(1024, [(1024, 1.0), (2048, 1.4)]) == 1.0
+    assert speedup_at(1536, [(1024, 1.0), (2048, 1.4)]) == pytest.approx(1.2)
+    assert speedup_at(2048, [(1024, 1.0), (2048, 1.4)]) == pytest.approx(1.4)
 
 
 def test_choice_keeps_the_request_seed():
