@@ -117,3 +117,22 @@ def test_the_default_models_choices_meet_their_target_on_held_back_texts(nomic_e
         met = (cosines >= target).float().mean().item()
         print(f"{dtype} {n} target {target}: {spec.to_json()} chunks: worst {cosines.min():.4f}, {met:.0%} meet it")
         assert met >= 0.8 and cosines.min() >= target - 0.01, (target, spec, sorted(cosines.tolist())[:5])
+
+
+@pytest.mark.skipif(not (LICENSE_DIR / HELD_BACK_TEXTS[0]).is_file(), reason="needs Debian's license texts")
+@pytest.mark.skipif(not cpu_has_bf16(), reason="no bfloat16 instructions on this CPU: dtype auto serves float32 here")
+def test_an_input_between_buckets_runs_the_lines_choice_and_keeps_its_target(nomic_encoder, full_spec):
+    """At 1,536 tokens, between the bfloat16 table's 1k bucket (where nothing pays 1.1x) and its
+    2k one, the speed-up on the line between the two chooses banded attention with far blocks;
+    its vectors of held-back documents keep the default target to exact float32 attention."""
+    table = load_calibration(SHIPPED_DIR / table_name(nomic_encoder.name, "cpu", "bfloat16"))
+    n, target = 1536, 0.98
+    choice = table.choose(n, target)
+    assert choice.spec.method == "banded" and choice.spec.far_blocks, choice
+    assert [b.tokens for b in table.around(n)] == [1024, 2048] and choice.speedup >= 1.1
+    docs = [long_text_ids(nomic_encoder, n, offset=4000 * d, texts=HELD_BACK_TEXTS) for d in range(DOCS)]
+    exact = nomic_encoder.embed(docs, full_spec, max_batch_tokens=n)
+    got = load_encoder(None, dtype="bfloat16").embed(docs, choice.spec, max_batch_tokens=n)
+    cosines = torch.nn.functional.cosine_similarity(got, exact, dim=-1)
+    print(f"bfloat16 {n} target {target}: {choice.spec.to_json()} cosines {cosines.tolist()}")
+    assert (cosines >= target).all(), cosines
