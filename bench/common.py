@@ -238,20 +238,6 @@ def _fmt(value) -> str:
     return "" if value is None else str(value)
 
 
-def timed_rounds(variants: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
-    """Seconds of each variant per round, the variants in turn (so a shared machine's drift
-    falls on all of them alike); one untimed round first."""
-    for fn in variants.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
 def run_conditions(**extra: object) -> dict:
     """What a result file says about the run: the machine, threads, load, date, and `extra`."""
     return {

@@ -24,8 +24,9 @@ import statistics
 from typing import Callable
 
 from kernels import AttentionSpec
+from models.runtime.timing import alternated_seconds
 
-from .common import LICENSE_DIR, print_table, run_conditions, timed_rounds, write_results
+from .common import LICENSE_DIR, print_table, run_conditions, write_results
 from .short_texts import sentences
 
 CHUNK_TARGETS = (1000, 200, 700, 300, 900, 150, 500, 800, 250, 600, 1000, 350, 450, 120, 650, 400, 550, 300)
@@ -101,16 +102,16 @@ def in_process(repeats: int) -> tuple[list[dict], dict]:
     def auto(inputs: list[str]) -> object:
         return encoder.embed(inputs, AttentionSpec(method="auto"), target_fidelity=TARGET)
 
-    rows = summarise("chunks", "python", timed_rounds({
+    rows = summarise("chunks", "python", alternated_seconds({
         "together": lambda: encoder.embed(chunks, EXACT),
         "one by one": lambda: [encoder.embed([chunk], EXACT) for chunk in chunks],
         "one sequence": lambda: encoder.embed([texts["joined"]], EXACT),
     }, repeats), base="one by one")  # fmt: skip
-    rows += summarise("mixed", "python", timed_rounds({
+    rows += summarise("mixed", "python", alternated_seconds({
         "together": lambda: auto([document, *shorts]),
         "apart": lambda: (auto([document]), auto(shorts)),
     }, repeats), base="apart")  # fmt: skip
-    rows += summarise("short", "python", timed_rounds({"64 texts": lambda: auto(texts["short64"])}, repeats), "64 texts")
+    rows += summarise("short", "python", alternated_seconds({"64 texts": lambda: auto(texts["short64"])}, repeats), "64 texts")
     tokens = {name: encoder.count_tokens(value if isinstance(value, list) else [value]) for name, value in texts.items()}
     return rows, tokens
 
@@ -141,16 +142,16 @@ def over_http(url: str | None, repeats: int) -> list[dict]:
 
         full = {"method": "full"}
         chunks, document, shorts = texts["chunks"], texts["document"], texts["shorts"]
-        rows = summarise("chunks", "http", timed_rounds({
+        rows = summarise("chunks", "http", alternated_seconds({
             "together": lambda: post(chunks, full),
             "one by one": lambda: [post([chunk], full) for chunk in chunks],
             "one sequence": lambda: post([texts["joined"]], full),
         }, repeats), base="one by one")  # fmt: skip
-        rows += summarise("mixed", "http", timed_rounds({
+        rows += summarise("mixed", "http", alternated_seconds({
             "together": lambda: post([document, *shorts]),
             "apart": lambda: (post([document]), post(shorts)),
         }, repeats), base="apart")  # fmt: skip
-        rows += summarise("short", "http", timed_rounds({"64 texts": lambda: post(texts["short64"])}, repeats), "64 texts")
+        rows += summarise("short", "http", alternated_seconds({"64 texts": lambda: post(texts["short64"])}, repeats), "64 texts")
     return rows
 
 

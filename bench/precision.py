@@ -25,8 +25,9 @@ import torch
 
 from kernels import AttentionSpec
 from models import load_encoder
+from models.runtime.timing import alternated_seconds
 
-from .common import long_text_ids, print_table, run_conditions, timed_rounds, write_results
+from .common import long_text_ids, print_table, run_conditions, write_results
 
 TARGET = 0.98
 EXACT = AttentionSpec(method="full")
@@ -43,7 +44,7 @@ def in_process(tokens: int, repeats: int) -> tuple[list[dict], dict, dict]:
         "auto 0.98 float32": lambda: full32.embed([ids], AUTO, target_fidelity=TARGET),
         "auto 0.98 bfloat16": lambda: half.embed([ids], AUTO, target_fidelity=TARGET),
     }
-    times = timed_rounds(vectors, repeats)
+    times = alternated_seconds(vectors, repeats)
     reference = vectors["exact float32"]()
     rows = []
     for name, fn in vectors.items():
@@ -92,7 +93,7 @@ def over_http(repeats: int) -> list[dict]:
         def post(dtype: str):
             return lambda: clients[dtype].post("/v1/embeddings", json={"input": texts}).raise_for_status()
 
-        times = timed_rounds({dtype: post(dtype) for dtype in urls}, repeats)
+        times = alternated_seconds({dtype: post(dtype) for dtype in urls}, repeats)
     finally:
         for server in servers.values():
             server.__exit__(None, None, None)

@@ -25,7 +25,7 @@ from kernels import APPROXIMATE_METHODS, AttentionSpec
 from models import Encoder
 from models.planning.calibration import EXACT
 from models.planning.cost import Throughput, default_budget
-from models.runtime.precision import MIN_BF16_SPEEDUP, bf16_speedup, cpu_has_bf16, dtype_name, resolve_dtype
+from models.runtime.precision import dtype_name, resolve_dtype
 
 from . import __version__, openapi
 from .batching import Batcher
@@ -71,11 +71,6 @@ def load_model(settings: Settings) -> Encoder:
 
     device = settings.resolved_device()
     dtype = resolve_dtype(settings.dtype, device)
-    if settings.dtype == "auto" and device.type == "cpu" and cpu_has_bf16():
-        log.info(
-            "dtype auto: %s, as bfloat16 products ran %.1fx as fast as float32's at start-up (bfloat16 needs %.1fx)",
-            dtype_name(dtype), bf16_speedup(), MIN_BF16_SPEEDUP,
-        )  # fmt: skip
     backend = kernels.backend_for(device, dtype, settings.backend)
     return load_encoder(
         settings.model,

@@ -19,11 +19,13 @@ texts on a CPU").
 from __future__ import annotations
 
 import functools
-import time
+import statistics
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from models.runtime.timing import alternated_seconds
 
 # float32 rows (tokens of a batch) up to which a product runs on the packed copy: where
 # oneDNN's lead over MKL is clear on every CPU measured (an input of up to 64 tokens is exact
@@ -116,13 +118,7 @@ def packed_lead(in_features: int, out_features: int, threads: int) -> float:
         "mkl": lambda: F.linear(x, weight, bias),
         "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
     }
-    times: dict[str, list[float]] = {name: [] for name in runs}
     with torch.inference_mode():
-        for repeat in range(MEASURED_REPEATS + 1):
-            for name, run in runs.items():
-                start = time.perf_counter()
-                run()
-                if repeat:  # the first call of each warms up
-                    times[name].append(time.perf_counter() - start)
-    mkl, onednn = (sorted(times[name])[MEASURED_REPEATS // 2] for name in runs)
+        times = alternated_seconds(runs, MEASURED_REPEATS)
+    mkl, onednn = (statistics.median(times[name]) for name in runs)
     return mkl / onednn

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -59,6 +58,7 @@ from torch import nn
 
 from kernels import KNOB_RANGES, METHOD_KNOBS, AttentionSpec
 from models.config import EncoderConfig
+from models.runtime.timing import alternated_seconds
 
 # Work units per operation of each step, by the dtype an encoder computes in on a CPU (see the
 # module docstring); one unit is one operation of float32 dense layers.
@@ -179,12 +179,7 @@ class Throughput:
     def measure(cls, run: Callable[[], object], units: float, repeats: int = 2) -> Throughput:
         """The rate of `run`, which does `units` of work: the best of `repeats` timed calls
         after one untimed one."""
-        run()
-        best = math.inf
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - start)
+        best = min(alternated_seconds({"run": run}, repeats)["run"])
         return cls(units / max(best, 1e-9))
 
 

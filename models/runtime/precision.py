@@ -11,10 +11,14 @@ traps them, or a torch build that does not use them, keeps float32 too.
 from __future__ import annotations
 
 import functools
-import time
+import logging
 from pathlib import Path
 
 import torch
+
+from models.runtime.timing import alternated_seconds
+
+log = logging.getLogger("clusterserve")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_SETTINGS = ("auto", *DTYPES)
@@ -68,15 +72,12 @@ def bf16_speedup(rows: int = 2048, width: int = 384, inner: int = 1536, rounds: 
     x = torch.randn(rows, width, generator=generator)
     w = torch.randn(inner, width, generator=generator)
     operands = {dtype: (x.to(dtype), w.to(dtype)) for dtype in (torch.float32, torch.bfloat16)}
-    best = dict.fromkeys(operands, float("inf"))
-    for a, b in operands.values():
-        torch.nn.functional.linear(a, b)  # untimed: first-call costs
-    for _ in range(rounds):
-        for dtype, (a, b) in operands.items():
-            start = time.perf_counter()
-            torch.nn.functional.linear(a, b)
-            best[dtype] = min(best[dtype], time.perf_counter() - start)
-    return best[torch.float32] / best[torch.bfloat16]
+    runs = {dtype: functools.partial(torch.nn.functional.linear, *pair) for dtype, pair in operands.items()}
+    times = alternated_seconds(runs, rounds)
+    speedup = min(times[torch.float32]) / min(times[torch.bfloat16])
+    log.info("bfloat16 matrix products ran %.1fx as fast as float32's on this CPU (dtype auto takes bfloat16 from %.1fx)",
+             speedup, MIN_BF16_SPEEDUP)  # fmt: skip
+    return speedup
 
 
 def dtype_name(dtype: torch.dtype) -> str:

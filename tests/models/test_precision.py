@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import models.runtime.precision as precision
+import models.runtime.timing as timing
 from kernels import AttentionSpec
 from models import load_encoder
 from models.networks.linear import Linear
@@ -58,7 +59,7 @@ def test_the_start_up_measurement_sees_through_a_burst_of_load(monkeypatch):
         now[0] += cost[x.dtype] * (4 if 0 < timed <= 10 else 1)
 
     monkeypatch.setattr(torch.nn.functional, "linear", linear)
-    monkeypatch.setattr(precision.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
     assert precision.bf16_speedup.__wrapped__(rows=4, width=4, inner=4, rounds=7) == 3.0
     assert calls[2:6] == [torch.float32, torch.bfloat16] * 2
 
