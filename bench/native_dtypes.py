@@ -22,6 +22,7 @@ import torch
 
 from kernels import AttentionSpec, attention, native
 from models import load_encoder
+from models.runtime.timing import alternated_seconds
 
 from .common import capture_qkv, device_name, long_text_ids, print_table, write_results
 
@@ -34,14 +35,10 @@ SPECS = {
 
 def best_ms(calls: dict, repeats: int) -> dict[str, float]:
     """Best milliseconds of each call over `repeats` rounds; the calls alternate within a round,
-    so that load from elsewhere on the machine falls on all of them alike."""
-    times = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, fn in calls.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(1000 * (time.perf_counter() - start))
-    return {name: min(t) for name, t in times.items()}
+    so that load from elsewhere on the machine falls on all of them alike (the caller has run
+    each once already)."""
+    times = alternated_seconds(calls, repeats, warm_up=False)
+    return {name: 1000 * min(t) for name, t in times.items()}
 
 
 def measure(inputs: dict, threads_list: list[int], repeats: int) -> list[dict]:
