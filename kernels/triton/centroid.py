@@ -211,7 +211,9 @@ def centroid_attention_triton(
     block_m = max(64, 2 * top)
     # All of a head's centroids in one tile, unless the top-k's lanes would not fit beside them.
     block_c = pow2_block(c, 16, SOFTMAX_BLOCK_C if top <= 32 else 16)
-    splits, chunk = key_splits(m, b * h * triton.cdiv(c, block_c), block_m)
+    # Eight warps of a wide tile take ~255 registers a thread: one program an SM at a time.
+    warps = 8 if block_c >= 64 else 4
+    splits, chunk = key_splits(m, b * h * triton.cdiv(c, block_c), block_m, resident=1 if warps == 8 else 2)
     part_values = torch.empty(b * h, splits, c, dv, dtype=torch.float32, device=device)
     part_max = torch.empty(b * h, splits, c, dtype=torch.float32, device=device)
     part_sum = torch.empty(b * h, splits, c, dtype=torch.float32, device=device)
@@ -221,7 +223,7 @@ def centroid_attention_triton(
         *k.stride(), *v.stride(),
         h, m, c, d, dv, splits, chunk, scale * LOG2E,
         BLOCK_C=block_c, BLOCK_M=block_m, HEAD_DIM=pow2_block(d), VALUE_DIM=pow2_block(dv),
-        LANES=2 * top, UPCAST=upcast(k), num_warps=8 if block_c >= 64 else 4,
+        LANES=2 * top, UPCAST=upcast(k), num_warps=warps,
     )
     values = torch.empty(b, h, c, dv, dtype=torch.float32, device=device)
     stats = torch.empty(b * h, c, 2, dtype=torch.float32, device=device)

@@ -20,12 +20,15 @@ dot runs in float32 instead, which is exact for half-precision products (`upcast
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import triton
 import triton.language as tl
 from torch import Tensor
 
-# Programs a launch over a head's rows aims for in all: two per SM of an H100 (132 SMs).
-TARGET_PROGRAMS = 264
+# An H100's SMs, and the programs a launch over a head's rows aims for in all: two an SM.
+SMS = 132
+TARGET_PROGRAMS = 2 * SMS
 
 
 def upcast(x: Tensor) -> bool:
@@ -45,10 +48,16 @@ def chunking(n: int, heads: int, block: int) -> tuple[int, int]:
 
 
 
-def key_splits(m: int, programs_per_split: int, block_m: int) -> tuple[int, int]:
-    """(splits, keys per split) of m keys: enough splits for TARGET_PROGRAMS in all (read at the
-    call, as chunking reads it), whole blocks of block_m each."""
-    splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, programs_per_split), triton.cdiv(m, block_m)))
+def key_splits(m: int, programs_per_split: int, block_m: int, resident: int = 2) -> tuple[int, int]:
+    """(splits, keys per split) of m keys, whole blocks of block_m each: at most enough splits
+    for TARGET_PROGRAMS in all (read at the call, as chunking reads it), and of those the
+    fewest that leave an SM the fewest keys, its waves of `resident` programs at a time taken
+    whole (a kernel one program of which fills an SM: one wave of longer splits, not two
+    waves and twice the partial results to merge)."""
+    most = max(1, min(triton.cdiv(TARGET_PROGRAMS, programs_per_split), triton.cdiv(m, block_m)))
+    per_wave = SMS * resident
+    # waves(s) / s, compared as fractions: the least, then the fewest splits
+    splits = min(range(1, most + 1), key=lambda s: (Fraction(triton.cdiv(programs_per_split * s, per_wave), s), s))
     chunk = triton.cdiv(triton.cdiv(m, splits), block_m) * block_m
     return triton.cdiv(m, chunk), chunk
 

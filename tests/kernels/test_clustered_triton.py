@@ -17,6 +17,7 @@ import logging  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
 from kernel_inputs import padding_mask, poison_empty, qkv, several_programs_per_head, tile_positions  # noqa: E402
 from ties import (  # noqa: E402
     assert_codes_agree,
@@ -516,3 +517,21 @@ def test_float64_is_refused_with_a_pointer_to_the_reference():
     q, k, v = qkv(n=8, dtype=torch.float64)
     with pytest.raises(ValueError, match="backend='reference'"):
         run(q, k, v, AttentionSpec(method="i-clustered"))
+
+
+@pytest.mark.parametrize("per_split, resident, splits", [(12, 1, 11), (24, 1, 11), (48, 1, 5), (48, 2, 5), (12, 2, 22)])
+def test_key_splits_fill_whole_waves(per_split, resident, splits):
+    """The splits of 4,096 keys leave an SM the fewest keys, its waves taken whole: one program
+    an SM at 12 programs a split is 11 splits (one wave of 132), not 22 (two waves, the same
+    keys an SM and twice the partial results); 48 a split at two an SM is 5 (240, one wave),
+    not 6 (288: a second wave for 24 programs). No other count up to TARGET_PROGRAMS does
+    better, and none as well with fewer splits."""
+    got, chunk = triton_helpers.key_splits(4096, per_split, 64, resident)
+    assert (got, chunk) == (splits, triton.cdiv(triton.cdiv(4096, splits), 64) * 64)
+
+    def per_sm(s):  # keys an SM runs: its waves x a split's keys
+        return triton.cdiv(per_split * s, triton_helpers.SMS * resident) * triton.cdiv(4096, s)
+
+    most = triton.cdiv(triton_helpers.TARGET_PROGRAMS, per_split)
+    assert all(per_sm(s) > per_sm(got) or (s > got and per_sm(s) >= per_sm(got)) for s in range(1, most + 1)
+               if s != got)
