@@ -184,16 +184,19 @@ def _centroid_topk_combine_kernel(
 ):
     """The TOPK most probable keys of a block of centroids over all splits: indices and
     probabilities (B * H, C, TOPK), 0 on padded keys (their logits are -inf). Each split's
-    list is sorted (largest first), so a split merges in read backwards (top_of_sorted)."""
+    list is sorted (largest first), so a split merges in read backwards (top_of_sorted); the
+    next split's list is loaded while one merges, so the merges do not wait on the loads."""
     bh = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     slots = tl.arange(0, TOP)
     in_rows = rows < C
+    lists = part_top_ptr + (bh * SPLITS * C + rows)[:, None] * TOP + (TOP - 1 - slots)[None, :]  # split 0's
     top = tl.full([BLOCK_C, TOP], NO_KEY, tl.int64)
+    ahead = tl.load(lists, mask=in_rows[:, None], other=NO_KEY)
     for split in range(0, SPLITS):
-        part = (bh * SPLITS + split) * C + rows
-        backwards = tl.load(part_top_ptr + part[:, None] * TOP + (TOP - 1 - slots)[None, :], mask=in_rows[:, None],
-                            other=NO_KEY)
+        backwards = ahead
+        more = in_rows & (tl.zeros([BLOCK_C], tl.int32) + split + 1 < SPLITS)  # the last split's loads none
+        ahead = tl.load(lists + (split + 1) * C * TOP, mask=more[:, None], other=NO_KEY)
         top = top_of_sorted(top, backwards)
     shift = tl.load(stats_ptr + (bh * C + rows) * 2, mask=in_rows, other=0.0)
     inv_sum = tl.load(stats_ptr + (bh * C + rows) * 2 + 1, mask=in_rows, other=0.0)
