@@ -47,8 +47,12 @@ LOG2E = 1.4426950408889634
 MAX_TOPK_ON_CHIP = 256
 # Centroids per tile of the softmax pass (all of a head's up to this many).
 SOFTMAX_BLOCK_C = 128
-# Splits the merge loads a step (more spill on sm_80).
-COMBINE_SPLITS = 4
+# Splits the merge loads a step: at most COMBINE_SPLITS (one step for up to 16 splits, where 4
+# a step waited on 3 rounds of loads a pass) and no more than there are, fewer where the
+# top-k's lanes are wide, so that a step holds at most COMBINE_LANE_LOADS lane maxima (4,096:
+# 32 registers a thread at 4 warps).
+COMBINE_SPLITS = 16
+COMBINE_LANE_LOADS = 4096
 
 
 @triton.jit
@@ -231,7 +235,9 @@ def centroid_attention_triton(
     _centroid_combine_kernel[(triton.cdiv(c, COMBINE_BLOCK_C), b * h)](
         part_values, part_max, part_sum, part_lanes, values, stats, threshold,
         c, dv, splits,
-        BLOCK_C=COMBINE_BLOCK_C, VALUE_DIM=pow2_block(dv), LANES=2 * top, SPLIT_GROUP=COMBINE_SPLITS,
+        BLOCK_C=COMBINE_BLOCK_C, VALUE_DIM=pow2_block(dv), LANES=2 * top,
+        SPLIT_GROUP=max(1, min(COMBINE_SPLITS, triton.next_power_of_2(splits),
+                               COMBINE_LANE_LOADS // (COMBINE_BLOCK_C * max(2 * top, 1)))),
     )
     if not topk:
         return CentroidAttention(values)

@@ -226,11 +226,13 @@ def test_cluster_layout_equals_the_reference(n, clusters, lengths, tile, program
 
 
 @pytest.mark.parametrize("d, dv, m, topk", [(24, 16, 37, 4), (128, 32, 20, 4), (16, 16, 300, 4), (16, 16, 300, 16),
-                                            (16, 16, 600, 4)])
+                                            (16, 16, 600, 4), (16, 16, 1100, 4)])
 def test_centroid_attention_equals_the_reference(d, dv, m, topk, poisoned):
-    """The keys split across programs (m = 300 makes 5 splits, 600 makes 10: the merge loads
-    them COMBINE_SPLITS at a time): each split's online softmax and lane maxima, merged, then
-    each row's keys above its threshold kept and merged."""
+    """The keys split across programs (m = 300 makes 5 splits, 600 makes 10, 1,100 makes 18:
+    more than the merge loads a step, COMBINE_SPLITS at a time): each split's online softmax
+    and lane maxima, merged, then each row's keys above its threshold kept and merged."""
+    if m == 1100:
+        assert triton_helpers.key_splits(m, 4, 64)[0] > centroid_triton.COMBINE_SPLITS
     _, k, v = qkv(m=m, d=d, dv=dv)
     centroids = torch.randn(2, 2, 5, d, generator=torch.Generator().manual_seed(1))
     mask = padding_mask(2, m, [m - 3, 0])  # row 1 has no real key at all
