@@ -236,8 +236,8 @@ def centroid_attention_triton(
         part_values, part_max, part_sum, part_lanes, values, stats, threshold,
         c, dv, splits,
         BLOCK_C=COMBINE_BLOCK_C, VALUE_DIM=pow2_block(dv), LANES=2 * top,
-        SPLIT_GROUP=max(1, min(COMBINE_SPLITS, triton.next_power_of_2(splits),
-                               COMBINE_LANE_LOADS // (COMBINE_BLOCK_C * max(2 * top, 1)))),
+        SPLIT_GROUP=min(COMBINE_SPLITS, triton.next_power_of_2(splits),
+                        COMBINE_LANE_LOADS // (COMBINE_BLOCK_C * max(2 * top, 1))),
     )
     if not topk:
         return CentroidAttention(values)
