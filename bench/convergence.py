@@ -114,15 +114,16 @@ def iterations_to_converge(codes: Tensor, mask: Tensor, initial: Tensor, spec: A
 
 
 def pass_cosine(encoder, ids: list[int], exact: Tensor, warm: bool, iterations: int, refine: int,
-                method: str = "i-clustered") -> float:
+                method: str = "i-clustered", bits: int = BASE.bits) -> float:
     """The pooled vector's cosine to `exact` with every layer's attention `method` 100(/32)
-    (iterations, refine); warm: each layer after the first starts from the previous one's clusters."""
+    (iterations, refine, bits: 0 seeds in Euclidean space); warm: each layer after the first
+    starts from the previous one's clusters."""
     carried: list[Tensor] = []
     base = dataclasses.replace(BASE, method=method)
 
     def choose(layer, original, args, kwargs):
         q, k, v, _ = args
-        spec = base if warm and layer == 0 else dataclasses.replace(base, iterations=iterations, refine=refine)
+        spec = base if warm and layer == 0 else dataclasses.replace(base, iterations=iterations, refine=refine, bits=bits)
 
         def observe(name, stage, *stage_args):
             if name == "cluster" and warm and carried:

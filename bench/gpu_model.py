@@ -86,7 +86,7 @@ FA_TFLOPS = {"fa2": {n: max(tf, round(tf * 400 / 321)) if n < 4096 else {4096: 4
              "fa3": {512: 333, 1024: 392, 2048: 460, 4096: 476, 8192: 496, 16384: 497}}
 
 # Pipeline stages, by kernel: the per-stage figures of the report.
-STAGES = {"_hash_kernel": "hash", "_hamming_initial_kernel": "k-means (Hamming)",
+STAGES = {"_hash_kernel": "hash", "_seed_means_kernel": "seed", "_hamming_initial_kernel": "k-means (Hamming)",
           "_hamming_assign_kernel": "k-means (Hamming)", "_hamming_update_kernel": "k-means (Hamming)",
           "_hamming_step_kernel": "k-means (Hamming)",
           "_sums_kernel": "refine (queries)", "_means_kernel": "refine (queries)",
@@ -112,6 +112,10 @@ SPECS = {
     "clustered 100 (5 iterations)": AttentionSpec(method="clustered", clusters=100, iterations=5),
     "i-clustered 100/32 (refine 2)": AttentionSpec(method="i-clustered", clusters=100, topk=32, refine=2),
     "i-clustered 100/32 (refine 1)": AttentionSpec(method="i-clustered", clusters=100, topk=32, refine=1),
+    # no LSH codes: each query to its nearest seed query, then the refinement (at 2 and 3 steps
+    # about the defaults' fidelity on the default model: bench/results/seeding-*.json)
+    "i-clustered 100/32 (seeded)": AttentionSpec(method="i-clustered", clusters=100, topk=32, bits=0, refine=2),
+    "i-clustered 100/32 (seeded, refine 3)": AttentionSpec(method="i-clustered", clusters=100, topk=32, bits=0),
     "smyrf 4x64": AttentionSpec(method="smyrf", hash_rounds=4, cluster_size=64),
     "clustered 200": AttentionSpec(method="clustered", clusters=200),
     # more clusters than one tile with Hamming iterations: the assign and update launches

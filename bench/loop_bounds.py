@@ -125,6 +125,12 @@ LOOP_BOUNDS: dict[str, dict[str, Bounds]] = {
         },
     },
     "kernels.triton.hashing": {"_hash_kernel": _by_rows},
+    "kernels.triton.seeding": {
+        "_seed_means_kernel": lambda a: {  # all queries real: no rank is counted
+            **slowest_chunk(a["N"], a["CHUNK"]), "c_first": 0, "c_last": a["C"] / -(-a["N"] // a["CHUNK"]) + 3,
+            "scan_stop": slowest_chunk(a["N"], a["CHUNK"])["start"],
+        },
+    },
     "kernels.triton.hamming_update": {
         "_hamming_update_kernel": lambda a: {
             **cluster_range(a["C"], a["PER_PROGRAM"]), "chunk": 0, "stop": a["CHUNK"],

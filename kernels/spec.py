@@ -35,7 +35,7 @@ APPROXIMATE_METHODS = ("clustered", "i-clustered", "smyrf", "banded")
 KNOB_RANGES: dict[str, tuple[int, int]] = {
     "clusters": (1, 4096),
     "topk": (1, 4096),
-    "bits": (1, 63),  # codes are packed into one int64 per query
+    "bits": (0, 63),  # codes are packed into one int64 per query; 0: no codes
     "iterations": (0, 100),
     "refine": (0, 100),
     "hash_rounds": (1, 64),
@@ -65,7 +65,9 @@ class AttentionSpec:
     method: "full" | "clustered" | "i-clustered" | "smyrf" | "banded" | "auto".
     clusters: query clusters per (batch, head) for the clustered methods.
     topk: keys per cluster recomputed exactly by i-clustered (paper eq. 10).
-    bits: LSH bits of the query codes used by Hamming K-means.
+    bits: LSH bits of the query codes used by Hamming K-means; 0 = no codes: each query starts
+        in the cluster of its nearest seed query (the same evenly spaced seeds) in Euclidean
+        space, then the refinement below (`iterations` must be 0).
     iterations: Lloyd iterations in Hamming space after each query joins its nearest initial
         centroid (the paper uses 10). 0 by default: after the refinement below, five measured no
         better on nomic-embed-text-v1.5 at 2k-8k tokens and are ~20% of a GPU call (docs/methods.md).
@@ -115,6 +117,14 @@ class AttentionSpec:
                 raise FieldError(name, f"must be an integer, got {value!r}", ATTENTION)
             if not low <= value <= high:
                 raise FieldError(name, f"must be in [{low}, {high}], got {value}", ATTENTION)
+        if self.bits == 0 and self.iterations and self._reads("bits"):
+            detail = f"Hamming iterations need LSH codes: with bits 0 (no codes) it must be 0, got {self.iterations}"
+            raise FieldError("iterations", detail, ATTENTION)
+
+    def _reads(self, knob: str) -> bool:
+        """Whether the method that runs reads this knob ("auto": its approximate method may)."""
+        method = self.auto_method if self.method == "auto" else self.method
+        return knob in METHOD_KNOBS.get(method, ())
 
     def used_knobs(self) -> dict[str, Any]:
         """The method and only the knobs it reads, e.g. for echoing back to a client."""

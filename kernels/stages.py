@@ -8,6 +8,8 @@ stages of the backend it measures by passing an `observe` hook.
 Clustered and improved clustered attention (Vyas et al. 2020):
     hash                (q, spec) -> codes (B, H, N) int64, bit b = sign of projection b
     cluster             (codes, query_mask, spec) -> assign (B, H, N) in [0, C], Hamming K-means
+    seed                (q, query_mask, spec) -> assign, in place of hash and cluster where
+                        spec.bits is 0: each query's nearest seed query in Euclidean space
     refine              (q, assign, query_mask, spec) -> assign, Euclidean Lloyd steps
     centroids           (q, assign, clusters) -> (B, H, C, D) float32+, member means
     centroid_attention  (centroids, k, v, key_mask, scale, topk) -> CentroidAttention
@@ -36,7 +38,7 @@ from kernels.reference.kmeans import one_query_per_cluster
 from kernels.reference.masks import token_masks
 from kernels.spec import AttentionSpec
 
-CLUSTERED_STAGES = ("hash", "cluster", "refine", "centroids", "centroid_attention", "sparse", "broadcast")
+CLUSTERED_STAGES = ("hash", "cluster", "seed", "refine", "centroids", "centroid_attention", "sparse", "broadcast")
 SMYRF_STAGES = ("hash", "sort", "cluster_attention")
 
 
@@ -59,6 +61,7 @@ class ClusteredStages:
     compute: Callable[[torch.dtype], torch.dtype]
     hash: Callable[..., Tensor]
     cluster: Callable[..., Tensor]
+    seed: Callable[..., Tensor]
     refine: Callable[..., Tensor]
     centroids: Callable[..., Tensor]
     centroid_attention: Callable[..., CentroidAttention]
@@ -140,8 +143,11 @@ def _assignments(
     if means and stages.cluster_means is not None:
         assign, centroids = observe("cluster", stages.cluster_means, q, query_mask, spec)
         return stages.exact_case(assign, query_mask, spec.clusters), centroids
-    codes = observe("hash", stages.hash, q, spec)
-    assign = observe("cluster", stages.cluster, codes, query_mask, spec)
+    if spec.bits:
+        codes = observe("hash", stages.hash, q, spec)
+        assign = observe("cluster", stages.cluster, codes, query_mask, spec)
+    else:
+        assign = observe("seed", stages.seed, q, query_mask, spec)
     if spec.refine:
         assign = observe("refine", stages.refine, q, assign, query_mask, spec)
     return stages.exact_case(assign, query_mask, spec.clusters), None

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from kernels import native
-from kernels.reference.clustered import broadcast, gather_rows
+from kernels.reference.clustered import broadcast, gather_rows, seed_assignments
 from kernels.reference.full import attend
 from kernels.reference.hashing import hash_planes
 from kernels.reference.kmeans import initial_centroid_positions, initial_offsets
@@ -95,6 +95,6 @@ def improved_sparse(
 
 NATIVE = ClusteredStages(
     name="native", compute=native.compute_dtype, hash=hash_queries, cluster=cluster_codes,
-    refine=refine_assignments, centroids=native.cluster_means, centroid_attention=centroid_attention,
+    seed=seed_assignments, refine=refine_assignments, centroids=native.cluster_means, centroid_attention=centroid_attention,
     sparse=improved_sparse, broadcast=broadcast_values, contiguous=True,
 )

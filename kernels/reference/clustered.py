@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from kernels.reference.hashing import hash_codes, hash_planes, unpack_bits
-from kernels.reference.kmeans import cluster_means, hamming_kmeans, initial_offsets, refine_clusters
+from kernels.reference.kmeans import cluster_means, hamming_kmeans, initial_offsets, refine_clusters, seeded_clusters
 from kernels.spec import AttentionSpec
 from kernels.stages import CentroidAttention, ClusteredStages, float32_or_64
 
@@ -40,6 +40,11 @@ def cluster_codes(codes: Tensor, query_mask: Tensor, spec: AttentionSpec) -> Ten
     signs = unpack_bits(codes, spec.bits) * 2 - 1
     offsets = initial_offsets(codes.shape[1], spec.seed)
     return hamming_kmeans(signs, query_mask, spec.clusters, spec.iterations, offsets)
+
+
+def seed_assignments(q: Tensor, query_mask: Tensor, spec: AttentionSpec) -> Tensor:
+    """The seed stage (spec.bits 0): each query's nearest seed query, (B, H, N, D) -> (B, H, N) in [0, C]."""
+    return seeded_clusters(q, query_mask, spec.clusters, initial_offsets(q.shape[1], spec.seed))
 
 
 def refine_assignments(q: Tensor, assign: Tensor, query_mask: Tensor, spec: AttentionSpec) -> Tensor:
@@ -164,6 +169,6 @@ def _select(per_cluster: Tensor, cluster: Tensor) -> Tensor:
 
 REFERENCE = ClusteredStages(
     name="reference", compute=float32_or_64, hash=hash_queries, cluster=cluster_codes,
-    refine=refine_assignments, centroids=cluster_means, centroid_attention=centroid_attention,
+    seed=seed_assignments, refine=refine_assignments, centroids=cluster_means, centroid_attention=centroid_attention,
     sparse=improved_sparse, broadcast=broadcast,
 )

@@ -1,5 +1,6 @@
 """Query clustering for clustered attention: K-means in Hamming space, then optional Lloyd
-refinement on the real query vectors.
+refinement on the real query vectors; or, without LSH codes, each query to its nearest seed
+query in Euclidean space, then the refinement.
 
 Assignments are (B, H, N) int64 in [0, C]; the extra index C holds padded queries, which
 never join a real cluster. Every step is deterministic: initial centroids sit at evenly
@@ -66,6 +67,18 @@ def hamming_kmeans(signs: Tensor, query_mask: Tensor, clusters: int, iterations:
     return _nearest(signs, centroids, None, padded)
 
 
+def seeded_clusters(q: Tensor, query_mask: Tensor, clusters: int, offsets: Tensor) -> Tensor:
+    """Each query to its nearest seed query in Euclidean space, the seeds at the ranks the Hamming
+    K-means starts from (`initial_centroid_positions`): argmax_c 2 q.s_c - |s_c|^2, ties to the
+    lowest cluster, in float32 (float64 for float64 q): half-precision q is upcast a chunk at a
+    time. q: (B, H, N, D). Returns (B, H, N), padded queries at C."""
+    positions = initial_centroid_positions(query_mask, clusters, offsets)
+    seeds = q.gather(2, positions[..., None].expand(-1, -1, -1, q.shape[-1]))  # (B, H, C, D)
+    seeds = seeds.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    # 2 q.s as q.(2 s): doubling is exact, so no copy of q is doubled.
+    return _nearest(q, 2 * seeds, -(seeds * seeds).sum(-1), ~query_mask[:, None, :])
+
+
 def refine_clusters(q: Tensor, assign: Tensor, query_mask: Tensor, clusters: int, iterations: int) -> Tensor:
     """Lloyd iterations with Euclidean distance on the query vectors, from `assign`.
 
@@ -101,7 +114,8 @@ def cluster_means(x: Tensor, assign: Tensor, clusters: int) -> Tensor:
 
 
 def _nearest(points: Tensor, centroids: Tensor, bias: Tensor | None, padded: Tensor) -> Tensor:
-    """argmax_c points . centroid_c (+ bias_c), in query chunks; padded queries -> C.
+    """argmax_c points . centroid_c (+ bias_c), in query chunks (each in the centroids' dtype);
+    padded queries -> C.
 
     points: (B, H, N, F), centroids: (B, H, C, F), bias: (B, H, C) or None -> (B, H, N).
     """
@@ -110,7 +124,7 @@ def _nearest(points: Tensor, centroids: Tensor, bias: Tensor | None, padded: Ten
     transposed = centroids.transpose(-1, -2).contiguous()
     assign = torch.empty(b, h, n, dtype=torch.int64, device=points.device)
     for start in range(0, n, _NEAREST_CHUNK):
-        scores = points[:, :, start : start + _NEAREST_CHUNK] @ transposed  # (B, H, chunk, C)
+        scores = points[:, :, start : start + _NEAREST_CHUNK].to(transposed.dtype) @ transposed  # (B, H, chunk, C)
         if bias is not None:
             scores += bias[:, :, None, :]
         assign[:, :, start : start + _NEAREST_CHUNK] = scores.argmax(dim=-1)

@@ -5,6 +5,8 @@ they match is clustered.py.
     hash, cluster, refine, centroids   LSH codes (hashing_triton), Hamming K-means
                              (hamming_triton), Euclidean refinement (lloyd_triton) and cluster
                              means (means_triton), each spread over (chunks of queries, B * H);
+                             without codes (spec.bits 0), seed in place of hash and cluster:
+                             the seed queries as the first means (seeding), then a step;
                              run as one (cluster_means_triton_stages), the hash also writes
                              the K-means' +-1 signs, and the K-means' final launch and the
                              refinement's last step sum the queries by cluster, so that no
@@ -45,7 +47,13 @@ from kernels.triton.cluster_layout import cluster_layout_triton
 from kernels.triton.hamming import hamming_kmeans_triton
 from kernels.triton.hashing import hash_codes_triton
 from kernels.triton.helpers import chunking, mma, online_softmax_step, pow2_block, rounded, upcast
-from kernels.triton.lloyd import refine_buffers, refine_clusters_triton, refine_summed_triton
+from kernels.triton.lloyd import (
+    refine_buffers,
+    refine_clusters_triton,
+    refine_summed_triton,
+    seed_clusters_triton,
+    seeded_summed_triton,
+)
 from kernels.triton.means import cluster_means_triton
 
 LOG2E = 1.4426950408889634
@@ -158,6 +166,12 @@ def cluster_codes_triton(codes: Tensor, query_mask: Tensor, spec: AttentionSpec)
                                  exact_case=True)
 
 
+def seed_assignments_triton(q: Tensor, query_mask: Tensor, spec: AttentionSpec) -> Tensor:
+    """The seed stage on the device (spec.bits 0): each query's nearest seed query (B, H, N) in [0, C]."""
+    offsets = on_device(initial_offsets, (q.shape[1], spec.seed), q.device)
+    return seed_clusters_triton(q, query_mask, spec.clusters, offsets, exact_case=True)
+
+
 def refine_assignments_triton(q: Tensor, assign: Tensor, query_mask: Tensor, spec: AttentionSpec) -> Tensor:
     """The refine stage on the device."""
     return refine_clusters_triton(q, assign, query_mask, spec.clusters, spec.refine, exact_case=True)
@@ -168,16 +182,23 @@ def cluster_means_triton_stages(q: Tensor, query_mask: Tensor, spec: AttentionSp
     means (B, H, C, D) float32. Up to hamming.BLOCK_C clusters, the hash writes the signs that
     the Hamming K-means reads, whose final launch sums the query vectors under its
     assignments, and the refinement's last step sums them under its own: no launch of their
-    own converts codes or sums. More clusters run the stages one by one (the driver's own order)."""
+    own converts codes or sums. More clusters run the stages one by one (the driver's own order).
+    Without codes (spec.bits 0) the seeds' nearest-mean step sums the vectors for the first
+    refinement step, whatever the clusters."""
     b, h, n, d = q.shape
+    chunks, chunk = chunking(n, h, hamming.BLOCK_N)  # the K-means' chunks, which the sums follow
+    offsets = on_device(initial_offsets, (h, spec.seed), q.device)
+    if not spec.bits:
+        buffers = refine_buffers(q, spec.clusters, chunk, chunks)
+        assign = seeded_summed_triton(q, query_mask, spec.clusters, offsets, spec.refine, buffers, chunk,
+                                      exact_case=True)
+        return assign, buffers.means.view(b, h, spec.clusters, d)
     if spec.clusters > hamming.BLOCK_C:
         assign = cluster_queries(TRITON, q, query_mask, spec)
         return assign, centroids_triton(q, assign, spec.clusters)
     signs = torch.empty(b * h, n, hamming.BLOCK_BITS, dtype=torch.int8, device=q.device)
     codes = hash_codes_triton(q, on_device(hash_planes, (h, d, spec.bits, spec.seed), q.device), signs)
-    chunks, chunk = chunking(n, h, hamming.BLOCK_N)  # the K-means' chunks, which the sums follow
     buffers = refine_buffers(q, spec.clusters, chunk, chunks)
-    offsets = on_device(initial_offsets, (h, spec.seed), q.device)
     assign = hamming_kmeans_triton(codes, query_mask, spec.clusters, spec.iterations, offsets, spec.bits,
                                    exact_case=True, sums=hamming.VectorSums(q, buffers, all_moved=not spec.refine),
                                    signs=signs)
@@ -244,7 +265,7 @@ def improved_sparse_triton(
 # write the exact case's ranks themselves.
 TRITON = ClusteredStages(
     name="triton", compute=lambda dtype: dtype, hash=hash_queries_triton, cluster=cluster_codes_triton,
-    refine=refine_assignments_triton, centroids=centroids_triton,
+    seed=seed_assignments_triton, refine=refine_assignments_triton, centroids=centroids_triton,
     centroid_attention=centroid_attention_triton, sparse=improved_sparse_triton, broadcast=broadcast_triton,
     exact_case=applied_by_stages, cluster_means=cluster_means_triton_stages,
 )

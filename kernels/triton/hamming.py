@@ -58,6 +58,7 @@ from kernels.triton.helpers import (
     pow2_block,
     upcast,
 )
+from kernels.triton.seeding import seed_positions, seed_range
 
 
 class VectorSums(NamedTuple):
@@ -103,8 +104,8 @@ def _hamming_initial_kernel(
     """With SIGNS, each query's code as +-1 signs (B * H, N, BLOCK_BITS) int8, which every
     iteration reads (else the hash wrote them). Cluster j starts at the query of rank
     floor((j + offset) n_real / C) among the real queries, then the padded ones
-    (kmeans.initial_centroid_positions): in a chunk of real queries only, its position follows
-    from its rank; otherwise the chunk's ranks are counted. Program (p, bh) writes
+    (kmeans.initial_centroid_positions; kernels.triton.seeding finds it: in a chunk of real
+    queries only, its position follows from its rank; otherwise the chunk's ranks are counted). Program (p, bh) writes
     the clusters whose rank falls in its chunk: each cluster has exactly one writer. The
     first program of a head sets its flags (B * H, BLOCKS): iterate, unless EXACT_CASE and no
     more real queries than clusters (the final assignment gives each query its own). With
@@ -121,8 +122,6 @@ def _hamming_initial_kernel(
     real_before = count_real(mask_row, 0, start, COUNT_BLOCK)
     real_here = count_real(mask_row, start, stop, COUNT_BLOCK)
     n_real = real_before + real_here + count_real(mask_row, stop, N, COUNT_BLOCK)
-    padded_before = start - real_before
-    padded_here = stop - start - real_here
     if tl.program_id(0) == 0:
         blocks = tl.arange(0, FLAG_BLOCK)
         iterate = (n_real > C) | (not EXACT_CASE)
@@ -136,44 +135,14 @@ def _hamming_initial_kernel(
             tl.store(signs_ptr + (bh * N + rows)[:, None] * BLOCK_BITS + bit[None, :], signs,
                      mask=rows[:, None] < stop)
     offset = tl.load(offsets_ptr + head)
-    # The clusters whose target rank can fall in this chunk's real ranks (with a cluster to
-    # spare each side for rounding); with no real query, every target is the first padded one.
-    per_rank = C.to(tl.float32) / tl.maximum(n_real, 1).to(tl.float32)
-    c_first = tl.maximum(tl.math.floor(real_before.to(tl.float32) * per_rank - offset).to(tl.int32) - 1, 0)
-    c_last = tl.minimum(tl.math.floor((real_before + real_here).to(tl.float32) * per_rank).to(tl.int32) + 2, C)
-    c_first = tl.where(n_real > 0, c_first, 0)
-    c_last = tl.where(n_real > 0, c_last, C)
+    c_first, c_last = seed_range(n_real, real_before, real_here, offset, C)
     for c_start in range(c_first, c_last, BLOCK_C):
-        cols = c_start + tl.arange(0, BLOCK_C)
-        # IEEE division, as torch's: an approximate one could move a centroid by a rank.
-        target = tl.math.div_rn((cols.to(tl.float32) + offset) * n_real.to(tl.float32), C.to(tl.float32))
-        target = tl.minimum(target.to(tl.int32), N - 1)
-        real_rank = (target >= real_before) & (target < real_before + real_here)
-        padded_rank = (target >= n_real + padded_before) & (target < n_real + padded_before + padded_here)
-        mine = (cols < C) & (real_rank | padded_rank)
-        if tl.sum(mine.to(tl.int32), axis=0) > 0:
-            # A chunk of real queries only: rank real_before + i is its i-th query.
-            all_real = real_here == stop - start
-            direct = mine & (tl.zeros([BLOCK_C], tl.int32) + real_here == stop - start)
-            code = tl.load(codes_row + start + target - real_before, mask=direct, other=0)
-            real_seen = real_before
-            padded_seen = n_real + padded_before
-            scan_stop = tl.where(all_real, start, stop)  # else the ranks are counted
-            for first in range(start, scan_stop, BLOCK_N):
-                rows = first + tl.arange(0, BLOCK_N)
-                in_range = rows < stop
-                real = (tl.load(mask_row + rows, mask=in_range, other=0) != 0) & in_range
-                padded = (~real) & in_range
-                rank = tl.where(real, real_seen + tl.cumsum(real.to(tl.int32), axis=0) - 1,
-                                padded_seen + tl.cumsum(padded.to(tl.int32), axis=0) - 1)
-                codes = tl.load(codes_row + rows, mask=in_range, other=0)
-                match = in_range[None, :] & (rank[None, :] == target[:, None])
-                code += tl.sum(tl.where(match, codes[None, :], 0), axis=1)
-                real_seen += tl.sum(real.to(tl.int32), axis=0)
-                padded_seen += tl.sum(padded.to(tl.int32), axis=0)
-            tl.store(centroids_ptr + bh * C + cols, code, mask=mine)
-            tl.store(centroid_signs_ptr + (bh * C + cols)[:, None] * BLOCK_BITS + bit[None, :], code_signs(code, BLOCK_BITS),
-                     mask=mine[:, None])
+        cols, mine, position = seed_positions(mask_row, start, stop, N, C, n_real, real_before, real_here, offset,
+                                              c_start, BLOCK_C, BLOCK_N)
+        code = tl.load(codes_row + position, mask=mine, other=0)
+        tl.store(centroids_ptr + bh * C + cols, code, mask=mine)
+        tl.store(centroid_signs_ptr + (bh * C + cols)[:, None] * BLOCK_BITS + bit[None, :], code_signs(code, BLOCK_BITS),
+                 mask=mine[:, None])
 
 
 @triton.jit

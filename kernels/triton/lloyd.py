@@ -27,6 +27,9 @@ candidates' and donors' kernels are kernels.triton.donors'):
                         donors in place itself (only where a cluster is empty)
 
 `_sums_kernel` (means_triton) or the Hamming K-means' final launch writes the starting sums.
+Without LSH codes (spec.bits 0) the seed queries are the first means (kernels.triton.seeding)
+and a nearest-mean step gives each query its nearest seed (kmeans.seeded_clusters), with the
+chunk sums of the first refinement step.
 The reference stops once the assignments repeat; here a head none of whose queries moved in the
 previous step skips the rest on the device. No host synchronisation: one call is a CUDA graph.
 """
@@ -51,6 +54,7 @@ from kernels.triton.helpers import (
     upcast,
 )
 from kernels.triton.means import chunk_sums, load_rows
+from kernels.triton.seeding import seed_means_triton
 
 # Means per tile of the nearest-mean search: up to this many, they are read and split into
 # half-precision parts once per program (more: tiles of NEAREST_NARROW_C).
@@ -74,13 +78,15 @@ def _nearest_kernel(
     stride_xb, stride_xh, stride_xn, stride_xd,
     H, N, C, D, CHUNK, CHUNKS,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
-    COUNT_BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, LAST: tl.constexpr, EXACT_CASE: tl.constexpr,
-    MEANS: tl.constexpr, UPCAST: tl.constexpr, TOP: tl.constexpr, TOP_ALL: tl.constexpr, NO_KEY: tl.constexpr,
+    COUNT_BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+    EXACT_CASE: tl.constexpr, MEANS: tl.constexpr, UPCAST: tl.constexpr, TOP: tl.constexpr, TOP_ALL: tl.constexpr,
+    NO_KEY: tl.constexpr,
 ):
     """One chunk's nearest means (B * H, C, D) float32, written to assign (B, H, N) in place,
     padded queries at C; moved_out (B * H, CHUNKS) says whether any query moved. Unless LAST,
     the chunk's sums and counts under the new assignments. A head that did not move in the
-    previous step (moved_in) keeps its assignments. With all the means in one tile (ONE_BLOCK),
+    previous step (moved_in) keeps its assignments; with FIRST there are none before (the seeds'
+    step, kernels.triton.seeding): every real query moves. With all the means in one tile (ONE_BLOCK),
     the empty clusters' donors replace their means here (_donated; else _donor_kernel wrote
     them). LAST with EXACT_CASE: a sequence with no
     more real queries than clusters gives each its rank among them. LAST with MEANS: every
@@ -136,8 +142,11 @@ def _nearest_kernel(
                     best_cluster = tl.where(closer, block_cluster, best_cluster)
             real = tl.load(mask_row + rows, mask=rows < stop, other=0) != 0
             cluster = tl.where(real, best_cluster, C)
-            old = tl.load(assign_row + rows, mask=rows < stop, other=C)
-            moved += tl.sum(((old != cluster) & (rows < stop)).to(tl.int32), axis=0)
+            if FIRST:  # no assignments before: every real query moves
+                moved += tl.sum(real.to(tl.int32), axis=0)
+            else:
+                old = tl.load(assign_row + rows, mask=rows < stop, other=C)
+                moved += tl.sum(((old != cluster) & (rows < stop)).to(tl.int32), axis=0)
             tl.store(assign_row + rows, cluster, mask=rows < stop)
         if not LAST:
             tl.debug_barrier()  # the assignments, stored above, are read back by other threads
@@ -204,6 +213,63 @@ def refine_summed_triton(
     return assign
 
 
+def seed_clusters_triton(q: Tensor, query_mask: Tensor, clusters: int, offsets: Tensor,
+                         exact_case: bool = False) -> Tensor:
+    """`kmeans.seeded_clusters`: each query to its nearest seed query (B, H, N) int64 in [0, C],
+    padded queries at C; with exact_case a sequence with no more real queries than clusters
+    gives each its own. offsets (H,) float32 on q's device (kmeans.initial_offsets). Two
+    launches: the seeds, then one nearest-mean step."""
+    b, h, n, _ = q.shape
+    chunks, chunk = chunking(n, h, means.BLOCK_N)
+    buffers = refine_buffers(q, clusters, chunk, chunks)
+    out = torch.empty(b, h, n, dtype=torch.int64, device=q.device)
+    seed_means_triton(q, query_mask, offsets, buffers, buffers.moved[0], chunk)
+    _nearest_step(q, out, query_mask.contiguous(), clusters, buffers, chunk, buffers.moved[0], buffers.moved[1],
+                  last=True, exact_case=exact_case, with_means=False, first=True)
+    return out
+
+
+def seeded_summed_triton(q: Tensor, query_mask: Tensor, clusters: int, offsets: Tensor, iterations: int,
+                         buffers: means.Buffers, chunk: int, exact_case: bool = False) -> Tensor:
+    """seed_clusters_triton, then `iterations` Lloyd steps (refine_summed_triton's), the member
+    means of the result in buffers.means (B * H, C, D): buffers from refine_buffers for chunks
+    of `chunk` queries. The seeds' nearest-mean step sums the chunks for the first step.
+    Launches: 2 + refine_summed_triton's (1 + 1 + the means without a step)."""
+    b, h, n, _ = q.shape
+    out = torch.empty(b, h, n, dtype=torch.int64, device=q.device)
+    mask = query_mask.contiguous()
+    seed_means_triton(q, mask, offsets, buffers, buffers.moved[0], chunk)
+    _nearest_step(q, out, mask, clusters, buffers, chunk, buffers.moved[0], buffers.moved[1], last=not iterations,
+                  exact_case=exact_case, with_means=True, first=True)
+    if iterations:
+        _refine(q, out, mask, clusters, iterations, exact_case, buffers, chunk, with_means=True)
+    else:
+        means.means(q, buffers, buffers.moved[1], clusters, buffers.part_sums.shape[1])
+    return out
+
+
+def _nearest_step(q: Tensor, out: Tensor, mask: Tensor, clusters: int, buffers: means.Buffers, chunk: int,
+                  moved_in: Tensor, moved_out: Tensor, last: bool, exact_case: bool, with_means: bool,
+                  first: bool = False) -> None:
+    """One launch of _nearest_kernel on a refinement in buffers, chunks of `chunk` queries:
+    each query's nearest of buffers.means to out (B, H, N) in place (`first`: out holds no
+    assignments yet), and unless `last` (or with `with_means`) the chunks' sums."""
+    b, h, n, d = q.shape
+    chunks = buffers.part_sums.shape[1]
+    top = buffers.candidates.shape[-1]
+    nearest_block = pow2_block(clusters, 16, NEAREST_BLOCK_C if clusters <= NEAREST_BLOCK_C else NEAREST_NARROW_C)
+    _nearest_kernel[(chunks, b * h)](
+        q, mask, buffers.means, moved_in, moved_out, out, buffers.part_sums, buffers.part_counts, buffers.members,
+        buffers.n_empty, buffers.candidates, *q.stride(),
+        h, n, clusters, d, chunk, chunks,
+        BLOCK_N=means.BLOCK_N, BLOCK_C=nearest_block, COUNT_BLOCK=means.COUNT_BLOCK, ONE_BLOCK=clusters <= nearest_block,
+        FIRST=first, LAST=last, EXACT_CASE=exact_case, MEANS=with_means, UPCAST=upcast(q),
+        TOP=top, TOP_ALL=max(top, pow2_block(min(clusters, n), 1)), NO_KEY=NO_KEY,
+        HEAD_DIM=pow2_block(d), CHUNK_BLOCK=pow2_block(chunks, 1),
+        num_warps=4 if nearest_block <= NEAREST_NARROW_C else 8,
+    )
+
+
 def _refine(q: Tensor, out: Tensor, query_mask: Tensor, clusters: int, iterations: int, exact_case: bool,
             buffers: means.Buffers, chunk: int, with_means: bool) -> None:
     b, h, n, d = q.shape
@@ -238,14 +304,7 @@ def _refine(q: Tensor, out: Tensor, query_mask: Tensor, clusters: int, iteration
                 h, n, clusters, d, chunks,
                 BLOCK_K=min(top, 64), TOP=top, LOG_TOP=top.bit_length() - 1, NO_KEY=NO_KEY, **flags,
             )
-        _nearest_kernel[grid](
-            q, mask, buffers.means, moved_in, moved_out, out, buffers.part_sums, buffers.part_counts, buffers.members,
-            buffers.n_empty, buffers.candidates, *q.stride(),
-            h, n, clusters, d, chunk, chunks,
-            BLOCK_N=means.BLOCK_N, BLOCK_C=nearest_block, COUNT_BLOCK=means.COUNT_BLOCK, ONE_BLOCK=one_block,
-            LAST=it == iterations - 1, EXACT_CASE=exact_case, MEANS=with_means, UPCAST=upcast(q),
-            TOP=top, TOP_ALL=max(top, pow2_block(min(clusters, n), 1)), NO_KEY=NO_KEY,
-            num_warps=4 if nearest_block <= NEAREST_NARROW_C else 8, **flags,
-        )
+        _nearest_step(q, out, mask, clusters, buffers, chunk, moved_in, moved_out, last=it == iterations - 1,
+                      exact_case=exact_case, with_means=with_means)
     if with_means:
         means.means(q, buffers, buffers.moved[(iterations - 1) % 2], clusters, chunks)

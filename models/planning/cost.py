@@ -8,6 +8,7 @@ C clusters, top-k k, SMYRF cluster size S:
 
     full          exact x 4 n^2 d
     clustered     hash x 2 n bits d  +  kmeans x iterations n C  +  refine x refine n C 2d
+                  (bits 0: no hash, and the seeds' nearest-mean step is one refine step more)
                   +  centroid x 4 C n d                 (the centroid pass: SDPA, or vdpbf16ps)
     i-clustered   the same hashing and clustering  +  centroid_topk x 4 C n d  (the native pass
                   that also keeps each cluster's top k)  +  topk x 4 n k d  +  gather x C k d
@@ -139,7 +140,7 @@ class CostModel:
         steps = {
             "hash": 2 * n * spec.bits * d,
             "kmeans": spec.iterations * n * clusters,
-            "refine": spec.refine * n * clusters * 2 * d,
+            "refine": (spec.refine + (0 if spec.bits else 1)) * n * clusters * 2 * d,
         }
         if spec.method == "clustered":
             return {**steps, "centroid": 4 * clusters * n * d}

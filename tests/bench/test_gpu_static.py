@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 # The kernels of the recorded calls (the refinement's _donor_kernel runs only past 256 clusters,
 # which none of them has: the interpreter tests run it).
-KERNELS = {"_hash_kernel", "_hamming_initial_kernel", "_hamming_step_kernel", "_hamming_assign_kernel",
+KERNELS = {"_hash_kernel", "_seed_means_kernel", "_hamming_initial_kernel", "_hamming_step_kernel", "_hamming_assign_kernel",
            "_hamming_update_kernel",
            "_sums_kernel", "_means_kernel", "_candidates_kernel", "_means_candidates_kernel", "_nearest_kernel",
            "_centroid_attention_kernel", "_centroid_combine_kernel", "_centroid_topk_kernel",
@@ -62,7 +62,8 @@ def test_every_kernel_compiles_for_sm90(report):
 
 def test_every_call_is_counted(report):
     calls = {c["method"]: c for c in report["calls"]}
-    assert set(calls) == {"clustered", "i-clustered (paper)", "i-clustered", "smyrf", "banded", "clustered 200"}
+    assert set(calls) == {"clustered", "i-clustered (paper)", "i-clustered", "smyrf", "banded", "clustered 200",
+                          "i-clustered (seeded)"}
     for call in calls.values():
         assert (call["seq_len"], call["head_dim"], call["dtype"]) == (16384, 64, "bfloat16")
         assert call["triton_launches"] == sum(call["launches_by_kernel"].values()) > 0
@@ -87,6 +88,10 @@ def test_every_call_is_counted(report):
     assert "_candidates_kernel" not in clustered and wide["_candidates_kernel"] == wide["_nearest_kernel"] == 3
     assert "_donor_kernel" not in clustered and "_donor_kernel" not in wide
     assert wide["_sums_kernel"] == 2
+    # Without codes: the seeds, their nearest-mean step and 2 refinement steps, no hash or K-means.
+    seeded = calls["i-clustered (seeded)"]["launches_by_kernel"]
+    assert seeded["_seed_means_kernel"] == 1 and seeded["_nearest_kernel"] == 3 and seeded["_means_candidates_kernel"] == 2
+    assert not {"_hash_kernel", "_hamming_initial_kernel", "_hamming_step_kernel"} & set(seeded)
     assert "VIOLATION" in report["stdout"] or not report["violations"]
 
 

@@ -39,10 +39,11 @@ def several_programs_per_head(monkeypatch):
     from kernels.triton import hashing as hashing_triton
     from kernels.triton import helpers as triton_helpers
     from kernels.triton import means as means_triton
+    from kernels.triton import seeding as seeding_triton
     from kernels.triton import smyrf as smyrf_triton
 
     for module, name in ((hamming_triton, "BLOCK_N"), (means_triton, "BLOCK_N"), (cluster_layout_triton, "BLOCK_N"),
-                         (hashing_triton, "BLOCK_N"), (smyrf_triton, "HASH_TILE")):
+                         (hashing_triton, "BLOCK_N"), (seeding_triton, "BLOCK_N"), (smyrf_triton, "HASH_TILE")):
         monkeypatch.setattr(module, name, 16)
     for module, name in ((triton_helpers, "CHUNK_GROUP"), (means_triton, "SUMS_GROUP")):
         monkeypatch.setattr(module, name, 2)

@@ -39,6 +39,7 @@ from kernels.reference.kmeans import (  # noqa: E402
     initial_offsets,
     one_query_per_cluster,
     refine_clusters,
+    seeded_clusters,
 )
 from kernels.stages import CentroidAttention, cluster_queries  # noqa: E402
 
@@ -50,11 +51,12 @@ from kernels.triton import cluster_layout as cluster_layout_module  # noqa: E402
 from kernels.triton import hamming as hamming_triton  # noqa: E402
 from kernels.triton import helpers as triton_helpers  # noqa: E402
 from kernels.triton import lloyd as lloyd_triton  # noqa: E402
+from kernels.triton import seeding as seeding_triton  # noqa: E402
 from kernels.triton.cluster_layout import cluster_layout_triton  # noqa: E402
 from kernels.triton.hamming import hamming_kmeans_triton  # noqa: E402
 from kernels.triton.hashing import hash_codes_triton  # noqa: E402
 from kernels.triton.helpers import chunking  # noqa: E402
-from kernels.triton.lloyd import refine_clusters_triton  # noqa: E402
+from kernels.triton.lloyd import refine_clusters_triton, seed_clusters_triton  # noqa: E402
 from kernels.triton.means import cluster_means_triton  # noqa: E402
 
 METHODS = ("clustered", "i-clustered")
@@ -183,6 +185,51 @@ def test_a_sequence_of_no_more_real_queries_than_clusters_gives_each_its_own(clu
     refined = refine_clusters_triton(q, expected, mask, clusters, 2, exact_case=True)
     assert torch.equal(refined[1], got[1])
     assert torch.equal(refined[0], refine_clusters_triton(q, expected, mask, clusters, 2)[0])
+
+
+@pytest.mark.parametrize(
+    "n, lengths, clusters, blocks",
+    [
+        (48, [48, 35], 5, None),
+        (64, [64, 50], 36, None),  # the seeds' search in two blocks of clusters
+        (64, [64, 64], 20, "of 8"),  # blocks of 8 clusters: a chunk's seeds span blocks
+        (20, [20, 6], 8, None),  # row 1: more clusters than real queries, seeds among the padded
+    ],
+)
+def test_seeded_clusters_equal_the_reference(n, lengths, clusters, blocks, poisoned, monkeypatch):
+    """Without LSH codes (bits 0) each query joins its nearest seed query, the seeds at the
+    ranks the Hamming K-means starts from: found by the program whose chunk holds each (in
+    a padded row by counting the chunk's ranks), then one nearest-mean step."""
+    if blocks:
+        monkeypatch.setattr(seeding_triton, "BLOCK_C", 8)
+    q, _ = _signs(n, d=24)
+    mask = padding_mask(2, n, lengths)
+    offsets = initial_offsets(2, seed=3)
+    assert chunking(n, 2, triton_clustered.means.BLOCK_N)[0] >= 2  # the seeds cross programs
+    expected = seeded_clusters(q, mask, clusters, offsets)
+    assert torch.equal(seed_clusters_triton(q, mask, clusters, offsets), expected)
+    exact = seed_clusters_triton(q, mask, clusters, offsets, exact_case=True)
+    assert torch.equal(exact, one_query_per_cluster(expected, mask, clusters))
+    positions = initial_centroid_positions(mask, clusters, offsets)
+    seeds = q.gather(2, positions[..., None].expand(-1, -1, -1, 24))
+    brute = torch.cdist(q, seeds).argmin(-1).masked_fill(~mask[:, None, :], clusters)
+    assert (expected == brute).float().mean() > 0.99  # the reference: nearest in Euclidean distance
+
+
+@pytest.mark.parametrize("refine", [0, 1, 3])
+@pytest.mark.parametrize("n, lengths, clusters", [(48, [48, 35], 5), (40, [40, 40], 12), (20, [20, 6], 8)])
+def test_seeded_cluster_means_equal_the_reference(n, lengths, clusters, refine, poisoned):
+    """The seeds, their nearest-mean step and `refine` steps in one (cluster_means_triton_stages
+    with bits 0: the seeds' step sums the chunks for the first step), against the reference's
+    stages: the assignments, with the exact case in row 1 of the last, and the member means."""
+    q, _ = _signs(n, d=24)
+    mask = padding_mask(2, n, lengths)
+    spec = AttentionSpec(method="i-clustered", clusters=clusters, bits=0, refine=refine, seed=1)
+    expected = cluster_queries(REFERENCE, q, mask, spec)
+    assign, means = triton_clustered.cluster_means_triton_stages(q, mask, spec)
+    assert torch.equal(assign, expected)
+    assert torch.equal(cluster_queries(triton_clustered.TRITON, q, mask, spec), expected)
+    assert torch.allclose(means, cluster_means(q, expected, clusters), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("block", [32, 256])

@@ -26,6 +26,8 @@ LENGTHS = [40, 27]  # row 1 padded: padded keys get no weight, padded queries gi
 APPROXIMATE = {
     "clustered": AttentionSpec(method="clustered", clusters=5, iterations=4, refine=1, seed=2),
     "i-clustered": AttentionSpec(method="i-clustered", clusters=5, topk=6, iterations=4, refine=1, seed=2),
+    # no LSH codes: each query starts at its nearest seed query
+    "i-clustered, seeded": AttentionSpec(method="i-clustered", clusters=5, topk=6, bits=0, refine=1, seed=2),
     "smyrf": AttentionSpec(method="smyrf", hash_rounds=2, cluster_size=8, seed=2),
     "banded": AttentionSpec(method="banded", band=1, block=8, sinks=2, far_blocks=1),
 }

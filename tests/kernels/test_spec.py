@@ -178,3 +178,15 @@ def test_kernels_attention_decides_auto_by_the_one_rule_exact_by_knobs_included(
     assert resolve_auto(spec, 40).spec.method == "full"
     out = attention(q, k, v, spec, backend="reference")
     torch.testing.assert_close(out, attention(q, k, v, AttentionSpec(method="full"), backend="reference"), rtol=0, atol=0)
+
+
+def test_bits_zero_takes_no_hamming_iterations():
+    """bits 0 (no LSH codes: each query starts at its nearest seed query) leaves nothing for
+    Hamming iterations: a clustered method, or auto that may run one, names `iterations`; a
+    method that reads neither knob ignores them."""
+    assert AttentionSpec(method="i-clustered", bits=0).iterations == 0
+    for spec in ({"method": "clustered"}, {"method": "i-clustered"}, {"method": "auto", "auto_method": "clustered"}):
+        with pytest.raises(ValueError, match="^iterations: Hamming iterations need LSH codes"):
+            AttentionSpec(**spec, bits=0, iterations=2)
+    assert AttentionSpec(method="smyrf", bits=0, iterations=2).method == "smyrf"
+    assert AttentionSpec(method="auto", auto_method="smyrf", bits=0, iterations=2).bits == 0

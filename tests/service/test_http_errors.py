@@ -113,6 +113,7 @@ def test_a_json_body_is_read_whatever_its_content_type_says(client, content_type
     [
         ({"input": "a", "attention": {"clusters": 0}}, "attention.clusters", "greater than or equal to 1"),
         ({"input": "a", "attention": {"bits": 64}}, "attention.bits", "less than or equal to 63"),
+        ({"input": "a", "attention": {"bits": 0, "iterations": 2}}, "attention.iterations", "need LSH codes"),
         ({"input": "a", "attention": {"topk": "many"}}, "attention.topk", None),
         ({"input": "a", "attention": {"seed": True}}, "attention.seed", None),
         ({"input": "a", "attention": {"method": "linear"}}, "attention.method", "i-clustered"),
