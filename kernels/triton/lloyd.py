@@ -234,7 +234,8 @@ def seeded_summed_triton(q: Tensor, query_mask: Tensor, clusters: int, offsets: 
     """seed_clusters_triton, then `iterations` Lloyd steps (refine_summed_triton's), the member
     means of the result in buffers.means (B * H, C, D): buffers from refine_buffers for chunks
     of `chunk` queries. The seeds' nearest-mean step sums the chunks for the first step.
-    Launches: 2 + refine_summed_triton's (1 + 1 + the means without a step)."""
+    Launches: the seeds and their step, then refine_summed_triton's (two a step and the
+    means), or the means alone without a step."""
     b, h, n, _ = q.shape
     out = torch.empty(b, h, n, dtype=torch.int64, device=q.device)
     mask = query_mask.contiguous()
