@@ -20,8 +20,9 @@ FIELDS = {"method", "seq_len", "batch", "heads", "head_dim", "dtype", "ms", "spe
 METHODS = {"full", "clustered", "i-clustered (paper)", "i-clustered", "smyrf", "banded", "clustered (default)",
            "i-clustered (default)"}
 # The backend's own stage lists (kernels/stages.py), less what a method's knobs skip; the
-# triton backend runs hash, cluster, refine and centroids as one, "cluster" (cluster_means).
-FUSED = set(CLUSTERED_STAGES) - {"hash", "refine", "centroids"}
+# triton backend runs hash (or seed, with bits 0: none of these), cluster, refine and centroids
+# as one, "cluster" (cluster_means).
+FUSED = set(CLUSTERED_STAGES) - {"hash", "seed", "refine", "centroids"}
 STAGES = {
     "full": {"sdpa"},
     "clustered": FUSED - {"sparse"},
