@@ -31,6 +31,13 @@ def slowest_chunk(n: int, chunk: int) -> dict:
     return {"start": start, "stop": min(start + chunk, n)}
 
 
+def seed_search(a: dict) -> dict:
+    """kernels.triton.seeding's search for the seeds in the slowest chunk: all queries real (no
+    rank is counted), its share of the clusters and one to spare each side."""
+    chunk = slowest_chunk(a["N"], a["CHUNK"])
+    return {**chunk, "c_first": 0, "c_last": a["C"] / -(-a["N"] // a["CHUNK"]) + 3, "scan_stop": chunk["start"]}
+
+
 def cluster_range(clusters: int, per_program: int) -> dict:
     """The clusters [first_cluster, last_cluster) of the slowest program, the last full one (the
     most clusters before it and a full block of its own)."""
@@ -111,10 +118,8 @@ LOOP_BOUNDS: dict[str, dict[str, Bounds]] = {
         "_layout_scatter_kernel": _by_rows,
     },
     "kernels.triton.hamming": {
-        "_hamming_initial_kernel": lambda a: {  # all queries real: no rank is counted
-            **slowest_chunk(a["N"], a["CHUNK"]), "c_first": 0, "c_last": a["C"] / -(-a["N"] // a["CHUNK"]) + 3,
-            "scan_stop": slowest_chunk(a["N"], a["CHUNK"])["start"],
-            "lo": 0, "hi": -(-a["C"] * a["BLOCK_BITS"] // a["CHUNKS"]),  # its slice of the first totals
+        "_hamming_initial_kernel": lambda a: {
+            **seed_search(a), "lo": 0, "hi": -(-a["C"] * a["BLOCK_BITS"] // a["CHUNKS"]),  # its slice of the first totals
         },
         "_hamming_assign_kernel": exact_case_counts,
     },
@@ -125,12 +130,7 @@ LOOP_BOUNDS: dict[str, dict[str, Bounds]] = {
         },
     },
     "kernels.triton.hashing": {"_hash_kernel": _by_rows},
-    "kernels.triton.seeding": {
-        "_seed_means_kernel": lambda a: {  # all queries real: no rank is counted
-            **slowest_chunk(a["N"], a["CHUNK"]), "c_first": 0, "c_last": a["C"] / -(-a["N"] // a["CHUNK"]) + 3,
-            "scan_stop": slowest_chunk(a["N"], a["CHUNK"])["start"],
-        },
-    },
+    "kernels.triton.seeding": {"_seed_means_kernel": seed_search},
     "kernels.triton.hamming_update": {
         "_hamming_update_kernel": lambda a: {
             **cluster_range(a["C"], a["PER_PROGRAM"]), "chunk": 0, "stop": a["CHUNK"],

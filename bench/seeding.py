@@ -31,7 +31,7 @@ from .locality import DEFAULT_MODEL
 STRETCHES = ((4096, 0), (8192, 0), *SAMPLES)
 VARIANTS = (("0 / 3 (defaults)", BASE.bits, 3), ("0 / 2", BASE.bits, 2), ("seeded / 2", 0, 2), ("seeded / 3", 0, 3))
 # clustered 100: the defaults against the seeded start at the same steps
-CLUSTERED_VARIANTS = (VARIANTS[0], VARIANTS[2])
+METHODS = (("i-clustered", VARIANTS), ("clustered", (VARIANTS[0], VARIANTS[2])))
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
     for tokens, offset in STRETCHES:
         ids = long_text_ids(encoder, tokens, offset=offset)
         exact = encoder.embed([ids], AttentionSpec(method="full"), max_batch_tokens=len(ids))
-        for method, variants in (("i-clustered", VARIANTS), ("clustered", CLUSTERED_VARIANTS)):
+        for method, variants in METHODS:
             for name, bits, refine in variants:
                 start = time.perf_counter()
                 cosine = pass_cosine(encoder, ids, exact, False, 0, refine, method, bits=bits)
@@ -52,7 +52,7 @@ def main() -> None:
                                  cosine=round(cosine, 5)))
                 print(rows[-1], f"{time.perf_counter() - start:.0f} s", flush=True)
     summary = []
-    for method, variants in (("i-clustered", VARIANTS), ("clustered", CLUSTERED_VARIANTS)):
+    for method, variants in METHODS:
         base = {(r["tokens"], r["offset"]): r["cosine"] for r in rows if r["method"] == method and r["variant"] == variants[0][0]}
         for name, _, _ in variants[1:]:
             deltas = [r["cosine"] - base[(r["tokens"], r["offset"])] for r in rows

@@ -105,8 +105,9 @@ def _hamming_initial_kernel(
     iteration reads (else the hash wrote them). Cluster j starts at the query of rank
     floor((j + offset) n_real / C) among the real queries, then the padded ones
     (kmeans.initial_centroid_positions; kernels.triton.seeding finds it: in a chunk of real
-    queries only, its position follows from its rank; otherwise the chunk's ranks are counted). Program (p, bh) writes
-    the clusters whose rank falls in its chunk: each cluster has exactly one writer. The
+    queries only, its position follows from its rank; otherwise the chunk's ranks are
+    counted). Program (p, bh) writes the clusters whose rank falls in its chunk: each cluster
+    has exactly one writer. The
     first program of a head sets its flags (B * H, BLOCKS): iterate, unless EXACT_CASE and no
     more real queries than clusters (the final assignment gives each query its own). With
     CLEAR, the programs zero the first step launch's vote totals (B * H, C, BLOCK_BITS) int32, a

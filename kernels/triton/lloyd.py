@@ -223,9 +223,8 @@ def seed_clusters_triton(q: Tensor, query_mask: Tensor, clusters: int, offsets: 
     chunks, chunk = chunking(n, h, means.BLOCK_N)
     buffers = refine_buffers(q, clusters, chunk, chunks)
     out = torch.empty(b, h, n, dtype=torch.int64, device=q.device)
-    seed_means_triton(q, query_mask, offsets, buffers, buffers.moved[0], chunk)
-    _nearest_step(q, out, query_mask.contiguous(), clusters, buffers, chunk, buffers.moved[0], buffers.moved[1],
-                  last=True, exact_case=exact_case, with_means=False, first=True)
+    _seed_step(q, out, query_mask.contiguous(), clusters, offsets, buffers, chunk, last=True, exact_case=exact_case,
+               with_means=False)
     return out
 
 
@@ -239,9 +238,8 @@ def seeded_summed_triton(q: Tensor, query_mask: Tensor, clusters: int, offsets: 
     b, h, n, _ = q.shape
     out = torch.empty(b, h, n, dtype=torch.int64, device=q.device)
     mask = query_mask.contiguous()
-    seed_means_triton(q, mask, offsets, buffers, buffers.moved[0], chunk)
-    _nearest_step(q, out, mask, clusters, buffers, chunk, buffers.moved[0], buffers.moved[1], last=not iterations,
-                  exact_case=exact_case, with_means=True, first=True)
+    _seed_step(q, out, mask, clusters, offsets, buffers, chunk, last=not iterations, exact_case=exact_case,
+               with_means=True)
     if iterations:
         _refine(q, out, mask, clusters, iterations, exact_case, buffers, chunk, with_means=True)
     else:
@@ -249,25 +247,44 @@ def seeded_summed_triton(q: Tensor, query_mask: Tensor, clusters: int, offsets: 
     return out
 
 
-def _nearest_step(q: Tensor, out: Tensor, mask: Tensor, clusters: int, buffers: means.Buffers, chunk: int,
-                  moved_in: Tensor, moved_out: Tensor, last: bool, exact_case: bool, with_means: bool,
-                  first: bool = False) -> None:
-    """One launch of _nearest_kernel on a refinement in buffers, chunks of `chunk` queries:
-    each query's nearest of buffers.means to out (B, H, N) in place (`first`: out holds no
-    assignments yet), and unless `last` (or with `with_means`) the chunks' sums."""
-    b, h, n, d = q.shape
+def _seed_step(q: Tensor, out: Tensor, mask: Tensor, clusters: int, offsets: Tensor, buffers: means.Buffers,
+               chunk: int, last: bool, exact_case: bool, with_means: bool) -> None:
+    """The seeds as buffers' first means, flagged in buffers.moved[0], then the first
+    nearest-mean step to out, its flags in buffers.moved[1] (where a refinement's first step
+    reads them)."""
+    seed_means_triton(q, mask, offsets, buffers, buffers.moved[0], chunk)
+    _nearest_step(q, out, mask, buffers, chunk, buffers.moved[0], buffers.moved[1], _nearest_meta(q, clusters, buffers),
+                  last=last, exact_case=exact_case, with_means=with_means, first=True)
+
+
+def _nearest_meta(q: Tensor, clusters: int, buffers: means.Buffers) -> dict:
+    """The compile-time arguments of a refinement's _nearest_kernel launches (one set per
+    refinement: the host work of each launch is the launch)."""
+    n, d = q.shape[2:]
     chunks = buffers.part_sums.shape[1]
     top = buffers.candidates.shape[-1]
-    nearest_block = pow2_block(clusters, 16, NEAREST_BLOCK_C if clusters <= NEAREST_BLOCK_C else NEAREST_NARROW_C)
+    block_c = pow2_block(clusters, 16, NEAREST_BLOCK_C if clusters <= NEAREST_BLOCK_C else NEAREST_NARROW_C)
+    return dict(BLOCK_N=means.BLOCK_N, BLOCK_C=block_c, COUNT_BLOCK=means.COUNT_BLOCK,
+                ONE_BLOCK=clusters <= block_c,  # the nearest-mean search takes the donors itself
+                UPCAST=upcast(q), TOP=top, TOP_ALL=max(top, pow2_block(min(clusters, n), 1)), NO_KEY=NO_KEY,
+                HEAD_DIM=pow2_block(d), CHUNK_BLOCK=pow2_block(chunks, 1),
+                num_warps=4 if block_c <= NEAREST_NARROW_C else 8)
+
+
+def _nearest_step(q: Tensor, out: Tensor, mask: Tensor, buffers: means.Buffers, chunk: int, moved_in: Tensor,
+                  moved_out: Tensor, meta: dict, last: bool, exact_case: bool, with_means: bool,
+                  first: bool = False) -> None:
+    """One launch of _nearest_kernel on a refinement in buffers (meta: _nearest_meta's), chunks
+    of `chunk` queries: each query's nearest of buffers.means to out (B, H, N) in place
+    (`first`: out holds no assignments yet), and unless `last` (or with `with_means`) the
+    chunks' sums."""
+    b, h, n, d = q.shape
+    chunks = buffers.part_sums.shape[1]
     _nearest_kernel[(chunks, b * h)](
         q, mask, buffers.means, moved_in, moved_out, out, buffers.part_sums, buffers.part_counts, buffers.members,
         buffers.n_empty, buffers.candidates, *q.stride(),
-        h, n, clusters, d, chunk, chunks,
-        BLOCK_N=means.BLOCK_N, BLOCK_C=nearest_block, COUNT_BLOCK=means.COUNT_BLOCK, ONE_BLOCK=clusters <= nearest_block,
-        FIRST=first, LAST=last, EXACT_CASE=exact_case, MEANS=with_means, UPCAST=upcast(q),
-        TOP=top, TOP_ALL=max(top, pow2_block(min(clusters, n), 1)), NO_KEY=NO_KEY,
-        HEAD_DIM=pow2_block(d), CHUNK_BLOCK=pow2_block(chunks, 1),
-        num_warps=4 if nearest_block <= NEAREST_NARROW_C else 8,
+        h, n, buffers.means.shape[1], d, chunk, chunks,
+        FIRST=first, LAST=last, EXACT_CASE=exact_case, MEANS=with_means, **meta,
     )
 
 
@@ -278,9 +295,8 @@ def _refine(q: Tensor, out: Tensor, query_mask: Tensor, clusters: int, iteration
     top = buffers.candidates.shape[-1]
     mask = query_mask.contiguous()
     grid = (chunks, b * h)
-    flags = dict(HEAD_DIM=pow2_block(d), CHUNK_BLOCK=pow2_block(chunks, 1))
-    nearest_block = pow2_block(clusters, 16, NEAREST_BLOCK_C if clusters <= NEAREST_BLOCK_C else NEAREST_NARROW_C)
-    one_block = clusters <= nearest_block  # the nearest-mean search takes the donors itself
+    nearest = _nearest_meta(q, clusters, buffers)
+    flags = dict(HEAD_DIM=nearest["HEAD_DIM"], CHUNK_BLOCK=nearest["CHUNK_BLOCK"])
     fused = pow2_block(clusters, 16) * pow2_block(d) <= CANDIDATES_FUSED_TILE
     blocks, per_program, means_meta = means.means_launch(clusters, chunks, d)
     for it in range(iterations):
@@ -299,13 +315,13 @@ def _refine(q: Tensor, out: Tensor, query_mask: Tensor, clusters: int, iteration
                 h, n, clusters, d, chunk, chunks,
                 BLOCK_N=means.BLOCK_N, TOP=top, NO_KEY=NO_KEY, **flags,
             )
-        if not one_block:
+        if not nearest["ONE_BLOCK"]:
             _donor_kernel[grid](
                 q, moved_in, buffers.n_empty, buffers.empty_list, buffers.candidates, buffers.means, *q.stride(),
                 h, n, clusters, d, chunks,
                 BLOCK_K=min(top, 64), TOP=top, LOG_TOP=top.bit_length() - 1, NO_KEY=NO_KEY, **flags,
             )
-        _nearest_step(q, out, mask, clusters, buffers, chunk, moved_in, moved_out, last=it == iterations - 1,
+        _nearest_step(q, out, mask, buffers, chunk, moved_in, moved_out, nearest, last=it == iterations - 1,
                       exact_case=exact_case, with_means=with_means)
     if with_means:
         means.means(q, buffers, buffers.moved[(iterations - 1) % 2], clusters, chunks)
