@@ -75,8 +75,8 @@ def dry_run_spec(spec: AttentionSpec) -> AttentionSpec:
     """The knobs scaled down so that Triton's interpreter runs a method in well under a second
     (100 clusters would make 64 tokens one query per cluster, and take ~10 s)."""
     return dataclasses.replace(
-        spec, clusters=4, topk=8, iterations=2, refine=min(spec.refine, 1), hash_rounds=2, cluster_size=16,
-        band=min(spec.band, 1), block=8, sinks=min(spec.sinks, 2), far_blocks=min(spec.far_blocks, 2),
+        spec, clusters=4, topk=8, iterations=min(spec.iterations, 2), refine=min(spec.refine, 1), hash_rounds=2,
+        cluster_size=16, band=min(spec.band, 1), block=8, sinks=min(spec.sinks, 2), far_blocks=min(spec.far_blocks, 2),
     )
 
 

@@ -100,22 +100,24 @@ STAGES = {"_hash_kernel": "hash", "_seed_means_kernel": "seed", "_hamming_initia
           "_smyrf_norms_kernel": "smyrf hash", "_smyrf_hash_kernel": "smyrf hash",
           "_smyrf_attention_kernel": "smyrf attention"}
 
-# What the report covers: the methods' defaults (AttentionSpec's, which service.settings serves)
-# with only the knobs the label names changed.
+# What the report covers: the methods' defaults (AttentionSpec's, which service.settings serves;
+# i-clustered starts from the seed queries, clustered from LSH codes) with only the knobs the
+# label names changed.
 SPECS = {
     "clustered 100": AttentionSpec(method="clustered", clusters=100),
     "i-clustered 100/32 (paper)": CPU_SPECS["i-clustered (paper)"],  # 10 Hamming iterations, no refinement
-    "i-clustered 100/32": AttentionSpec(method="i-clustered", clusters=100, topk=32),
-    # other Lloyd counts: the fidelity points docs/methods.md measures on the default model, and
-    # the 5 Hamming iterations that the H100 runs' "(default)" rows ran
+    "i-clustered 100/32": AttentionSpec(method="i-clustered", clusters=100, topk=32),  # the seeds, 2 steps
+    # other starts and Lloyd counts: the fidelity points docs/methods.md measures on the default
+    # model (bench/results/seeding-*.json), and the 5 Hamming iterations that the H100 runs'
+    # "(default)" rows ran
+    "i-clustered 100/32 (Hamming start)": AttentionSpec(method="i-clustered", clusters=100, topk=32, bits=63),
     "i-clustered 100/32 (5 iterations)": AttentionSpec(method="i-clustered", clusters=100, topk=32, iterations=5),
     "clustered 100 (5 iterations)": AttentionSpec(method="clustered", clusters=100, iterations=5),
-    "i-clustered 100/32 (refine 2)": AttentionSpec(method="i-clustered", clusters=100, topk=32, refine=2),
-    "i-clustered 100/32 (refine 1)": AttentionSpec(method="i-clustered", clusters=100, topk=32, refine=1),
-    # no LSH codes: each query to its nearest seed query, then the refinement (at 2 and 3 steps
-    # about the defaults' fidelity on the default model: bench/results/seeding-*.json)
-    "i-clustered 100/32 (seeded)": AttentionSpec(method="i-clustered", clusters=100, topk=32, bits=0, refine=2),
-    "i-clustered 100/32 (seeded, refine 3)": AttentionSpec(method="i-clustered", clusters=100, topk=32, bits=0),
+    "i-clustered 100/32 (Hamming start, refine 2)": AttentionSpec(method="i-clustered", clusters=100, topk=32,
+                                                                    bits=63, refine=2),
+    "i-clustered 100/32 (Hamming start, refine 1)": AttentionSpec(method="i-clustered", clusters=100, topk=32,
+                                                                    bits=63, refine=1),
+    "i-clustered 100/32 (refine 3)": AttentionSpec(method="i-clustered", clusters=100, topk=32, refine=3),
     "smyrf 4x64": AttentionSpec(method="smyrf", hash_rounds=4, cluster_size=64),
     "clustered 200": AttentionSpec(method="clustered", clusters=200),
     # more clusters than one tile with Hamming iterations: the assign and update launches
@@ -387,7 +389,7 @@ def estimate_call(label: str, spec: AttentionSpec, n: int, head_dim: int, dtype:
         stage = "smyrf sort" if "sort" in name and spec.method == "smyrf" else f"torch {name}"
         stages[stage] = stages.get(stage, 0.0) + sum(us for _, us in kernels)
     fa2, fa3 = exact_ms(n, head_dim), exact_ms(n, head_dim, which="fa3")
-    return dict(method=label, spec=asdict(spec), seq_len=n,
+    return dict(method=label, spec=spec.as_dict(), seq_len=n,
                 head_dim=head_dim, dtype=str(dtype).removeprefix("torch."), launches=[
                     dict(asdict(r), bound=r.bound) for r in rows],
                 torch_ops=[dict(op=name, kernels=len(kernels), us=sum(us for _, us in kernels),

@@ -58,10 +58,10 @@ from .timing import ALLOCATIONS
 HEADS = 12
 # The benchmark's methods, clustered with more clusters than one tile holds (its K-means takes
 # the two launches an iteration, assignment and update, that up to 128 clusters fuse in one),
-# and i-clustered without LSH codes (its seeds, then the refinement).
+# and i-clustered at its defaults, without LSH codes (its seeds, then the refinement).
 METHODS = {**{label: spec for label, spec in SPECS.items() if spec.method != "full"},
            "clustered 200": AttentionSpec(method="clustered", clusters=200, bits=63, iterations=10),
-           "i-clustered (seeded)": AttentionSpec(method="i-clustered", clusters=100, topk=32, bits=0, refine=2)}
+           "i-clustered (seeded)": AttentionSpec(method="i-clustered", clusters=100, topk=32)}
 SPILL_FREE_HEAD_DIM = 64  # no spills at head dims up to this, in bfloat16
 HALF_DTYPES = ("bfloat16", "float16")
 

@@ -1,8 +1,9 @@
 """Whether the clusters need LSH codes to start from: i-clustered and clustered 100 on a real
 encoder with each query first in the cluster of its nearest seed query in Euclidean space
-(bits 0: no hash, no Hamming pass; the same evenly spaced seeds), against the defaults (the
-hash places each query with its nearest seed's code in Hamming distance), at equal Euclidean
-steps after the start and one fewer.
+(bits 0: no hash, no Hamming pass; the same evenly spaced seeds; i-clustered's defaults),
+against the Hamming start from 63-bit codes (clustered's defaults: the hash places each query
+with its nearest seed's code in Hamming distance), at equal Euclidean steps after the start and
+one fewer.
 
     python -m bench.seeding [--model PATH|NAME]
 
@@ -10,8 +11,8 @@ With every layer approximated (native backend, float32), the pooled vector's cos
 attention on the stretches of text bench.convergence reads (4k and 8k from the start, and its
 SAMPLES). Writes bench/results/seeding-<model>.json. A variant is (name, bits, refine): the
 seeded start is itself a Euclidean nearest-mean step, so seeded / 2 runs as many such steps
-as the defaults' 0 / 3 Hamming-started ones and one launch of hashing and two of Hamming
-K-means fewer on the GPU (bench.gpu_model's "(seeded)" rows).
+as 0 / 3 from the codes, and one launch of hashing and two of Hamming K-means fewer on the GPU
+(bench.gpu_model's "i-clustered 100/32" against its "(Hamming start)" row).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from .convergence import BASE, SAMPLES, pass_cosine
 from .locality import DEFAULT_MODEL
 
 STRETCHES = ((4096, 0), (8192, 0), *SAMPLES)
-VARIANTS = (("0 / 3 (defaults)", BASE.bits, 3), ("0 / 2", BASE.bits, 2), ("seeded / 2", 0, 2), ("seeded / 3", 0, 3))
-# clustered 100: the defaults against the seeded start at the same steps
+VARIANTS = (("0 / 3 (codes)", 63, 3), ("0 / 2", 63, 2), ("seeded / 2", 0, 2), ("seeded / 3", 0, 3))
+# clustered 100: its defaults (the codes, 3 steps) against the seeded start at 2
 METHODS = (("i-clustered", VARIANTS), ("clustered", (VARIANTS[0], VARIANTS[2])))
 
 

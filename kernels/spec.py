@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
@@ -48,6 +48,22 @@ KNOB_RANGES: dict[str, tuple[int, int]] = {
     "auto_threshold": (0, 1 << 20),
 }
 
+# The knobs whose default depends on how the clusters start (`start_defaults`).
+START_KNOBS = ("bits", "refine")
+
+
+def start_defaults(method: str, iterations: int, bits: int | None = None) -> tuple[int, int]:
+    """The defaults of `bits` and `refine` for a method, its Hamming `iterations` and, when
+    given, its `bits`: i-clustered starts from the seed queries without LSH codes (bits 0)
+    unless Hamming iterations ask for codes; clustered, whose top-k-free output loses 0.005 of
+    cosine that way on the default model, starts from codes (bits 63). Two refinement steps
+    follow the seeds and three a Hamming pass: the fewest that keep the defaults' fidelity on
+    nomic-embed-text-v1.5 at 2k-8k tokens (bench/results/seeding-nomic-embed-text-v1.5.json)."""
+    if bits is None:
+        bits = 0 if method == "i-clustered" and not iterations else 63
+    return bits, 2 if bits == 0 else 3
+
+
 # Which knobs each method reads (DESIGN.md's method table).
 METHOD_KNOBS: dict[str, tuple[str, ...]] = {
     "full": (),
@@ -67,12 +83,14 @@ class AttentionSpec:
     topk: keys per cluster recomputed exactly by i-clustered (paper eq. 10).
     bits: LSH bits of the query codes used by Hamming K-means; 0 = no codes: each query starts
         in the cluster of its nearest seed query (the same evenly spaced seeds) in Euclidean
-        space, then the refinement below (`iterations` must be 0).
+        space, then the refinement below (`iterations` must be 0). None (unset): the method's
+        default (`start_defaults`): 0 for i-clustered without Hamming iterations, else 63.
     iterations: Lloyd iterations in Hamming space after each query joins its nearest initial
         centroid (the paper uses 10). 0 by default: after the refinement below, five measured no
         better on nomic-embed-text-v1.5 at 2k-8k tokens and are ~20% of a GPU call (docs/methods.md).
-    refine: Lloyd iterations on the real query vectors after the Hamming pass; 0 is the
-        paper's method. 3 measured best for cost on the default model (README, fidelity).
+    refine: Lloyd iterations on the real query vectors after the Hamming pass or the seeds;
+        0 is the paper's method. None (unset): 2 from the seeds, 3 after a Hamming pass, the
+        fewest that keep the defaults' fidelity on the default model (docs/methods.md).
     hash_rounds: SMYRF hashing rounds merged by softmax mass (paper eq. 15).
     cluster_size: SMYRF queries per balanced cluster.
     band: banded: neighbouring blocks on each side of a query's block attended exactly.
@@ -91,9 +109,9 @@ class AttentionSpec:
     method: str = "i-clustered"
     clusters: int = 100
     topk: int = 32
-    bits: int = 63
+    bits: int | None = None  # type: ignore[assignment]  # an int once constructed
     iterations: int = 0
-    refine: int = 3
+    refine: int | None = None  # type: ignore[assignment]
     hash_rounds: int = 4
     cluster_size: int = 64
     band: int = 4
@@ -103,8 +121,18 @@ class AttentionSpec:
     seed: int = 0
     auto_threshold: int = 1024
     auto_method: str = "i-clustered"
+    # The knobs that were unset and took their method's default, which `with_knobs` lets
+    # follow a new method (not compared: two specs that run the same are equal).
+    defaulted: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        unset = frozenset(name for name in START_KNOBS if getattr(self, name) is None)
+        if unset:
+            method = self.auto_method if self.method == "auto" else self.method
+            bits, refine = start_defaults(method, self.iterations, self.bits)
+            object.__setattr__(self, "bits", bits if self.bits is None else self.bits)
+            object.__setattr__(self, "refine", refine if self.refine is None else self.refine)
+        object.__setattr__(self, "defaulted", unset)
         if self.method not in METHODS:
             raise FieldError("method", f"must be one of {', '.join(METHODS)}, got {self.method!r}", ATTENTION)
         if self.auto_method not in APPROXIMATE_METHODS:
@@ -120,6 +148,16 @@ class AttentionSpec:
         if self.bits == 0 and self.iterations and self._reads("bits"):
             detail = f"Hamming iterations need LSH codes: with bits 0 (no codes) it must be 0, got {self.iterations}"
             raise FieldError("iterations", detail, ATTENTION)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The method and every knob, resolved (a report's record of what ran)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+    def with_knobs(self, **knobs: Any) -> AttentionSpec:
+        """A copy with these knobs (and method) changed, validated anew. A knob this spec left
+        to its method's default (`bits`, `refine`) takes the new method's default unless it is
+        named; dataclasses.replace would keep the old method's value."""
+        return AttentionSpec(**{**self.as_dict(), **dict.fromkeys(self.defaulted), **knobs})
 
     def _reads(self, knob: str) -> bool:
         """Whether the method that runs reads this knob ("auto": its approximate method may)."""
@@ -203,7 +241,7 @@ def choose_auto(
     if target is not None and table is not None:
         choice = table.choose(tokens, target, seed=spec.seed, chunks=chunks)
         return Resolved(choice.spec, choice.echo(target))
-    concrete = dataclasses.replace(spec, method="full" if tokens < spec.auto_threshold else spec.auto_method)
+    concrete = spec.with_knobs(method="full" if tokens < spec.auto_threshold else spec.auto_method)
     echo = concrete.used_knobs()
     if target is not None:
         echo = {**echo, "target_fidelity": target, "calibrated_fidelity": None}

@@ -10,7 +10,6 @@ requests get 503, and the scheduler finishes what it has queued.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -196,7 +195,7 @@ def work_budget(encoder: Encoder, settings: Settings, default: AttentionSpec, th
     if settings.max_request_work_s is not None:
         budget = throughput.units(settings.max_request_work_s)
     else:
-        specs = [dataclasses.replace(default, method=method) for method in ("full", *APPROXIMATE_METHODS)]
+        specs = [default.with_knobs(method=method) for method in ("full", *APPROXIMATE_METHODS)]
         if encoder.calibration is not None:
             specs += [entry.spec for bucket in encoder.calibration.buckets for entry in bucket.configs]
         budget = default_budget(encoder.cost, encoder.max_input_tokens, specs)
@@ -212,4 +211,4 @@ def _warm_up(encoder: Encoder, state: ServiceState) -> None:
     one-off costs (kernel compilation, the native loops' build, allocator growth)."""
     sequences = encoder.prepare([_WARMUP_TEXT])
     for method in ("full", *APPROXIMATE_METHODS):
-        encoder.run(sequences, [dataclasses.replace(state.default_spec, method=method)])
+        encoder.run(sequences, [state.default_spec.with_knobs(method=method)])

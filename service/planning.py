@@ -263,7 +263,7 @@ def resolve_request_attention(
                 "or drop target_fidelity to choose the knobs yourself",
                 ATTENTION,
             )
-    return dataclasses.replace(default, **knobs), target
+    return default.with_knobs(**knobs), target
 
 
 def parse_inputs(

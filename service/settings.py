@@ -56,9 +56,15 @@ class Settings(BaseSettings):
     )
     clusters: int = Field(_DEFAULT_SPEC.clusters, description="default query clusters")
     topk: int = Field(_DEFAULT_SPEC.topk, description="default keys recomputed per cluster (i-clustered)")
-    bits: int = Field(_DEFAULT_SPEC.bits, description="default LSH bits for clustering")
+    bits: int | None = Field(
+        None, description="default LSH bits for clustering; unset = each method's: 0 (no codes, the seeded "
+        "start) for i-clustered without Hamming iterations, 63 otherwise"
+    )
     iterations: int = Field(_DEFAULT_SPEC.iterations, description="default Hamming K-means iterations")
-    refine: int = Field(_DEFAULT_SPEC.refine, description="default Lloyd iterations on real query vectors")
+    refine: int | None = Field(
+        None, description="default Lloyd iterations on real query vectors; unset = 2 after the seeded start, 3 after "
+        "a Hamming pass"
+    )
     hash_rounds: int = Field(_DEFAULT_SPEC.hash_rounds, description="default SMYRF hashing rounds")
     cluster_size: int = Field(_DEFAULT_SPEC.cluster_size, description="default SMYRF cluster size")
     band: int = Field(_DEFAULT_SPEC.band, description="default neighbouring blocks attended exactly (banded)")
@@ -216,5 +222,5 @@ class Settings(BaseSettings):
 
     def default_spec(self) -> AttentionSpec:
         """The server's default `AttentionSpec` (request knobs are applied on top of it)."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(AttentionSpec)}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(AttentionSpec) if f.init}
         return AttentionSpec(**fields)

@@ -249,7 +249,9 @@ def over_budget(
 
 
 def _used(spec: AttentionSpec) -> tuple[str, ...]:
-    return tuple(knob for knob in METHOD_KNOBS.get(spec.method, ()) if knob != "seed")
+    """The knobs a spec's work may be capped by: not the seed, and not `bits`, whose hash is a
+    sliver of the work and whose 0 changes how the clusters start (and refuses Hamming iterations)."""
+    return tuple(knob for knob in METHOD_KNOBS.get(spec.method, ()) if knob not in ("seed", "bits"))
 
 
 def _knobs(inputs: Sequence[tuple[int, AttentionSpec]]) -> list[str]:

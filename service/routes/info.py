@@ -107,8 +107,9 @@ def _attention(state: ServiceState, encoder: Encoder) -> dict[str, Any]:
     methods = {}
     for method in METHODS:
         knobs = METHOD_KNOBS.get(method, tuple(name for name in KNOB_RANGES if name != "auto_threshold"))
+        own = default.with_knobs(method=method)  # bits and refine default by method
         methods[method] = {
-            name: {"default": getattr(default, name), "min": KNOB_RANGES[name][0], "max": KNOB_RANGES[name][1]}
+            name: {"default": getattr(own, name), "min": KNOB_RANGES[name][0], "max": KNOB_RANGES[name][1]}
             for name in knobs
         }
     return {

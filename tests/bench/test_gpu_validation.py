@@ -3,7 +3,6 @@ comparison of the cost model with the H100's measurements is what the committed 
 (regenerate it with `python -m bench.gpu_validation` after regenerating gpu_model.json)."""
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -67,7 +66,7 @@ def test_a_launch_splits_into_a_fixed_cost_and_a_multiple_of_the_model():
 def test_a_kernel_launched_a_different_number_of_times_gets_no_ratio():
     """The measured call ran one kernel three times where the model launches it once (kernels
     fused since): its times are of different work, so it has no ratio and no fit."""
-    model = {"calls": [{"spec": asdict(SPECS["smyrf"]), "seq_len": 4096, "head_dim": 64, "method": "smyrf 4x64",
+    model = {"calls": [{"spec": SPECS["smyrf"].as_dict(), "seq_len": 4096, "head_dim": 64, "method": "smyrf 4x64",
                         "launches": [{"kernel": "_a_kernel", "est_us": 10.0}, {"kernel": "_b_kernel", "est_us": 4.0}],
                         "torch_ops": [], "device_ms": 0.014, "est_ms": 0.024}]}
     profiles = {("smyrf", 4096): {"_a_kernel": (20.0, 1), "_b_kernel": (12.0, 3)}}

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from kernels import KNOB_RANGES, METHODS, AttentionSpec, resolve_auto
-from kernels.spec import choose_auto
+from kernels.spec import FieldError, choose_auto
 
 
 @pytest.mark.parametrize("name", sorted(KNOB_RANGES))
@@ -190,3 +190,26 @@ def test_bits_zero_takes_no_hamming_iterations():
             AttentionSpec(**spec, bits=0, iterations=2)
     assert AttentionSpec(method="smyrf", bits=0, iterations=2).method == "smyrf"
     assert AttentionSpec(method="auto", auto_method="smyrf", bits=0, iterations=2).bits == 0
+
+
+def test_bits_and_refine_default_by_how_the_clusters_start():
+    """Unset, i-clustered starts from the seed queries (bits 0) with 2 refinement steps,
+    clustered (and any Hamming iterations) from 63-bit codes with 3; a value given is kept."""
+    start = lambda **knobs: (AttentionSpec(**knobs).bits, AttentionSpec(**knobs).refine)  # noqa: E731
+    assert start() == start(method="i-clustered") == start(method="auto") == (0, 2)
+    assert start(method="clustered") == start(method="auto", auto_method="clustered") == (63, 3)
+    assert start(method="i-clustered", iterations=5) == (63, 3)  # Hamming iterations need codes
+    assert start(method="i-clustered", bits=32) == (32, 3) and start(method="clustered", bits=0) == (0, 2)
+    assert start(method="i-clustered", refine=4) == (0, 4) and start(method="clustered", refine=1) == (63, 1)
+    assert AttentionSpec(bits=0, refine=2) == AttentionSpec()  # the same run, the same spec
+
+
+def test_with_knobs_lets_defaulted_knobs_follow_the_method():
+    served = AttentionSpec(method="auto")
+    assert (served.with_knobs(method="clustered").bits, served.with_knobs(method="clustered").refine) == (63, 3)
+    assert served.with_knobs(iterations=3).bits == 63  # a request naming only Hamming iterations
+    assert dataclasses.replace(served, method="clustered").bits == 0  # what with_knobs is for
+    named = AttentionSpec(bits=0, refine=2).with_knobs(method="clustered")
+    assert (named.bits, named.refine) == (0, 2)  # named knobs stay as named
+    with pytest.raises(FieldError, match="^iterations: Hamming iterations need LSH codes"):
+        named.with_knobs(iterations=2)

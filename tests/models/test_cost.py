@@ -115,7 +115,7 @@ def test_the_default_budget_lets_every_default_and_calibrated_configuration_run_
 ):
     cost = model_cost(request, model, dtype)
     longest = request.getfixturevalue(FIXTURES[model]).max_input_tokens
-    defaults = [dataclasses.replace(AttentionSpec(), method=m) for m in ("full", *APPROXIMATE_METHODS)]
+    defaults = [AttentionSpec().with_knobs(method=m) for m in ("full", *APPROXIMATE_METHODS)]
     calibrated = [m.spec for table in tables_by_model().get(model, {}).values() for b in table.buckets for m in b.configs]
     budget = default_budget(cost, longest, defaults + calibrated)
     for spec in defaults + calibrated:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
 import time
 from decimal import Decimal
@@ -126,7 +125,7 @@ def test_attention_is_resolved_and_echoed(client, method):
     knobs = {k: v for k, v in knobs.items() if k in METHOD_KNOBS[method]}
     response = client.post("/v1/embeddings", json={"input": SENTENCES[1], "attention": {"method": method, **knobs}})
     assert response.status_code == 200, response.text
-    expected = dataclasses.replace(AttentionSpec(auto_threshold=256), method=method, **knobs).used_knobs()
+    expected = AttentionSpec(auto_threshold=256).with_knobs(method=method, **knobs).used_knobs()
     assert response.json()["attention"] == expected
     assert json.loads(response.headers["x-attention"]) == expected
 
@@ -248,14 +247,35 @@ def test_info(client):
     assert info["cuda_graphs"] is None  # a CPU replays no CUDA graphs
     methods = info["attention"]["methods"]
     assert set(methods) == {"full", "clustered", "i-clustered", "smyrf", "banded", "auto"}
-    default = AttentionSpec()
     for method, knobs in METHOD_KNOBS.items():
+        default = AttentionSpec(method=method)
         assert set(methods[method]) == set(knobs)
         for name, described in methods[method].items():
             low, high = KNOB_RANGES[name]
             assert described == {"default": getattr(default, name), "min": low, "max": high}
+    # i-clustered starts from the seed queries, clustered from LSH codes
+    assert methods["i-clustered"]["bits"]["default"] == 0 and methods["i-clustered"]["refine"]["default"] == 2
+    assert methods["clustered"]["bits"]["default"] == 63 and methods["clustered"]["refine"]["default"] == 3
     assert info["attention"]["default_method"] == "auto"
     assert info["attention"]["auto"] == {"target_fidelity": 0.98, "threshold": 256, "method": "i-clustered"}
+
+
+@pytest.mark.parametrize(
+    "asked, start",
+    [
+        ({"method": "i-clustered"}, {"bits": 0, "iterations": 0, "refine": 2}),  # the seeds
+        ({"method": "clustered"}, {"bits": 63, "iterations": 0, "refine": 3}),  # the codes
+        ({"method": "i-clustered", "iterations": 2}, {"bits": 63, "iterations": 2, "refine": 3}),  # codes asked for
+        ({"method": "clustered", "bits": 0}, {"bits": 0, "iterations": 0, "refine": 2}),
+    ],
+)
+def test_bits_and_refine_left_out_follow_the_method(client, asked, start):
+    """A request that leaves bits and refine out gets its method's start: i-clustered from the
+    seed queries, clustered, or any that asks for Hamming iterations, from 63-bit codes."""
+    response = client.post("/v1/embeddings", json={"input": SENTENCES[1], "attention": {**asked, "clusters": 7, "topk": 5}})
+    assert response.status_code == 200, response.text
+    echoed = response.json()["attention"]
+    assert {name: echoed[name] for name in start} == start
 
 
 @pytest.mark.parametrize("path", ["/health", "/health/live", "/health/ready"])
