@@ -129,9 +129,10 @@ class AttentionSpec:
         unset = frozenset(name for name in START_KNOBS if getattr(self, name) is None)
         if unset:
             method = self.auto_method if self.method == "auto" else self.method
-            bits, refine = start_defaults(method, self.iterations, self.bits)
-            object.__setattr__(self, "bits", bits if self.bits is None else self.bits)
-            object.__setattr__(self, "refine", refine if self.refine is None else self.refine)
+            bits, refine = start_defaults(method, self.iterations, self.bits)  # a given bits comes back as is
+            object.__setattr__(self, "bits", bits)
+            if self.refine is None:
+                object.__setattr__(self, "refine", refine)
         object.__setattr__(self, "defaulted", unset)
         if self.method not in METHODS:
             raise FieldError("method", f"must be one of {', '.join(METHODS)}, got {self.method!r}", ATTENTION)
@@ -241,7 +242,8 @@ def choose_auto(
     if target is not None and table is not None:
         choice = table.choose(tokens, target, seed=spec.seed, chunks=chunks)
         return Resolved(choice.spec, choice.echo(target))
-    concrete = spec.with_knobs(method="full" if tokens < spec.auto_threshold else spec.auto_method)
+    # "auto" resolved bits and refine for auto_method already: a plain copy keeps them
+    concrete = dataclasses.replace(spec, method="full" if tokens < spec.auto_threshold else spec.auto_method)
     echo = concrete.used_knobs()
     if target is not None:
         echo = {**echo, "target_fidelity": target, "calibrated_fidelity": None}
