@@ -186,13 +186,16 @@ def cluster_means_triton_stages(q: Tensor, query_mask: Tensor, spec: AttentionSp
     Without codes (spec.bits 0) the seeds' nearest-mean step sums the vectors for the first
     refinement step, whatever the clusters."""
     b, h, n, d = q.shape
-    chunks, chunk = chunking(n, h, hamming.BLOCK_N)  # the K-means' chunks, which the sums follow
     offsets = on_device(initial_offsets, (h, spec.seed), q.device)
     if not spec.bits:
+        # No K-means: chunks of the refinement's own tiles, 264 programs from 4k tokens at 12 heads
+        # (the K-means' tiles of 128 give 192 programs of 4 tiles there, not 264 of 3).
+        chunks, chunk = chunking(n, h, means.BLOCK_N)
         buffers = refine_buffers(q, spec.clusters, chunk, chunks)
         assign = seeded_summed_triton(q, query_mask, spec.clusters, offsets, spec.refine, buffers, chunk,
                                       exact_case=True)
         return assign, buffers.means.view(b, h, spec.clusters, d)
+    chunks, chunk = chunking(n, h, hamming.BLOCK_N)  # the K-means' chunks, which the sums follow
     if spec.clusters > hamming.BLOCK_C:
         assign = cluster_queries(TRITON, q, query_mask, spec)
         return assign, centroids_triton(q, assign, spec.clusters)

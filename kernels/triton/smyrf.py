@@ -5,7 +5,8 @@ smyrf.py (same seed, same clusters, same output):
 
 1. `_smyrf_norms_kernel`, (chunks of rows, B * H): each chunk's largest squared norm of the
    real queries and of the real keys (chunks as kernels.triton.helpers.chunking cuts them); then
-   `_smyrf_hash_kernel`, (tiles of queries + tiles of keys, B * H): the radius from the
+   `_smyrf_hash_kernel`, (tiles of queries + tiles of keys, B * H; the largest tiles, up to
+   512 rows, that still fill the GPU: hash_block): the radius from the
    chunks' maxima (a max is exact in any order) and every round's hash of F(q) and G(k)
    (eq. 4 and 14) as one dot per tile, float32-accurate (split-precision for half inputs);
    padded tokens hash to +inf so they sort last.
@@ -44,6 +45,7 @@ from kernels.reference.hashing import on_device
 from kernels.reference.smyrf import smyrf_cluster_count, smyrf_projections
 from kernels.spec import AttentionSpec
 from kernels.stages import SmyrfStages, sort_by_hash
+from kernels.triton import helpers
 from kernels.triton.helpers import (
     chunking,
     count_real,
@@ -55,8 +57,12 @@ from kernels.triton.helpers import (
     upcast,
 )
 
-# Rows per tile of the norm and hash launches.
+# Rows per tile of the norms launch, and the fewest per tile of the hash launch; a hash tile
+# holds at most HASH_MAX_ROWS rows and HASH_TILE_ELEMENTS of x (512 rows at head dim 64: 165
+# registers at 4 warps; its hashes alone fill 255 at 1024 rows).
 HASH_TILE = 64
+HASH_MAX_ROWS = 512
+HASH_TILE_ELEMENTS = 512 * 64
 # Warps of the norms pass: a latency-bound stream of rows at ~32 registers, so 8 warps keep
 # twice the loads of 4 in flight.
 NORMS_NUM_WARPS = 8
@@ -315,21 +321,42 @@ def smyrf_hashes_triton(
     chunks, chunk = chunking(max(n, m), h, HASH_TILE)
     part_max = torch.empty(b * h, chunks, 2, dtype=torch.float32, device=q.device)
     common = dict(HAS_MASK=has_mask, MASK_QUERIES=has_mask and n == m, HEAD_DIM=d,
-                  BLOCK_D=pow2_block(d, 16, 1024), BLOCK_T=HASH_TILE)
+                  BLOCK_D=pow2_block(d, 16, 1024))
     _smyrf_norms_kernel[(chunks, b * h)](
         q, k, mask, part_max, *q.stride(), *k.stride(), mask.stride(0) if has_mask else 0,
-        h, n, m, chunk, chunks, num_warps=NORMS_NUM_WARPS, **common,
+        h, n, m, chunk, chunks, BLOCK_T=HASH_TILE, num_warps=NORMS_NUM_WARPS, **common,
     )
-    q_tiles = triton.cdiv(n, HASH_TILE)
-    _smyrf_hash_kernel[(q_tiles + triton.cdiv(m, HASH_TILE), b * h)](
+    block_t = hash_block(n, m, h, common["BLOCK_D"])
+    q_tiles = triton.cdiv(n, block_t)
+    _smyrf_hash_kernel[(q_tiles + triton.cdiv(m, block_t), b * h)](
         q, k, projections, mask, part_max, q_hash, k_hash,
         *q.stride(), *k.stride(), *projections.stride(),
         mask.stride(0) if has_mask else 0,
         *q_hash.stride()[:3], *k_hash.stride()[:3],
         h, n, m, rounds, chunks, q_tiles,
-        BLOCK_R=pow2_block(rounds), CHUNK_BLOCK=pow2_block(chunks, 1), UPCAST=upcast(q), **common,
+        BLOCK_R=pow2_block(rounds), CHUNK_BLOCK=pow2_block(chunks, 1), UPCAST=upcast(q), BLOCK_T=block_t,
+        **common,
     )
     return q_hash, k_hash
+
+
+def hash_block(n: int, m: int, heads: int, block_d: int) -> int:
+    """Rows per tile of the hash launch for n queries and m keys a head: the largest power of two
+    from HASH_TILE up to HASH_MAX_ROWS and HASH_TILE_ELEMENTS / block_d whose tiles still make
+    helpers.TARGET_PROGRAMS programs over `heads` heads (the model's head count, as in chunking:
+    a sequence is cut the same way whatever it is batched with). Each program pays the radius
+    and the projections once, so the fewest programs that fill the GPU issue the least."""
+    block = HASH_TILE
+    most = min(HASH_MAX_ROWS, HASH_TILE_ELEMENTS // block_d)
+    while 2 * block <= most and _tiles(n, m, 2 * block) * heads >= helpers.TARGET_PROGRAMS:
+        block *= 2
+    return block
+
+
+def _tiles(n: int, m: int, block: int) -> int:
+    """Tiles of `block` rows of n queries and of m keys (integer ceilings: this runs on the host
+    of every call)."""
+    return -(-n // block) + -(-m // block)
 
 
 def smyrf_cluster_attention_triton(

@@ -22,7 +22,9 @@ from kernels.reference.smyrf import (
     merge_by_mass,
     smyrf_projections,
 )
-from kernels.triton.smyrf import smyrf_cluster_attention_triton, smyrf_hashes_triton
+from kernels.triton import helpers as triton_helpers
+from kernels.triton import smyrf as smyrf_triton
+from kernels.triton.smyrf import hash_block, smyrf_cluster_attention_triton, smyrf_hashes_triton
 
 FULL = AttentionSpec(method="full")
 
@@ -110,6 +112,38 @@ def test_hashes_match_reference(n, m, d, dv, cluster_size, lengths, monkeypatch)
     if mask is not None:
         key_mask = mask[None, :, None, :].expand_as(got_k)
         assert torch.isinf(got_k[~key_mask]).all() and torch.isfinite(got_k[key_mask]).all()
+
+
+@pytest.mark.parametrize("most", [32, 128])
+@pytest.mark.parametrize("n, m, d, lengths", [(72, 24, 16, [24, 13]), (37, 37, 32, [37, 21])])
+def test_larger_hash_tiles_give_the_same_hashes(n, m, d, lengths, most, monkeypatch):
+    """A long sequence's hash tiles outgrow the norms' (HASH_TILE): with a target of one program
+    they grow to HASH_MAX_ROWS, several tiles a head at 32 rows, one part-filled at 128."""
+    poison_empty(monkeypatch)
+    monkeypatch.setattr(triton_helpers, "TARGET_PROGRAMS", 1)
+    monkeypatch.setattr(smyrf_triton, "HASH_MAX_ROWS", most)
+    assert hash_block(n, m, 2, d) == most
+    q, k, _ = qkv(n=n, m=m, d=d, seed=1)
+    mask = padding_mask(2, m, lengths)
+    spec = smyrf(8, hash_rounds=3, seed=5)
+    expected_q, expected_k = reference_hashes(q, k, spec, mask)
+    got_q, got_k = smyrf_hashes_triton(q, k, mask, smyrf_projections(spec.hash_rounds, q.shape[1], d, spec.seed))
+    torch.testing.assert_close(got_q, expected_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, expected_k, rtol=1e-5, atol=1e-5)
+
+
+def test_hash_tiles_are_the_largest_that_fill_the_gpu(monkeypatch):
+    """At 12 heads: 256 rows at 4k (384 programs; 512 would leave 192 of 264), 512 from 8k,
+    and no larger than HASH_TILE_ELEMENTS allows (256 at head dim 128); short inputs keep
+    HASH_TILE."""
+    monkeypatch.setattr(smyrf_triton, "HASH_TILE", 64)
+    assert [hash_block(n, n, 12, 64) for n in (512, 4096, 8192, 65536)] == [64, 256, 512, 512]
+    assert hash_block(65536, 65536, 12, 128) == 256
+    for n, m in ((4096, 4096), (16384, 1000), (3000, 70000)):
+        block = hash_block(n, m, 12, 64)
+        tiles = -(-n // block) + -(-m // block)
+        assert tiles * 12 >= triton_helpers.TARGET_PROGRAMS > (-(-n // (2 * block)) + -(-m // (2 * block))) * 12 \
+            or block == smyrf_triton.HASH_MAX_ROWS
 
 
 @pytest.mark.parametrize("rounds", [1, 3])
