@@ -207,9 +207,14 @@ def gpu_script_qkv(encoder, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor,
 
 
 def device_name() -> str:
+    """The GPU's name, or the CPU's architecture, cores, native loops' level (AVX-512 or not:
+    their float sums, and so clusters and cosines, differ between levels) and torch."""
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    from kernels import native
+
+    return (f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"native {native.level() or 'none'}, torch {torch.__version__}")
 
 
 def write_results(name: str, rows: list[dict], meta: dict) -> Path:
