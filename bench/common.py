@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from kernels import AttentionSpec
+from kernels import AttentionSpec, native
 from kernels.reference.full import full_attention
 
 LICENSE_DIR = Path("/usr/share/common-licenses")
@@ -211,8 +211,6 @@ def device_name() -> str:
     their float sums, and so clusters and cosines, differ between levels) and torch."""
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    from kernels import native
-
     return (f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
             f"native {native.level() or 'none'}, torch {torch.__version__}")
 

@@ -52,18 +52,18 @@ def key_splits(m: int, programs_per_split: int, block_m: int, resident: int = 2)
     fewest that leave an SM the fewest keys, its waves of `resident` programs at a time taken
     whole (a kernel one program of which fills an SM: one wave of longer splits, not two
     waves and twice the partial results to merge)."""
-    most = max(1, min(_ceil(TARGET_PROGRAMS, programs_per_split), _ceil(m, block_m)))
+    most = max(1, min(ceil_div(TARGET_PROGRAMS, programs_per_split), ceil_div(m, block_m)))
     per_wave = SMS * resident
     # The least waves(s) / s, the first (fewest splits) of equals: IEEE division rounds equal
     # ratios of small integers to the same float, and unequal ones stay apart.
-    splits = min(range(1, most + 1), key=lambda s: _ceil(programs_per_split * s, per_wave) / s)
-    chunk = _ceil(_ceil(m, splits), block_m) * block_m
-    return _ceil(m, chunk), chunk
+    splits = min(range(1, most + 1), key=lambda s: ceil_div(programs_per_split * s, per_wave) / s)
+    chunk = ceil_div(ceil_div(m, splits), block_m) * block_m
+    return ceil_div(m, chunk), chunk
 
 
-def _ceil(a: int, b: int) -> int:
-    """ceil(a / b) of integers; key_splits runs on the host of every call, where triton.cdiv
-    costs ~4 us a call."""
+def ceil_div(a: int, b: int) -> int:
+    """ceil(a / b) of integers, for launch arithmetic on the host of every call, where
+    triton.cdiv costs ~4 us a call."""
     return -(-a // b)
 
 

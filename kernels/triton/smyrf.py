@@ -47,6 +47,7 @@ from kernels.spec import AttentionSpec
 from kernels.stages import SmyrfStages, sort_by_hash
 from kernels.triton import helpers
 from kernels.triton.helpers import (
+    ceil_div,
     chunking,
     count_real,
     dot_split_right,
@@ -327,8 +328,8 @@ def smyrf_hashes_triton(
         h, n, m, chunk, chunks, BLOCK_T=HASH_TILE, num_warps=NORMS_NUM_WARPS, **common,
     )
     block_t = hash_block(n, m, h, common["BLOCK_D"])
-    q_tiles = triton.cdiv(n, block_t)
-    _smyrf_hash_kernel[(q_tiles + triton.cdiv(m, block_t), b * h)](
+    q_tiles = ceil_div(n, block_t)
+    _smyrf_hash_kernel[(q_tiles + ceil_div(m, block_t), b * h)](
         q, k, projections, mask, part_max, q_hash, k_hash,
         *q.stride(), *k.stride(), *projections.stride(),
         mask.stride(0) if has_mask else 0,
@@ -348,15 +349,9 @@ def hash_block(n: int, m: int, heads: int, block_d: int) -> int:
     and the projections once, so the fewest programs that fill the GPU issue the least."""
     block = HASH_TILE
     most = min(HASH_MAX_ROWS, HASH_TILE_ELEMENTS // block_d)
-    while 2 * block <= most and _tiles(n, m, 2 * block) * heads >= helpers.TARGET_PROGRAMS:
+    while 2 * block <= most and (ceil_div(n, 2 * block) + ceil_div(m, 2 * block)) * heads >= helpers.TARGET_PROGRAMS:
         block *= 2
     return block
-
-
-def _tiles(n: int, m: int, block: int) -> int:
-    """Tiles of `block` rows of n queries and of m keys (integer ceilings: this runs on the host
-    of every call)."""
-    return -(-n // block) + -(-m // block)
 
 
 def smyrf_cluster_attention_triton(
