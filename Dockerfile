@@ -36,19 +36,20 @@ RUN python -c "import torch, triton; print(f'torch=={torch.__version__}'); print
  && python -c "import torch; assert torch.version.cuda, 'the base image lost its CUDA torch'"
 
 COPY setup.py ./
+COPY clusterserve ./clusterserve
 COPY kernels ./kernels
 COPY models ./models
 COPY service ./service
-# Installed, not run from the sources: the checks below run from / to load what was installed.
-# kernels.toolchain fails the build unless Triton can build its launcher and the native CPU
-# loops (one library per x86-64 level, chosen at run time) were built. The default model's
-# GGUF (nomic-embed-text-v1.5, 274 MB) is fetched into the image once, checked by sha256, so
-# a container never downloads anything.
+# Installed under the one import name clusterserve, not run from the sources: the checks below
+# run from / to load what was installed. clusterserve.kernels.toolchain fails the build unless
+# Triton can build its launcher and the native CPU loops (one library per x86-64 level, chosen
+# at run time) were built. The default model's GGUF (nomic-embed-text-v1.5, 274 MB) is fetched
+# into the image once, checked by sha256, so a container never downloads anything.
 RUN pip install --no-deps --constraint /tmp/base-constraints.txt . \
  && rm -rf build ./*.egg-info \
- && cd / && python -m kernels.toolchain \
- && python -m models.fetch \
- && python -c "from models import load_encoder; load_encoder(None, device='cpu'); load_encoder('minilm', device='cpu')"
+ && cd / && python -m clusterserve.kernels.toolchain \
+ && clusterserve fetch \
+ && python -c "from clusterserve.models import load_encoder; load_encoder(None, device='cpu'); load_encoder('minilm', device='cpu')"
 
 # A numeric user, so that Kubernetes' runAsNonRoot can check it without resolving names.
 RUN groupadd --gid 10001 clusterserve \
@@ -60,4 +61,4 @@ EXPOSE 8000
 # Liveness, not readiness: a container that is still loading or warming up is healthy.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health/live', timeout=4)"]
-CMD ["python", "-m", "service", "--host", "0.0.0.0", "--port", "8000"]
+CMD ["clusterserve", "serve", "--host", "0.0.0.0", "--port", "8000"]

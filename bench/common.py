@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from kernels import AttentionSpec, native
-from kernels.reference.full import full_attention
+from clusterserve.kernels import AttentionSpec, native
+from clusterserve.kernels.reference.full import full_attention
 
 LICENSE_DIR = Path("/usr/share/common-licenses")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -35,7 +35,7 @@ HELD_BACK_TEXTS = ("MPL-1.1", "MPL-2.0", "GFDL-1.3", "Artistic", "BSD")
 def nomic_default() -> AttentionSpec:
     """What `auto` runs for the default model (nomic-embed-text-v1.5) at its 8,192-token context
     and the server's default target fidelity: the shipped calibration table's choice."""
-    from models.planning.calibration import DEFAULT_TARGET_FIDELITY, SHIPPED_DIR, load_calibration, table_name
+    from clusterserve.models.planning.calibration import DEFAULT_TARGET_FIDELITY, SHIPPED_DIR, load_calibration, table_name
 
     table = load_calibration(SHIPPED_DIR / table_name("nomic-embed-text-v1.5", "cpu"))
     return table.choose(8192, DEFAULT_TARGET_FIDELITY).spec
@@ -191,7 +191,7 @@ def gpu_script_setup(model: str | None, lengths: list[int]):
     device (cuda_or_interpreter), the encoder loaded in float32 for the longest of `lengths`,
     and the attention's dtype (bfloat16 on CUDA, float32 under the interpreter). Turns
     autograd off."""
-    from models import load_encoder
+    from clusterserve.models import load_encoder
 
     device = cuda_or_interpreter()
     torch.set_grad_enabled(False)

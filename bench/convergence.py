@@ -1,7 +1,7 @@
 """How many Lloyd iterations i-clustered's K-means needs on a real encoder, and whether
 clusters carried over from the previous layer (a warm start) need fewer.
 
-    python -m bench.convergence [--model PATH|NAME] [--tokens 4096 8192] [--dtype float32]
+    python -m clusterserve.bench.convergence [--model PATH|NAME] [--tokens 4096 8192] [--dtype float32]
 
 One exact pass captures every layer's q, k, v (bench.locality). Per layer and head, on the
 native backend with i-clustered 100/32's hashes:
@@ -32,13 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import AttentionSpec
-from kernels.native import hamming_kmeans, refine_clusters
-from kernels.native.clustered import NATIVE
-from kernels.reference.hashing import unpack_bits
-from kernels.reference.kmeans import initial_centroid_positions, initial_offsets
-from kernels.stages import run_clustered
-from models import load_encoder
+from clusterserve.kernels import AttentionSpec
+from clusterserve.kernels.native import hamming_kmeans, refine_clusters
+from clusterserve.kernels.native.clustered import NATIVE
+from clusterserve.kernels.reference.hashing import unpack_bits
+from clusterserve.kernels.reference.kmeans import initial_centroid_positions, initial_offsets
+from clusterserve.kernels.stages import run_clustered
+from clusterserve.models import load_encoder
 
 from .common import device_name, long_text_ids, print_table, write_report
 from .locality import DEFAULT_MODEL, capture, layer_attention

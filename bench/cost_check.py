@@ -1,6 +1,6 @@
 """The work estimate (models.planning.cost) against calibration tables' measured times.
 
-    python -m bench.cost_check [--table PATH ...] [--rows] [--fit]
+    python -m clusterserve.bench.cost_check [--table PATH ...] [--rows] [--fit]
 
 For every configuration of every bucket of a table: the estimated work over exact attention's,
 divided by the measured time over exact attention's. 1.0 is a perfect estimate; both sides
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from kernels import AttentionSpec
-from kernels.spec import exact_by_knobs
-from models import load_encoder
-from models.planning.calibration import SHIPPED_DIR, Calibration, load_calibration
-from models.planning.cost import WEIGHTS, CostModel
+from clusterserve.kernels import AttentionSpec
+from clusterserve.kernels.spec import exact_by_knobs
+from clusterserve.models import load_encoder
+from clusterserve.models.planning.calibration import SHIPPED_DIR, Calibration, load_calibration
+from clusterserve.models.planning.cost import WEIGHTS, CostModel
 
 from .common import print_table
 
@@ -83,7 +83,7 @@ def ratios(cost: CostModel, table: Calibration, weights: dict[str, float] | None
 def fit(
     tables: list[tuple[CostModel, Calibration]], per_dtype: tuple[str, ...] = PER_DTYPE, ridge: float = RIDGE
 ) -> dict[str, dict[str, float]]:
-    """models.planning.cost.WEIGHTS fitted to measured times: (cost model in the table's dtype, table) pairs.
+    """clusterserve.models.planning.cost.WEIGHTS fitted to measured times: (cost model in the table's dtype, table) pairs.
 
     Least squares of log(estimated / measured time) over every configuration of every bucket
     and every bucket's exact pass, each table with its own free scale (its device's speed and

@@ -1,7 +1,7 @@
 """CPU benchmark: exact attention against each approximate method, attention alone and end to
 end, from 1k to 32k tokens, as ratios measured in one run.
 
-    python -m bench.cpu [--lengths 1024 4096 16384] [--repeats 3] [--no-e2e]
+    python -m clusterserve.bench.cpu [--lengths 1024 4096 16384] [--repeats 3] [--no-e2e]
 
 Attention alone runs on the q, k, v that the default model's first layer computes from real
 text (1 x heads x N x head dim, float32: 12 x 64 for nomic-embed-text-v1.5). End to end embeds
@@ -16,8 +16,8 @@ import argparse
 
 import torch
 
-from kernels import AttentionSpec, attention
-from models import load_encoder
+from clusterserve.kernels import AttentionSpec, attention
+from clusterserve.models import load_encoder
 
 from .common import (
     capture_qkv,

@@ -1,7 +1,7 @@
 """Fidelity of each attention method on real long text: cosine of its document embedding to
 the exact-attention embedding of the same document, per length and knob setting.
 
-    python -m bench.fidelity [--model all-MiniLM-L6-v2] [--lengths 2048 8192] [--docs 2] [--quick]
+    python -m clusterserve.bench.fidelity [--model all-MiniLM-L6-v2] [--lengths 2048 8192] [--docs 2] [--quick]
 
 Prints a table, writes bench/results/fidelity-cpu.json and bench/results/fidelity-cpu.png.
 """
@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from kernels import AttentionSpec
-from models import load_encoder
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models import load_encoder
 
 from .common import device_name, long_text_ids, print_table, write_results
 

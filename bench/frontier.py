@@ -2,7 +2,7 @@
 configuration, the pooled vector's cosine to exact attention's and its time against exact's,
 measured in one run, exact and approximate in the same dtype.
 
-    python -m bench.frontier [--model PATH|NAME] [--dtype float32 bfloat16] [--lengths 2048 4096 8192]
+    python -m clusterserve.bench.frontier [--model PATH|NAME] [--dtype float32 bfloat16] [--lengths 2048 4096 8192]
                              [--grid FILE] [--name frontier-nomic]
 
 The grid is one AttentionSpec's JSON keyword arguments per line (`--grid`, the calibration
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import AttentionSpec
-from models import load_encoder
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models import load_encoder
 
 from .common import HELD_BACK_TEXTS, device_name, long_text_ids, print_table, write_results
 

@@ -2,8 +2,8 @@
 SMYRF attention through the Triton backend, from 1k to 64k tokens, with a per-stage breakdown
 and end-to-end embedding times, as ratios measured in one run.
 
-    python -m bench.gpu [--lengths 1024 ... 65536] [--head-dims 64 32] [--repeats 10]
-    python -m bench.gpu --dry-run      # the same script on CPU under TRITON_INTERPRET=1, tiny sizes
+    python -m clusterserve.bench.gpu [--lengths 1024 ... 65536] [--head-dims 64 32] [--repeats 10]
+    python -m clusterserve.bench.gpu --dry-run      # the same script on CPU under TRITON_INTERPRET=1, tiny sizes
 
 Attention alone: B = 1, 12 heads, bfloat16, for each head dim. Q, K, V are the default
 model's own projections of real text (Debian's license texts): at the model's head dim (32)
@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kernels import AttentionSpec, attention
+from clusterserve.kernels import AttentionSpec, attention
 
 from .common import (
     RESULTS_DIR,
@@ -277,7 +277,7 @@ def _embed_graph_ms(settings: Settings, encoder, call, tokens: int, eager: Tenso
 def load_model(settings: Settings, dtype: torch.dtype):
     """The model (embedded default or --model) on the device, with positions for the longest
     length asked (a learned table is extended by copying)."""
-    from models import load_encoder
+    from clusterserve.models import load_encoder
 
     longest = max((*settings.lengths, *settings.e2e_lengths, 32768))
     graphs = {} if settings.graph_max_length is None else {"cuda_graph_max_length": settings.graph_max_length}
@@ -404,7 +404,7 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     if args.dry_run:
         defaults.update(DRY_RUN)
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton first decorates a kernel
-        if os.environ["TRITON_INTERPRET"] != "1" or "kernels.triton.clustered" in sys.modules:
+        if os.environ["TRITON_INTERPRET"] != "1" or "clusterserve.kernels.triton.clustered" in sys.modules:
             raise SystemExit("--dry-run needs TRITON_INTERPRET=1 before the kernels are imported")
         device = torch.device("cpu")
     elif not torch.cuda.is_available():

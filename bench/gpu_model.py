@@ -1,7 +1,7 @@
 """Offline cost model of the Triton pipelines on an H100 SXM (sm_90), with no GPU: an estimate
 per launch and per call, and its ratio to exact attention (FlashAttention-2 and -3).
 
-    python -m bench.gpu_model [--lengths 4096 8192 16384 65536] [--head-dims 64 32] [--json PATH]
+    python -m clusterserve.bench.gpu_model [--lengths 4096 8192 16384 65536] [--head-dims 64 32] [--json PATH]
 
 Every figure is an estimate. Per launch (recorded by bench.gpu_static, compiled for sm_90):
 programs and waves on 132 SMs; occupancy from registers, shared memory and warps (CTAs per SM);
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import AttentionSpec
+from clusterserve.kernels import AttentionSpec
 
 from . import sass, warp_cost
 from .common import RESULTS_DIR, print_table

@@ -2,13 +2,13 @@
 Compute: a warm-up call compiles and caches every kernel outside the bracket, so that
 
     ncu --profile-from-start off --clock-control none -k regex:_means_kernel ... \\
-        python -m bench.gpu_ncu [--model DIR] [--lengths 4096 16384] [--methods ...]
+        python -m clusterserve.bench.gpu_ncu [--model DIR] [--lengths 4096 16384] [--methods ...]
 
 reads the hardware counters (occupancy, issue rate, spills, achieved bandwidth) of exactly
 one call's launches. `--clock-control none` leaves the GPU's clocks as they are. On CPU
 (TRITON_INTERPRET=1) it runs the calls without a bracket, to test the script.
 
-    python -m bench.gpu_ncu --summarise DETAILS.csv [--log NCU.log] [--out SUMMARY.json]
+    python -m clusterserve.bench.gpu_ncu --summarise DETAILS.csv [--log NCU.log] [--out SUMMARY.json]
 
 turns `ncu --import REPORT --page details --csv`'s table into one row a launch, with the
 metrics that say where a launch's time goes (SUMMARY), small enough to commit; with the
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import attention
+from clusterserve.kernels import attention
 
 from .common import gpu_script_qkv, gpu_script_setup
 from .gpu import SPECS, dry_run_spec

@@ -2,8 +2,8 @@
 other program counts, warps and key tiles than the shipped ones, in one run, so that a shape
 the cost model cannot judge (occupancy against latency) is decided by measurement.
 
-    python -m bench.gpu_shapes [--model DIR] [--lengths 4096 16384] [--out DIR] [--name STEM]
-    TRITON_INTERPRET=1 python -m bench.gpu_shapes --lengths 64   # the script on CPU
+    python -m clusterserve.bench.gpu_shapes [--model DIR] [--lengths 4096 16384] [--out DIR] [--name STEM]
+    TRITON_INTERPRET=1 python -m clusterserve.bench.gpu_shapes --lengths 64   # the script on CPU
 
 Per method, length and variant: the median time of the call replayed from a CUDA graph
 (`graph_ms`; eager on CPU), its ratio to the shipped shape's, and its output's relative error
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import attention
+from clusterserve.kernels import attention
 
 from .common import device_name, exact_attention, gpu_script_qkv, gpu_script_setup, rel_err
 from .gpu import SPECS, _slug, dry_run_spec
@@ -35,16 +35,16 @@ CLUSTERED = ("clustered (default)", "i-clustered (default)")
 # name -> (methods it applies to, {"module.attribute": value}); "shipped" is the reference.
 VARIANTS = {
     "shipped": (CLUSTERED + ("banded",), {}),
-    **{name: (CLUSTERED, {"kernels.triton.helpers.TARGET_PROGRAMS": programs})
+    **{name: (CLUSTERED, {"clusterserve.kernels.triton.helpers.TARGET_PROGRAMS": programs})
        for name, programs in (("programs x2", 528), ("programs x4", 1056), ("programs /2", 132))},
-    "Hamming 8 warps": (CLUSTERED, {"kernels.triton.hamming.NUM_WARPS": 8}),
-    **{f"means {per} a program, {group} chunks a load": (CLUSTERED, {"kernels.triton.means.PER_PROGRAM": per,
-                                                                     "kernels.triton.means.SUMS_GROUP": group})
+    "Hamming 8 warps": (CLUSTERED, {"clusterserve.kernels.triton.hamming.NUM_WARPS": 8}),
+    **{f"means {per} a program, {group} chunks a load": (CLUSTERED, {"clusterserve.kernels.triton.means.PER_PROGRAM": per,
+                                                                     "clusterserve.kernels.triton.means.SUMS_GROUP": group})
        for per, group in ((8, 8), (2, 32))},
-    **{f"top-k {rows} centroids a program": (CLUSTERED[1:], {"kernels.triton.centroid_topk.TOPK_BLOCK_C": rows})
+    **{f"top-k {rows} centroids a program": (CLUSTERED[1:], {"clusterserve.kernels.triton.centroid_topk.TOPK_BLOCK_C": rows})
        for rows in (32, 16)},
-    "merges 8 splits a load": (CLUSTERED, {"kernels.triton.centroid.COMBINE_SPLITS": 8}),
-    "banded 128-key tiles": (("banded",), {"kernels.triton.banded.key_tile": lambda head_dim, dtype, interpreted:
+    "merges 8 splits a load": (CLUSTERED, {"clusterserve.kernels.triton.centroid.COMBINE_SPLITS": 8}),
+    "banded 128-key tiles": (("banded",), {"clusterserve.kernels.triton.banded.key_tile": lambda head_dim, dtype, interpreted:
                                            16 if interpreted else 128 if head_dim <= 64 and dtype != torch.float32
                                            else 64}),
 }

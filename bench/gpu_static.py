@@ -2,7 +2,7 @@
 and what one attention call launches, with no GPU. The recording and compiling here are what
 bench.gpu_model (the offline cost model: estimated time per launch and per call) reads.
 
-    python -m bench.gpu_static [--arch 90 80] [--lengths 4096 16384 65536] [--head-dims 32 64 128]
+    python -m clusterserve.bench.gpu_static [--arch 90 80] [--lengths 4096 16384 65536] [--head-dims 32 64 128]
                                [--dtypes bfloat16] [--strict] [--out bench/results/gpu_static.json]
 
 How it works:
@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import AttentionSpec
+from clusterserve.kernels import AttentionSpec
 
 from .common import RESULTS_DIR, print_table
 from .cpu import SPECS
@@ -110,9 +110,9 @@ def record_spec(spec, n: int, head_dim: int, dtype: torch.dtype, heads: int = HE
                 ) -> tuple[list[Launch], dict[str, int]]:
     """`record_call` for any AttentionSpec of an approximate method, on (1, heads, n, head_dim).
     With `ops`, the call's torch ops are appended as (name, bytes read, bytes written)."""
-    from kernels.dispatch import clustered_stages, smyrf_stages
-    from kernels.reference.hashing import clear_device_constants
-    from kernels.stages import run_clustered, run_smyrf
+    from clusterserve.kernels.dispatch import clustered_stages, smyrf_stages
+    from clusterserve.kernels.reference.hashing import clear_device_constants
+    from clusterserve.kernels.stages import run_clustered, run_smyrf
 
     from .timing import counting_launches
 
@@ -120,8 +120,8 @@ def record_spec(spec, n: int, head_dim: int, dtype: torch.dtype, heads: int = HE
         if spec.method == "smyrf":
             return run_smyrf(smyrf_stages("triton"), *args)
         if spec.method == "banded":  # a local band plus a pooled far field (kernels/reference/banded.py)
-            from kernels.dispatch import banded_stages
-            from kernels.reference.banded import run_banded
+            from clusterserve.kernels.dispatch import banded_stages
+            from clusterserve.kernels.reference.banded import run_banded
 
             return run_banded(banded_stages("triton"), *args)
         return run_clustered(clustered_stages("triton"), *args)
@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "gpu_static.json")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
-        raise SystemExit("bench.gpu_static compiles the kernels: unset TRITON_INTERPRET")
+        raise SystemExit("clusterserve.bench.gpu_static compiles the kernels: unset TRITON_INTERPRET")
     import triton
 
     # Unset, Triton 3.9 fuses multiply-adds and warns that 3.10 will not: the real calls' default.

@@ -2,8 +2,8 @@
 caching allocator's free memory filled between calls. A bit that changes is a race or a read of
 memory no launch wrote, which Triton's interpreter (one program at a time, on CPU) cannot show.
 
-    python -m bench.gpu_stress [--model DIR] [--tokens 16384] [--repeats 16]
-    TRITON_INTERPRET=1 python -m bench.gpu_stress --tokens 64 --repeats 1   # the script on CPU
+    python -m clusterserve.bench.gpu_stress [--model DIR] [--tokens 16384] [--repeats 16]
+    TRITON_INTERPRET=1 python -m clusterserve.bench.gpu_stress --tokens 64 --repeats 1   # the script on CPU
 
 Per dtype (float32, bfloat16), method (bench.cpu's clustered and i-clustered) and case (a
 padded batch of two copies of the text, self-attention; its first quarter of queries over all
@@ -21,9 +21,9 @@ import sys
 import torch
 from torch import Tensor
 
-from kernels import AttentionSpec, attention
-from kernels.reference.masks import token_masks
-from kernels.stages import cluster_queries
+from clusterserve.kernels import AttentionSpec, attention
+from clusterserve.kernels.reference.masks import token_masks
+from clusterserve.kernels.stages import cluster_queries
 
 from .common import gpu_script_qkv, gpu_script_setup
 from .cpu import SPECS
@@ -60,7 +60,7 @@ def differing(a: Tensor, b: Tensor) -> int:
 def repeat_case(q, k, v, mask, spec: AttentionSpec, repeats: int) -> dict[str, int]:
     """The worst count of changed elements over the repeats, per output, and the fused stage's
     disagreement with the staged one."""
-    from kernels.triton.clustered import TRITON, cluster_means_triton_stages
+    from clusterserve.kernels.triton.clustered import TRITON, cluster_means_triton_stages
 
     query_mask = token_masks(q, k, mask)[1]
 

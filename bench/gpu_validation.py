@@ -3,7 +3,7 @@
 device time summed over its launches, measured and estimated, and the call's time in a CUDA
 graph. No GPU needed; it reads committed files.
 
-    python -m bench.gpu_validation [--measured bench/results/2026-11-26-h100]
+    python -m clusterserve.bench.gpu_validation [--measured bench/results/2026-11-26-h100]
                                    [--model bench/results/gpu_model.json] [--out PATH]
 
 `--measured STEM` names STEM.json (the call times) and STEM-profile.txt (one profiled call per
@@ -26,7 +26,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from kernels import AttentionSpec
+from clusterserve.kernels import AttentionSpec
 
 from .common import RESULTS_DIR, print_table
 from .gpu import SPECS

@@ -1,8 +1,8 @@
 """Latency through HTTP: one document of 4k and of 16k tokens per attention method, as a client sees it.
 
-    python -m bench.http_latency [--url http://127.0.0.1:8000] [--lengths 4096 16384] [--repeats 3]
+    python -m clusterserve.bench.http_latency [--url http://127.0.0.1:8000] [--lengths 4096 16384] [--repeats 3]
 
-Without --url it starts `python -m service` on a free loopback port and stops it afterwards.
+Without --url it starts `clusterserve serve` on a free loopback port and stops it afterwards.
 Documents are real prose (Debian's licence texts), cut so the model sees exactly N tokens,
 sent as text to POST /v1/embeddings with `{"attention": {"method": ...}}` and the server's
 default knobs; "default" sends no attention object, so the server's default runs (`auto` at
@@ -53,7 +53,7 @@ def document(http: httpx.Client, text: str, tokens: int) -> str:
 
 def start_server(port: int, log_path: Path, extra_flags: list[str] | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLUSTERSERVE_")}
-    command = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port),
+    command = [sys.executable, "-m", "clusterserve.service", "--host", "127.0.0.1", "--port", str(port),
                "--request-timeout-s", "3600", "--log-level", "warning", *(extra_flags or [])]
     with open(log_path, "w") as log:
         return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -61,7 +61,7 @@ def start_server(port: int, log_path: Path, extra_flags: list[str] | None = None
 
 @contextlib.contextmanager
 def serving(url: str | None, extra_flags: list[str] | None = None) -> Iterator[str]:
-    """The base URL of a ready server: `url` as given, or a `python -m service` started on a
+    """The base URL of a ready server: `url` as given, or a `clusterserve serve` started on a
     free loopback port (with `extra_flags`) for the block and stopped after it."""
     process = None
     if url is None:
@@ -197,7 +197,7 @@ def main() -> None:
         columns = ["length", "method", "tokens", "latency_s", "min_s", "inference_s", "queue_s", "peak_mib", "vs_full"]
         print_table(rows, columns + ["load_before", "load_after"])
         meta = {
-            "url": url if args.url else "spawned python -m service",
+            "url": url if args.url else "spawned clusterserve serve",
             "model": info["model"],
             "device": info["device"],
             "backend": info["backend"],

@@ -1,9 +1,9 @@
 """This server against llama.cpp on the same GGUF, over HTTP as users call them.
 
-    python -m bench.llamacpp [--repeats 3] [--threads 2] [--model FILE.gguf] [--server-args ...]
+    python -m clusterserve.bench.llamacpp [--repeats 3] [--threads 2] [--model FILE.gguf] [--server-args ...]
                              [--workloads NAME ...] [--name llamacpp]
 
-Starts `python -m service` with its defaults (the default model; `auto` at the server's
+Starts `clusterserve serve` with its defaults (the default model; `auto` at the server's
 target fidelity, bfloat16 where the CPU is fast at it) and llama-cpp-python's server
 (`python -m llama_cpp.server`, an OpenAI-style /v1/embeddings) on the same GGUF file, both
 with the same threads, and posts the same workloads to each, the two in turn each round (so
@@ -33,8 +33,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from models.fetch import default_model_path
-from models.networks.rotary import rotary_base
+from clusterserve.models.fetch import default_model_path
+from clusterserve.models.networks.rotary import rotary_base
 
 from .common import LICENSE_DIR, print_table, run_conditions, write_results
 from .short_texts import sentences
@@ -119,12 +119,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: the default model's)")
-    parser.add_argument("--server-args", nargs="*", default=[], help="extra flags for python -m service")
+    parser.add_argument("--server-args", nargs="*", default=[], help="extra flags for clusterserve serve")
     parser.add_argument("--workloads", nargs="*", default=None, help="run only these (names as printed)")
     parser.add_argument("--name", default="llamacpp", help="results file: bench/results/<name>.json")
     args = parser.parse_args()
 
-    from models import load_encoder
+    from clusterserve.models import load_encoder
 
     model = args.model or default_model_path()
     encoder = load_encoder(model)
@@ -145,7 +145,7 @@ def main() -> None:
 
     logs = ROOT / "bench" / "out"
     logs.mkdir(parents=True, exist_ok=True)
-    ours = [sys.executable, "-m", "service", "--model", str(model), "--host", "127.0.0.1", *args.server_args]
+    ours = [sys.executable, "-m", "clusterserve.service", "--model", str(model), "--host", "127.0.0.1", *args.server_args]
     llama = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--embedding", "true", "--n_ctx", "8192",
              "--n_batch", "8192", "--n_ubatch", "8192", "--n_threads", str(args.threads),
              "--n_threads_batch", str(args.threads), "--host", "127.0.0.1"]

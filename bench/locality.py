@@ -1,7 +1,7 @@
 """Where the approximate methods break on a real encoder: one document through the model with
 one layer (or one head) approximated at a time, and how local each head's exact attention is.
 
-    python -m bench.locality [--model PATH|NAME] [--tokens 4096] [--dtype float32]
+    python -m clusterserve.bench.locality [--model PATH|NAME] [--tokens 4096] [--dtype float32]
                              [--methods ...] [--head-cosines METHOD]
 
 One exact pass captures every layer's q, k, v (a wrapper around the attention call); per layer
@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import kernels
-import models.networks.rotary_bert as rotary_bert
-from kernels import AttentionSpec
-from models import load_encoder
+import clusterserve.models.networks.rotary_bert as rotary_bert
+from clusterserve import kernels
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models import load_encoder
 
 from .common import device_name, long_text_ids, print_table, write_report
 

@@ -32,7 +32,7 @@ def slowest_chunk(n: int, chunk: int) -> dict:
 
 
 def seed_search(a: dict) -> dict:
-    """kernels.triton.seeding's search for the seeds in the slowest chunk: all queries real (no
+    """clusterserve.kernels.triton.seeding's search for the seeds in the slowest chunk: all queries real (no
     rank is counted), its share of the clusters and one to spare each side."""
     chunk = slowest_chunk(a["N"], a["CHUNK"])
     return {**chunk, "c_first": 0, "c_last": a["C"] / -(-a["N"] // a["CHUNK"]) + 3, "scan_stop": chunk["start"]}
@@ -106,51 +106,51 @@ def exact_case_counts(a: dict) -> dict:
 
 
 LOOP_BOUNDS: dict[str, dict[str, Bounds]] = {
-    "kernels.triton.banded": {"_banded_kernel": band_span},
-    "kernels.triton.centroid": {
+    "clusterserve.kernels.triton.banded": {"_banded_kernel": band_span},
+    "clusterserve.kernels.triton.centroid": {
         "_centroid_attention_kernel": lambda a: {  # no padded key: the blocks without the mask
             "first": 0, "stop": min(a["CHUNK"], a["M"]), "masked_stop": 0, "clean_stop": min(a["CHUNK"], a["M"]),
         },
     },
-    "kernels.triton.centroid_topk": {"_centroid_topk_kernel": topk_merges},
-    "kernels.triton.cluster_layout": {
+    "clusterserve.kernels.triton.centroid_topk": {"_centroid_topk_kernel": topk_merges},
+    "clusterserve.kernels.triton.cluster_layout": {
         "_layout_counts_kernel": lambda a: {**_by_rows(a), "zero_stop": _by_rows(a)["start"]},  # no padding
         "_layout_scatter_kernel": _by_rows,
     },
-    "kernels.triton.hamming": {
+    "clusterserve.kernels.triton.hamming": {
         "_hamming_initial_kernel": lambda a: {
             **seed_search(a), "lo": 0, "hi": -(-a["C"] * a["BLOCK_BITS"] // a["CHUNKS"]),  # its slice of the first totals
         },
         "_hamming_assign_kernel": exact_case_counts,
     },
-    "kernels.triton.hamming_step": {
+    "clusterserve.kernels.triton.hamming_step": {
         "_hamming_step_kernel": lambda a: {
             **exact_case_counts(a), "chunk": max(0, a["N"] // a["CHUNK"] - 1),
             "lo": 0, "hi": -(-a["C"] * a["BLOCK_BITS"] // a["CHUNKS"]), "n_empty": 0.2 * (a["C"] / 100) ** 2,
         },
     },
-    "kernels.triton.hashing": {"_hash_kernel": _by_rows},
-    "kernels.triton.seeding": {"_seed_means_kernel": seed_search},
-    "kernels.triton.hamming_update": {
+    "clusterserve.kernels.triton.hashing": {"_hash_kernel": _by_rows},
+    "clusterserve.kernels.triton.seeding": {"_seed_means_kernel": seed_search},
+    "clusterserve.kernels.triton.hamming_update": {
         "_hamming_update_kernel": lambda a: {
             **cluster_range(a["C"], a["PER_PROGRAM"]), "chunk": 0, "stop": a["CHUNK"],
             "block_empties": 0.2 * (a["C"] / 100) ** 2,
         },
     },
-    "kernels.triton.donors": {
+    "clusterserve.kernels.triton.donors": {
         "_candidates_kernel": lambda a: {"start": 0, "stop": 0},
         "_means_candidates_kernel": lambda a: {**cluster_range(a["C"], a["PER_PROGRAM"]), "summed_chunks": 0,
                                                "start": 0, "stop": 0},
         "_donor_kernel": lambda a: {"wanted": 0, "empties": 0},
     },
-    "kernels.triton.lloyd": {
+    "clusterserve.kernels.triton.lloyd": {
         "_nearest_kernel": lambda a: {**exact_case_counts(a), "donor_lists": 0},  # no cluster empty
     },
-    "kernels.triton.means": {
+    "clusterserve.kernels.triton.means": {
         "_sums_kernel": _by_rows,
         "_means_kernel": lambda a: cluster_range(a["C"], a["PER_PROGRAM"]),
     },
-    "kernels.triton.smyrf": {
+    "clusterserve.kernels.triton.smyrf": {
         "_smyrf_attention_kernel": first_tile_keys,
         "_smyrf_norms_kernel": lambda a: slowest_chunk(max(a["N"], a["M"]), a["CHUNK"]),
     },

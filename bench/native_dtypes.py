@@ -1,7 +1,7 @@
 """The native backend on float32 against bfloat16 inputs: one layer's attention, best of
 `repeats`, on one and on two threads.
 
-    python -m bench.native_dtypes [--lengths 16384] [--repeats 3] [--runs 1] [--threads 1 2]
+    python -m clusterserve.bench.native_dtypes [--lengths 16384] [--repeats 3] [--runs 1] [--threads 1 2]
 
 q, k, v are the default model's first layer on real text (1 x 12 heads x N x 32); the
 bfloat16 run takes them rounded to bfloat16, the float32 run takes them as the model computed
@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from kernels import AttentionSpec, attention, native
-from models import load_encoder
-from models.runtime.timing import alternated_seconds
+from clusterserve.kernels import AttentionSpec, attention, native
+from clusterserve.models import load_encoder
+from clusterserve.models.runtime.timing import alternated_seconds
 
 from .common import capture_qkv, device_name, long_text_ids, print_table, write_results
 

@@ -2,9 +2,9 @@
 enough to carry to a GPU machine that cannot install packages (the device tool carries at
 most 64 MiB; the float32 checkpoint alone is 87 MiB).
 
-    python -m bench.pack_model bench/out/model      # then: python -m bench.gpu --model bench/out/model
-    python -m bench.pack_model --shape bench/out/nomic-embed-text-v1.5    # here
-    python -m bench.pack_model --fill bench/out/nomic-embed-text-v1.5     # there, before the benchmark
+    python -m clusterserve.bench.pack_model bench/out/model      # then: python -m clusterserve.bench.gpu --model bench/out/model
+    python -m clusterserve.bench.pack_model --shape bench/out/nomic-embed-text-v1.5    # here
+    python -m clusterserve.bench.pack_model --fill bench/out/nomic-embed-text-v1.5     # there, before the benchmark
 
 The first folder is a checkpoint `models.load_encoder(path)` reads: all-MiniLM-L6-v2's config,
 tokenizer and pooling files, its weights stored in float16 (43 MiB; the loader casts them
@@ -58,11 +58,11 @@ def pack(target: Path) -> Path:
 
 def pack_shape(target: Path) -> Path:
     """Write the default model's config, tokenizer and weight statistics to `target`."""
-    from models.config import EncoderConfig
-    from models.fetch import default_model_path
-    from models.gguf_checkpoint import read_gguf
-    from models.loader import split_fused
-    from models.networks import NETWORKS
+    from clusterserve.models.config import EncoderConfig
+    from clusterserve.models.fetch import default_model_path
+    from clusterserve.models.gguf_checkpoint import read_gguf
+    from clusterserve.models.loader import split_fused
+    from clusterserve.models.networks import NETWORKS
 
     checkpoint = read_gguf(default_model_path())
     target.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Mixed lengths in one call: packed batches against the same inputs sent apart.
 
-    python -m bench.packing [--repeats 5] [--skip-http] [--url http://127.0.0.1:8000]
+    python -m clusterserve.bench.packing [--repeats 5] [--skip-http] [--url http://127.0.0.1:8000]
 
 Three workloads of real prose (Debian's licence texts), each timed in-process through
 `Encoder.embed` and over HTTP through POST /v1/embeddings with the server's defaults:
@@ -23,8 +23,8 @@ import argparse
 import statistics
 from typing import Callable
 
-from kernels import AttentionSpec
-from models.runtime.timing import alternated_seconds
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models.runtime.timing import alternated_seconds
 
 from .common import LICENSE_DIR, print_table, run_conditions, write_results
 from .short_texts import sentences
@@ -93,7 +93,7 @@ def workloads(count_tokens: Callable[[list[str]], list[int]]) -> dict[str, objec
 
 
 def in_process(repeats: int) -> tuple[list[dict], dict]:
-    from models import load_encoder
+    from clusterserve.models import load_encoder
 
     encoder = load_encoder(None)
     texts = workloads(encoder.count_tokens)

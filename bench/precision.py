@@ -1,6 +1,6 @@
 """The served precision: float32 against bfloat16 on this CPU, in one run.
 
-    python -m bench.precision [--tokens 16384] [--repeats 3] [--http-repeats 20] [--skip-http]
+    python -m clusterserve.bench.precision [--tokens 16384] [--repeats 3] [--http-repeats 20] [--skip-http]
 
 In-process, one document of real prose (Debian's licence texts) of `--tokens` tokens:
 - exact attention in float32 and in bfloat16, and the cosine between the two vectors;
@@ -10,7 +10,7 @@ In-process, one document of real prose (Debian's licence texts) of `--tokens` to
   same dtype: an approximate method's clusters come from q, so bfloat16 can only be asked to
   change its answer about as much as a different seed does.
 Over HTTP (unless --skip-http): 64 short texts in one request to a float32 server and to a
-bfloat16 server (`python -m service --dtype ...`, started here), the server's default attention,
+bfloat16 server (`clusterserve serve --dtype ...`, started here), the server's default attention,
 `http_repeats` rounds (a request takes a tenth of a second: a few rounds are noise).
 Variants run in turn, `repeats` rounds after an untimed one; medians and the medians of the
 per-round ratios are reported. Prints a table and writes bench/results/precision.json.
@@ -23,9 +23,9 @@ import statistics
 
 import torch
 
-from kernels import AttentionSpec
-from models import load_encoder
-from models.runtime.timing import alternated_seconds
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models import load_encoder
+from clusterserve.models.runtime.timing import alternated_seconds
 
 from .common import long_text_ids, print_table, run_conditions, write_results
 

@@ -5,7 +5,7 @@ document against chunk vectors (naive chunks, late chunks over the whole context
 chunks in windows), for every attention method; then the passkey and needle probes
 (bench.probes) at growing lengths.
 
-    python -m bench.retrieval [--docs 8] [--min-tokens 2000] [--max-tokens 4500] [--queries 10]
+    python -m clusterserve.bench.retrieval [--docs 8] [--min-tokens 2000] [--max-tokens 4500] [--queries 10]
         [--methods full clustered i-clustered smyrf banded auto] [--approaches document late-window]
         [--target-fidelity 0.98]
         [--probe-lengths 1024 4096]
@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import AttentionSpec
-from models import load_encoder
-from models.planning.chunking import ChunkingSpec
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models import load_encoder
+from clusterserve.models.planning.chunking import ChunkingSpec
 
 from .common import RESULTS_DIR, device_name, print_table, write_results
 from .corpus import documents, passages, questions

@@ -5,7 +5,7 @@ against the Hamming start from 63-bit codes (clustered's defaults: the hash plac
 with its nearest seed's code in Hamming distance), at equal Euclidean steps after the start and
 one fewer.
 
-    python -m bench.seeding [--model PATH|NAME]
+    python -m clusterserve.bench.seeding [--model PATH|NAME]
 
 With every layer approximated (native backend, float32), the pooled vector's cosine to exact
 attention on the stretches of text bench.convergence reads (4k and 8k from the start, and its
@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from kernels import AttentionSpec
-from models import load_encoder
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models import load_encoder
 
 from .common import device_name, long_text_ids, print_table, write_report
 from .convergence import BASE, SAMPLES, pass_cosine

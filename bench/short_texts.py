@@ -1,9 +1,9 @@
 """Short-text throughput through HTTP: one request of many sentences, exact attention against
 the server's default and each approximate method, as a client sees it.
 
-    python -m bench.short_texts [--url http://127.0.0.1:8000] [--sentences 64] [--repeats 4]
+    python -m clusterserve.bench.short_texts [--url http://127.0.0.1:8000] [--sentences 64] [--repeats 4]
 
-Without --url it starts `python -m service` on a free loopback port (bench.http_latency's
+Without --url it starts `clusterserve serve` on a free loopback port (bench.http_latency's
 helpers). The sentences are the first lines of real prose (Debian's licence texts), each
 about 15 tokens. Each variant runs once untimed, then `repeats` rounds in turn; the best and
 the median client wall time are reported with what the server says ran (`x-attention`).

@@ -20,11 +20,11 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from kernels import AttentionSpec
-from kernels.dispatch import banded_stages, clustered_stages, smyrf_stages
-from kernels.reference.banded import run_banded
-from kernels.reference.full import full_attention
-from kernels.stages import run_clustered, run_smyrf
+from clusterserve.kernels import AttentionSpec
+from clusterserve.kernels.dispatch import banded_stages, clustered_stages, smyrf_stages
+from clusterserve.kernels.reference.banded import run_banded
+from clusterserve.kernels.reference.full import full_attention
+from clusterserve.kernels.stages import run_clustered, run_smyrf
 
 
 @dataclass

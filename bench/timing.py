@@ -146,10 +146,10 @@ def triton_kernels() -> list:
 
     import triton
 
-    import kernels
+    from clusterserve import kernels
 
     found: dict[int, object] = {}
-    for info in pkgutil.walk_packages(kernels.__path__, "kernels."):
+    for info in pkgutil.walk_packages(kernels.__path__, f"{kernels.__name__}."):
         if info.name.rpartition(".")[2].startswith("_"):  # the native loops' shared libraries
             continue
         module = importlib.import_module(info.name)

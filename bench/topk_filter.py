@@ -1,7 +1,8 @@
 """How much work the centroid top-k's filter leaves on real text (kernels/triton/centroid_topk.py), on
 the CPU: the filter of `_centroid_topk_kernel` replayed on a model's projections, per length.
 
-    python -m bench.topk_filter [--model nomic] [--lengths 4096 8192 16384 32768 65536] [--head-dim D] [--lanes rotated mod]
+    python -m clusterserve.bench.topk_filter [--model nomic] [--lengths 4096 8192 16384 32768 65536]
+        [--head-dim D] [--lanes rotated mod]
 
 i-clustered 100/32 (the benchmark's) clusters layer 0's queries with the reference; then, per
 head and cluster, the threshold is the TOP-th largest of the 2 TOP lane maxima of the centroid's
@@ -25,19 +26,19 @@ import argparse
 import torch
 import triton
 
-from kernels.reference.clustered import REFERENCE
-from kernels.reference.kmeans import cluster_means
-from kernels.reference.masks import token_masks
-from kernels.triton.centroid import LOG2E
-from kernels.triton.centroid_topk import THRESHOLD_MARGIN, TOPK_BLOCK_C, TOPK_BLOCK_M, TOPK_BUFFER
-from kernels.triton.helpers import key_splits
+from clusterserve.kernels.reference.clustered import REFERENCE
+from clusterserve.kernels.reference.kmeans import cluster_means
+from clusterserve.kernels.reference.masks import token_masks
+from clusterserve.kernels.triton.centroid import LOG2E
+from clusterserve.kernels.triton.centroid_topk import THRESHOLD_MARGIN, TOPK_BLOCK_C, TOPK_BLOCK_M, TOPK_BUFFER
+from clusterserve.kernels.triton.helpers import key_splits
 
 from .common import long_text_ids, print_table, real_qkv, write_report
 from .cpu import SPECS
 
 
 def lane_shift(block: torch.Tensor, block_m: int) -> torch.Tensor:
-    """kernels.triton.centroid._lane_shift on a tensor of block indices."""
+    """clusterserve.kernels.triton.centroid._lane_shift on a tensor of block indices."""
     return (((block & 0x7FFF) * 40503) & 0xFFFF) * block_m >> 16
 
 
@@ -110,7 +111,7 @@ def replay(logits: torch.Tensor, top: int, scheme: str) -> dict:
 
 
 def main() -> None:
-    from models import load_encoder
+    from clusterserve.models import load_encoder
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="nomic", help="a load_encoder name or folder (default: nomic)")

@@ -22,7 +22,7 @@ import math
 import textwrap
 from pathlib import Path
 
-from bench.loop_bounds import LOOP_BOUNDS
+from clusterserve.bench.loop_bounds import LOOP_BOUNDS
 
 
 class UnknownBound(LookupError):
@@ -39,7 +39,7 @@ def bound_arguments(kernel, args: tuple, kwargs: dict) -> dict:
 
 
 def declared_bounds(kernel, arguments: dict) -> dict:
-    """bench.loop_bounds' entry for this launch ({} when it has none)."""
+    """clusterserve.bench.loop_bounds' entry for this launch ({} when it has none)."""
     entry = LOOP_BOUNDS.get(kernel.fn.__module__, {}).get(kernel.fn.__name__)
     return dict(entry(arguments)) if entry else {}
 

@@ -2,12 +2,12 @@
 (Daras et al. 2020), with three backends: the PyTorch reference, native C loops for
 the CPU and Triton kernels for the GPU (dispatch.py says which runs where).
 
-    from kernels import AttentionSpec, attention
+    from clusterserve.kernels import AttentionSpec, attention
     out = attention(q, k, v, AttentionSpec(method="i-clustered"))   # (B, H, N, D) in and out
 """
 
-from kernels.dispatch import BACKENDS, attention, backend_for
-from kernels.spec import (
+from clusterserve.kernels.dispatch import BACKENDS, attention, backend_for
+from clusterserve.kernels.spec import (
     APPROXIMATE_METHODS,
     KNOB_RANGES,
     METHOD_KNOBS,

@@ -24,11 +24,11 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from kernels import native
-from kernels.reference.banded import BandedStages, run_banded
-from kernels.reference.full import full_attention
-from kernels.spec import AttentionSpec, resolve_auto
-from kernels.stages import ClusteredStages, Observe, SmyrfStages, call, run_clustered, run_smyrf
+from clusterserve.kernels import native
+from clusterserve.kernels.reference.banded import BandedStages, run_banded
+from clusterserve.kernels.reference.full import full_attention
+from clusterserve.kernels.spec import AttentionSpec, resolve_auto
+from clusterserve.kernels.stages import ClusteredStages, Observe, SmyrfStages, call, run_clustered, run_smyrf
 
 BACKENDS = ("auto", "reference", "native", "triton")
 # What the triton and native backends take; other dtypes (float64) need the reference.
@@ -72,10 +72,10 @@ def backend_for(device: torch.device | str, dtype: torch.dtype, requested: str =
     return requested
 
 
-# Each backend's stage tables: kernels.<backend>.<method>.<BACKEND>, imported on demand, so
+# Each backend's stage tables: clusterserve.kernels.<backend>.<method>.<BACKEND>, imported on demand, so
 # triton stays optional.
 def _stages(backend: str, method: str) -> Any:
-    return getattr(importlib.import_module(f"kernels.{backend}.{method}"), backend.upper())
+    return getattr(importlib.import_module(f"{__package__}.{backend}.{method}"), backend.upper())
 
 
 def clustered_stages(backend: str) -> ClusteredStages:

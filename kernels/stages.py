@@ -34,9 +34,9 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from kernels.reference.kmeans import one_query_per_cluster
-from kernels.reference.masks import token_masks
-from kernels.spec import AttentionSpec
+from clusterserve.kernels.reference.kmeans import one_query_per_cluster
+from clusterserve.kernels.reference.masks import token_masks
+from clusterserve.kernels.spec import AttentionSpec
 
 CLUSTERED_STAGES = ("hash", "cluster", "seed", "refine", "centroids", "centroid_attention", "sparse", "broadcast")
 SMYRF_STAGES = ("hash", "sort", "cluster_attention")

@@ -5,7 +5,7 @@
 - The native CPU loops are compiled by `pip install` (setup.py); without them the CPU runs
   the reference.
 
-    python -m kernels.toolchain      # exit 1 and say what is missing
+    python -m clusterserve.kernels.toolchain      # exit 1 and say what is missing
 
 The Docker build runs it after installing the package, so an image that could not serve its
 own kernels fails to build.
@@ -21,7 +21,7 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from kernels import native
+from clusterserve.kernels import native
 
 # A Python extension as small as Triton's launcher is simple: it includes Python.h.
 _LAUNCHER_PROBE = '#include <Python.h>\nstatic PyObject *probe(PyObject *self, PyObject *args) { Py_RETURN_NONE; }\n'

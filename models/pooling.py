@@ -18,9 +18,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from kernels import FieldError
-from models.config import UnsupportedArchitecture
-from models.runtime.packing import Packed
+from clusterserve.kernels import FieldError
+from clusterserve.models.config import UnsupportedArchitecture
+from clusterserve.models.runtime.packing import Packed
 
 POOLING_MODES = ("mean", "cls", "lasttoken", "max")
 _LEGACY_FLAGS = {

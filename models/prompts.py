@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kernels import FieldError
+from clusterserve.kernels import FieldError
 
 # The prompt_name that asks for no prompt, whatever the checkpoint's default: each text is
 # embedded exactly as written (as Ollama embeds it).

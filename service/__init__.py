@@ -1,10 +1,6 @@
-"""clusterserve's HTTP service: `create_app(settings)` builds the FastAPI app; `python -m service` runs it."""
+"""clusterserve's HTTP service: `create_app(settings)` builds the FastAPI app; `clusterserve serve`
+(or `python -m clusterserve.service`) runs it."""
 
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("clusterserve")
-except PackageNotFoundError:  # running from a checkout that was never installed
-    __version__ = "0.0.0+unknown"
+from clusterserve import __version__
 
 __all__ = ["__version__"]

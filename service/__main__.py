@@ -1,4 +1,4 @@
-"""`python -m service [--host H] [--port P] [--model DIR] [--<setting> VALUE ...]`.
+"""`clusterserve serve [--host H] [--port P] [--model DIR] [--<setting> VALUE ...]`.
 
 Every field of `Settings` is a flag (`max_batch_tokens` -> `--max-batch-tokens`); flags win
 over `CLUSTERSERVE_*` environment variables, which win over the defaults.
@@ -15,14 +15,14 @@ from collections.abc import Sequence
 import uvicorn
 from pydantic import ValidationError
 
-from models.loader import resolve_model
+from clusterserve.models.loader import resolve_model
 
 from .logs import configure as configure_logging
 from .settings import Settings
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> Settings:
-    parser = argparse.ArgumentParser(prog="python -m service", description="Serve long-document embeddings over HTTP.")
+    parser = argparse.ArgumentParser(prog="clusterserve serve", description="Serve long-document embeddings over HTTP.")
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         help_text = f"{field.description} (env CLUSTERSERVE_{name.upper()})"

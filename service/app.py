@@ -19,12 +19,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-import kernels
-from kernels import APPROXIMATE_METHODS, AttentionSpec
-from models import Encoder
-from models.planning.calibration import EXACT
-from models.planning.cost import Throughput, default_budget
-from models.runtime.precision import dtype_name, resolve_dtype
+from clusterserve import kernels
+from clusterserve.kernels import APPROXIMATE_METHODS, AttentionSpec
+from clusterserve.models import Encoder
+from clusterserve.models.planning.calibration import EXACT
+from clusterserve.models.planning.cost import Throughput, default_budget
+from clusterserve.models.runtime.precision import dtype_name, resolve_dtype
 
 from . import __version__, openapi
 from .batching import Batcher
@@ -66,7 +66,7 @@ def load_model(settings: Settings) -> Encoder:
     with its CUDA graphs unless `cuda_graphs` is off. ValueError when the configured
     backend cannot run; CalibrationError for a configured table that is missing, a malformed
     one, or one for another model."""
-    from models import load_encoder
+    from clusterserve.models import load_encoder
 
     device = settings.resolved_device()
     dtype = resolve_dtype(settings.dtype, device)

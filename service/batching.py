@@ -52,11 +52,11 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from kernels import AttentionSpec
-from models import Encoder
-from models.planning.cost import Throughput
-from models.planning.plan import fits
-from models.pooling import POOLED, Output
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models import Encoder
+from clusterserve.models.planning.cost import Throughput
+from clusterserve.models.planning.plan import fits
+from clusterserve.models.pooling import POOLED, Output
 
 from . import errors
 from .metrics import Metrics, PeakMemory, dominant_method

@@ -18,8 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kernels import FieldError
-from models.planning.inputs import EmptyInput, InputError, InputTooLong, NoTokens
+from clusterserve.kernels import FieldError
+from clusterserve.models.planning.inputs import EmptyInput, InputError, InputTooLong, NoTokens
 
 # The fixed set of failure reasons (the `reason` label); metrics pre-creates each one.
 FAILURE_REASONS = (

@@ -1,6 +1,6 @@
 """Log output: one line per request on the `clusterserve.access` logger, as text or JSON.
 
-`configure(settings)` installs the root handler (`python -m service` calls it). With
+`configure(settings)` installs the root handler (`clusterserve serve` calls it). With
 `log_format="json"` every log line is one JSON object (`ts`, `level`, `logger`, `message`,
 plus the request's fields on access lines), which log shippers parse without a pattern.
 The access line holds the request id, route, HTTP method, status, attention method, tokens

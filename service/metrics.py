@@ -24,8 +24,8 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from kernels import APPROXIMATE_METHODS, METHODS, fallbacks
-from models.runtime.graphs import EVENTS, LayerGraphs
+from clusterserve.kernels import APPROXIMATE_METHODS, METHODS, fallbacks
+from clusterserve.models.runtime.graphs import EVENTS, LayerGraphs
 
 from .errors import FAILURE_REASONS
 

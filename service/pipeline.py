@@ -33,9 +33,9 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from torch import Tensor
 
-from kernels import FieldError
-from models.planning.chunk_plan import Chunk
-from models.runtime.encoder import finish
+from clusterserve.kernels import FieldError
+from clusterserve.models.planning.chunk_plan import Chunk
+from clusterserve.models.runtime.encoder import finish
 
 from . import errors
 from .batching import Batcher, Job, JobResult

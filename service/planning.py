@@ -27,15 +27,15 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from kernels import AttentionSpec, FieldError
-from kernels.spec import ATTENTION
-from models import Encoder
-from models.planning.calibration import EXACT
-from models.planning.chunk_plan import Chunk, plan_chunks, plan_late_inputs
-from models.planning.chunking import CHUNKING, ChunkingSpec
-from models.planning.cost import over_budget
-from models.planning.plan import Plan, plan
-from models.pooling import EVERY_TOKEN, POOLED, Output
+from clusterserve.kernels import AttentionSpec, FieldError
+from clusterserve.kernels.spec import ATTENTION
+from clusterserve.models import Encoder
+from clusterserve.models.planning.calibration import EXACT
+from clusterserve.models.planning.chunk_plan import Chunk, plan_chunks, plan_late_inputs
+from clusterserve.models.planning.chunking import CHUNKING, ChunkingSpec
+from clusterserve.models.planning.cost import over_budget
+from clusterserve.models.planning.plan import Plan, plan
+from clusterserve.models.pooling import EVERY_TOKEN, POOLED, Output
 
 from . import errors
 from .batching import Run

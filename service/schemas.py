@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, StrictBool, StrictFloat, StrictInt
 
-from kernels import KNOB_RANGES, METHODS
-from models.planning.chunking import BOUNDARIES, WINDOW_OVERLAP_SHARE, ChunkingSpec
+from clusterserve.kernels import KNOB_RANGES, METHODS
+from clusterserve.models.planning.chunking import BOUNDARIES, WINDOW_OVERLAP_SHARE, ChunkingSpec
 
 
 def _integral(value: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Server settings: environment variables `CLUSTERSERVE_<NAME>` or `python -m service --<name>`.
+"""Server settings: environment variables `CLUSTERSERVE_<NAME>` or `clusterserve serve --<name>`.
 
 One `Settings` object is built at start-up and passed to `create_app`; nothing reads the
 environment after that. The attention fields are the server's defaults for a request's
@@ -17,9 +17,9 @@ import torch
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from kernels import APPROXIMATE_METHODS, BACKENDS, METHODS, AttentionSpec
-from models.planning.calibration import DEFAULT_TARGET_FIDELITY
-from models.runtime.precision import DTYPE_SETTINGS
+from clusterserve.kernels import APPROXIMATE_METHODS, BACKENDS, METHODS, AttentionSpec
+from clusterserve.models.planning.calibration import DEFAULT_TARGET_FIDELITY
+from clusterserve.models.runtime.precision import DTYPE_SETTINGS
 
 _DEFAULT_SPEC = AttentionSpec()
 
@@ -35,7 +35,7 @@ class Settings(BaseSettings):
         None,
         description="the model to serve: a checkpoint folder (config.json, *.safetensors, tokenizer.json), a GGUF "
         "file, or a name: nomic-embed-text-v1.5 (alias nomic), all-MiniLM-L6-v2 (alias minilm); unset = "
-        "nomic-embed-text-v1.5, fetched once by `python -m models.fetch`",
+        "nomic-embed-text-v1.5, fetched once by `clusterserve fetch`",
     )
     device: str = Field("auto", description='torch device for the model: "auto" (cuda if available), "cpu", "cuda:0", ...')
     dtype: Literal[DTYPE_SETTINGS] = Field(  # type: ignore[valid-type]
@@ -91,7 +91,7 @@ class Settings(BaseSettings):
     )
     calibration: Path | None = Field(
         None,
-        description="calibration table for auto's target_fidelity (python -m bench.calibrate); unset = "
+        description="calibration table for auto's target_fidelity (python -m clusterserve.bench.calibrate); unset = "
         "<model folder>/calibration.<cpu|cuda>.json or the table shipped for the model, if any; "
         "a table that is named but missing, or found but malformed, fails start-up",
     )

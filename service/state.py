@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from kernels import AttentionSpec
-from models import Encoder
-from models.planning.cost import Throughput
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models import Encoder
+from clusterserve.models.planning.cost import Throughput
 
 from . import errors
 from .batching import Batcher

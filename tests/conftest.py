@@ -6,17 +6,24 @@ decorates a kernel, so it is set here, before any test module imports `kernels`:
 collected early (tests/bench, tests/gpu) would otherwise fix every kernel as compiled-only for
 the whole session. Tests that compile for a GPU target do so in a subprocess without it.
 
+The checkout's root is taken off sys.path (`python -m pytest` puts it there): its folders are
+`clusterserve`'s sub-packages, never top-level modules, and a root-level `kernels/` would shadow
+Hugging Face's `kernels`, which transformers imports. The project is imported as installed
+(`pip install -e .`), under its one name.
+
 The longest test files are collected first. `make test` runs them on two workers, a whole
 file to a worker in collection order (pytest-xdist's loadfile), so the longest start first and
 the short ones fill in around them (tests/collection_order.py)."""
 
 import os
+import sys
 from pathlib import Path
 
 import torch
 from collection_order import LONGEST_FIRST
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != ROOT]
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

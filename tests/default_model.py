@@ -12,11 +12,11 @@ import pytest
 def require_default_model():
     """The default model's GGUF path. Where it was not fetched the test skips, loudly; under CI
     (CI set) it fails, since `make test` fetches it first."""
-    from models.fetch import GGUF_SIZE, default_model_path
+    from clusterserve.models.fetch import GGUF_SIZE, default_model_path
 
     path = default_model_path()
     if not (path.is_file() and path.stat().st_size == GGUF_SIZE):
-        reason = f"DEFAULT MODEL NOT FETCHED: {path} is missing; run `python -m models.fetch` (make test does)"
+        reason = f"DEFAULT MODEL NOT FETCHED: {path} is missing; run `clusterserve fetch` (make test does)"
         if os.environ.get("CI"):
             pytest.fail(reason)
         pytest.skip(reason)

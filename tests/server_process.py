@@ -1,4 +1,4 @@
-"""The real server as users start it (`python -m service`), on a free loopback port, for the
+"""The real server as users start it (`clusterserve serve`), on a free loopback port, for the
 tests that need a process rather than an in-process app."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+COMMAND = Path(sys.executable).with_name("clusterserve")  # the console script of this venv's install
 
 
 def free_port() -> int:
@@ -32,7 +33,7 @@ def running_server(
     log_path: Path, *flags: str, env: dict[str, str] | None = None, ready_timeout_s: float = 240,
     model: str | None = "all-MiniLM-L6-v2",
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Start `python -m service` on 127.0.0.1 with `flags`, wait until /health/ready answers
+    """Start `clusterserve serve` on 127.0.0.1 with `flags`, wait until /health/ready answers
     200, yield (base URL, process); on exit stop it (SIGTERM, then SIGKILL after 15 s).
 
     model: the --model flag, unless `flags` name one: the small plumbing model by default;
@@ -46,7 +47,7 @@ def running_server(
     environment = {k: v for k, v in os.environ.items() if not k.startswith("CLUSTERSERVE_")} | (env or {})
     if model is not None and "--model" not in flags:
         flags = (*flags, "--model", model)
-    command = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port), *flags]
+    command = [str(COMMAND), "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT)
     try:

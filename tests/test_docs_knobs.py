@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels.spec import APPROXIMATE_METHODS, KNOB_RANGES, METHODS, START_KNOBS, AttentionSpec
-from service.schemas import AttentionRequest
+from clusterserve.kernels.spec import APPROXIMATE_METHODS, KNOB_RANGES, METHODS, START_KNOBS, AttentionSpec
+from clusterserve.service.schemas import AttentionRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹", "0123456789")

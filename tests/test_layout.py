@@ -1,5 +1,6 @@
-"""The layout's rules, read from the source: no import cycles among the project's modules,
-`kernels` free of HTTP and of the models, `models` free of FastAPI and of the service."""
+"""The layout's rules, read from the source: one import name (`clusterserve`, over the
+repository's top-level folders), no import cycles among the project's modules, `kernels` free of
+HTTP and of the models, `models` free of FastAPI and of the service."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kernels", "models", "service", "bench")
+NAME = "clusterserve"
+PACKAGES = (NAME, "kernels", "models", "service", "bench")  # folders; all but the first install as NAME.<folder>
 
 
 def module_name(path: Path) -> str:
+    """The installed name of a source file: kernels/spec.py -> clusterserve.kernels.spec."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join(parts if parts[0] == NAME else [NAME, *parts])
 
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
@@ -103,7 +107,25 @@ def test_layers_import_downward_only(package, forbidden):
             names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
             for name in names:
-                assert name.split(".")[0] not in forbidden, f"{path.relative_to(ROOT)} imports {name}"
+                layer = name.removeprefix(f"{NAME}.").split(".")[0]
+                assert layer not in forbidden, f"{path.relative_to(ROOT)} imports {name}"
+
+
+def python_files() -> list[Path]:
+    return [path for folder in (*PACKAGES, "tests") for path in (ROOT / folder).rglob("*.py")] + [ROOT / "setup.py"]
+
+
+def test_the_project_is_imported_by_its_one_name_only():
+    """A bare `import kernels` would take Hugging Face's distribution (installed) or this
+    checkout's folder (run from the root), never both the same way: the code and the tests say
+    `clusterserve.kernels`."""
+    bare = []
+    for path in python_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bare += [f"{path.relative_to(ROOT)}: {name}" for name in names if name.split(".")[0] in PACKAGES[1:]]
+    assert not bare, f"imports of the project by a top-level name other than {NAME}: {bare}"
 
 
 def test_the_longest_first_order_names_test_files_that_exist():

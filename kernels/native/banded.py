@@ -21,9 +21,9 @@ import functools
 import torch
 from torch import Tensor
 
-from kernels import native
-from kernels.reference.banded import BandedStages, Pooled, choice_scores, pool, select
-from kernels.spec import AttentionSpec
+from clusterserve.kernels import native
+from clusterserve.kernels.reference.banded import BandedStages, Pooled, choice_scores, pool, select
+from clusterserve.kernels.spec import AttentionSpec
 
 
 def block_means(k: Tensor, v: Tensor, counted: Tensor, size: int) -> tuple[Tensor, Tensor]:

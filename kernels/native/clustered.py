@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import native
-from kernels.reference.clustered import broadcast, gather_rows, seed_assignments
-from kernels.reference.full import attend
-from kernels.reference.hashing import hash_planes
-from kernels.reference.kmeans import initial_centroid_positions, initial_offsets
-from kernels.spec import AttentionSpec
-from kernels.stages import CentroidAttention, ClusteredStages
+from clusterserve.kernels import native
+from clusterserve.kernels.reference.clustered import broadcast, gather_rows, seed_assignments
+from clusterserve.kernels.reference.full import attend
+from clusterserve.kernels.reference.hashing import hash_planes
+from clusterserve.kernels.reference.kmeans import initial_centroid_positions, initial_offsets
+from clusterserve.kernels.spec import AttentionSpec
+from clusterserve.kernels.stages import CentroidAttention, ClusteredStages
 
 # The centroid pass of clustered attention upcasts k and v in this many parts.
 UPCAST_PARTS = 4

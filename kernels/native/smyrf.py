@@ -22,11 +22,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import native
-from kernels.reference.masks import token_masks
-from kernels.reference.smyrf import cluster_counts, smyrf_projections
-from kernels.spec import AttentionSpec
-from kernels.stages import SmyrfStages
+from clusterserve.kernels import native
+from clusterserve.kernels.reference.masks import token_masks
+from clusterserve.kernels.reference.smyrf import cluster_counts, smyrf_projections
+from clusterserve.kernels.spec import AttentionSpec
+from clusterserve.kernels.stages import SmyrfStages
 
 
 def hash_tokens(q: Tensor, k: Tensor, key_padding_mask: Tensor | None, spec: AttentionSpec) -> tuple[Tensor, Tensor]:

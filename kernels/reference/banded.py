@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.reference.masks import token_masks
-from kernels.spec import AttentionSpec
-from kernels.stages import call, float32_or_64
+from clusterserve.kernels.reference.masks import token_masks
+from clusterserve.kernels.spec import AttentionSpec
+from clusterserve.kernels.stages import call, float32_or_64
 
 # Query blocks per step of the reference's loop: bounds its (blocks, block, keys) logits.
 _BLOCKS_PER_STEP = 32

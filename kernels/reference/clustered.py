@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.reference.hashing import hash_codes, hash_planes, unpack_bits
-from kernels.reference.kmeans import cluster_means, hamming_kmeans, initial_offsets, refine_clusters, seeded_clusters
-from kernels.spec import AttentionSpec
-from kernels.stages import CentroidAttention, ClusteredStages, float32_or_64
+from clusterserve.kernels.reference.hashing import hash_codes, hash_planes, unpack_bits
+from clusterserve.kernels.reference.kmeans import cluster_means, hamming_kmeans, initial_offsets, refine_clusters, seeded_clusters
+from clusterserve.kernels.spec import AttentionSpec
+from clusterserve.kernels.stages import CentroidAttention, ClusteredStages, float32_or_64
 
 # Members of one cluster are processed in tiles of this many queries (the Triton kernel's
 # BLOCK_M); a tile shares its cluster's top-k keys.

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.reference.hashing import seeded_generator
+from clusterserve.kernels.reference.hashing import seeded_generator
 
 # Queries per step of the nearest-centroid search: keeps the (chunk, C) scores in cache.
 _NEAREST_CHUNK = 2048

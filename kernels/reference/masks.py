@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.reference.hashing import on_device
+from clusterserve.kernels.reference.hashing import on_device
 
 
 def _all_real(batch: int, length: int) -> Tensor:

@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.reference.hashing import seeded_generator
-from kernels.reference.masks import token_masks
-from kernels.spec import AttentionSpec
-from kernels.stages import SmyrfStages, float32_or_64, sort_by_hash
+from clusterserve.kernels.reference.hashing import seeded_generator
+from clusterserve.kernels.reference.masks import token_masks
+from clusterserve.kernels.spec import AttentionSpec
+from clusterserve.kernels.stages import SmyrfStages, float32_or_64, sort_by_hash
 
 
 def smyrf_cluster_count(n_real, m_real, cluster_size: int):

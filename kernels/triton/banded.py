@@ -34,11 +34,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.reference.banded import BandedStages, Pooled
-from kernels.spec import AttentionSpec
-from kernels.triton.banded_pool import key_bias, mean_key_parts, pool
-from kernels.triton.banded_select import LOG2E, log_count_units, select
-from kernels.triton.helpers import (
+from clusterserve.kernels.reference.banded import BandedStages, Pooled
+from clusterserve.kernels.spec import AttentionSpec
+from clusterserve.kernels.triton.banded_pool import key_bias, mean_key_parts, pool
+from clusterserve.kernels.triton.banded_select import LOG2E, log_count_units, select
+from clusterserve.kernels.triton.helpers import (
     head_start,
     mma,
     online_softmax_step,

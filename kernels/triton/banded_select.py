@@ -23,12 +23,21 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import fallbacks
-from kernels.reference.banded import Pooled, far_count
-from kernels.reference.banded import select as reference_select
-from kernels.spec import AttentionSpec
-from kernels.triton.banded_pool import mean_key_parts
-from kernels.triton.helpers import chunking, dot_parts_left, head_start, mma, pow2_block, split_scale, unit_rows, upcast
+from clusterserve.kernels import fallbacks
+from clusterserve.kernels.reference.banded import Pooled, far_count
+from clusterserve.kernels.reference.banded import select as reference_select
+from clusterserve.kernels.spec import AttentionSpec
+from clusterserve.kernels.triton.banded_pool import mean_key_parts
+from clusterserve.kernels.triton.helpers import (
+    chunking,
+    dot_parts_left,
+    head_start,
+    mma,
+    pow2_block,
+    split_scale,
+    unit_rows,
+    upcast,
+)
 
 LOG2E = 1.0 / math.log(2.0)
 

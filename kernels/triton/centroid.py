@@ -28,11 +28,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import fallbacks
-from kernels.reference.clustered import centroid_attention
-from kernels.stages import CentroidAttention
-from kernels.triton.centroid_topk import COMBINE_BLOCK_C, centroid_topk_triton
-from kernels.triton.helpers import (
+from clusterserve.kernels import fallbacks
+from clusterserve.kernels.reference.clustered import centroid_attention
+from clusterserve.kernels.stages import CentroidAttention
+from clusterserve.kernels.triton.centroid_topk import COMBINE_BLOCK_C, centroid_topk_triton
+from clusterserve.kernels.triton.helpers import (
     centroid_logits,
     has_padding,
     key_splits,

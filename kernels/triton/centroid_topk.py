@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton.helpers import centroid_logits, key_splits, mma, pow2_block, split_parts, top_of_sorted, upcast
+from clusterserve.kernels.triton.helpers import centroid_logits, key_splits, mma, pow2_block, split_parts, top_of_sorted, upcast
 
 # Centroids per tile of the top-k filter, and of its merge (4: 25 programs a head at 100
 # clusters, 300 at batch 1, more than the SMs; a merge's steps are short).

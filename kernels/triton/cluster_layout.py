@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton.helpers import chunking, pow2_block
+from clusterserve.kernels.triton.helpers import chunking, pow2_block
 
 # Queries per tile of a chunk (of the counts: several tiles a load, so that a program waits for
 # fewer loads in turn), and clusters per step of the counts and the scatter.

@@ -37,24 +37,24 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.reference.hashing import hash_planes, on_device
-from kernels.reference.kmeans import initial_offsets
-from kernels.spec import AttentionSpec
-from kernels.stages import CentroidAttention, ClusteredStages, applied_by_stages, cluster_queries
-from kernels.triton import hamming, means
-from kernels.triton.centroid import centroid_attention_triton
-from kernels.triton.cluster_layout import cluster_layout_triton
-from kernels.triton.hamming import hamming_kmeans_triton
-from kernels.triton.hashing import hash_codes_triton
-from kernels.triton.helpers import chunking, mma, online_softmax_step, pow2_block, rounded, upcast
-from kernels.triton.lloyd import (
+from clusterserve.kernels.reference.hashing import hash_planes, on_device
+from clusterserve.kernels.reference.kmeans import initial_offsets
+from clusterserve.kernels.spec import AttentionSpec
+from clusterserve.kernels.stages import CentroidAttention, ClusteredStages, applied_by_stages, cluster_queries
+from clusterserve.kernels.triton import hamming, means
+from clusterserve.kernels.triton.centroid import centroid_attention_triton
+from clusterserve.kernels.triton.cluster_layout import cluster_layout_triton
+from clusterserve.kernels.triton.hamming import hamming_kmeans_triton
+from clusterserve.kernels.triton.hashing import hash_codes_triton
+from clusterserve.kernels.triton.helpers import chunking, mma, online_softmax_step, pow2_block, rounded, upcast
+from clusterserve.kernels.triton.lloyd import (
     refine_buffers,
     refine_clusters_triton,
     refine_summed_triton,
     seed_clusters_triton,
     seeded_summed_triton,
 )
-from kernels.triton.means import cluster_means_triton
+from clusterserve.kernels.triton.means import cluster_means_triton
 
 LOG2E = 1.4426950408889634
 # Queries per sparse tile and its warps: each tile gathers its cluster's top-k keys and values

@@ -20,8 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.triton.helpers import any_set, top_of_sorted
-from kernels.triton.means import block_means, load_rows
+from clusterserve.kernels.triton.helpers import any_set, top_of_sorted
+from clusterserve.kernels.triton.means import block_means, load_rows
 
 # Key of no query: below every real or padded query's key.
 NO_KEY = -(1 << 62)

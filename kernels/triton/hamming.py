@@ -36,16 +36,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton import means
-from kernels.triton.hamming_step import (
+from clusterserve.kernels.triton import means
+from clusterserve.kernels.triton.hamming_step import (
     _clear_slice,
     _hamming_step_kernel,
     _key_bias,
     _nearest_key,
     _ranked,
 )
-from kernels.triton.hamming_update import _hamming_update_kernel
-from kernels.triton.helpers import (
+from clusterserve.kernels.triton.hamming_update import _hamming_update_kernel
+from clusterserve.kernels.triton.helpers import (
     any_set,
     chunk_group,
     chunking,
@@ -58,7 +58,7 @@ from kernels.triton.helpers import (
     pow2_block,
     upcast,
 )
-from kernels.triton.seeding import seed_positions, seed_range
+from clusterserve.kernels.triton.seeding import seed_positions, seed_range
 
 
 class VectorSums(NamedTuple):

@@ -27,9 +27,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.triton.hamming_update import _donor_position, _level_ranks
-from kernels.triton.helpers import code_signs, exact_case, mma, one_hot
-from kernels.triton.means import chunk_sums
+from clusterserve.kernels.triton.hamming_update import _donor_position, _level_ranks
+from clusterserve.kernels.triton.helpers import code_signs, exact_case, mma, one_hot
+from clusterserve.kernels.triton.means import chunk_sums
 
 
 @triton.jit

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.triton.helpers import (
+from clusterserve.kernels.triton.helpers import (
     any_set,
     code_signs,
     scalar_at,

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton.helpers import chunking, dot_parts, pow2_block, split_parts, upcast
+from clusterserve.kernels.triton.helpers import chunking, dot_parts, pow2_block, split_parts, upcast
 
 # Codes are packed into one int64, so at most 63 bits (spec.bits <= 63): the tile is 64 wide.
 BLOCK_BITS = 64

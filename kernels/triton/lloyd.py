@@ -41,9 +41,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton import means
-from kernels.triton.donors import NO_KEY, _candidates_kernel, _donated, _donor_kernel, _means_candidates_kernel
-from kernels.triton.helpers import (
+from clusterserve.kernels.triton import means
+from clusterserve.kernels.triton.donors import NO_KEY, _candidates_kernel, _donated, _donor_kernel, _means_candidates_kernel
+from clusterserve.kernels.triton.helpers import (
     any_set,
     chunking,
     dot_parts,
@@ -53,8 +53,8 @@ from kernels.triton.helpers import (
     split_parts,
     upcast,
 )
-from kernels.triton.means import chunk_sums, load_rows
-from kernels.triton.seeding import seed_means_triton
+from clusterserve.kernels.triton.means import chunk_sums, load_rows
+from clusterserve.kernels.triton.seeding import seed_means_triton
 
 # Means per tile of the nearest-mean search: up to this many, they are read and split into
 # half-precision parts once per program (more: tiles of NEAREST_NARROW_C).

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton.helpers import (
+from clusterserve.kernels.triton.helpers import (
     any_set,
     chunk_group,
     chunking,

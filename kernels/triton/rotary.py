@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton.helpers import pow2_block, rounded
+from clusterserve.kernels.triton.helpers import pow2_block, rounded
 
 # Tokens a program rotates: every head of them, their cos / sin rows read once.
 BLOCK_T = 32

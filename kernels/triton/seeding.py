@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton import means
-from kernels.triton.helpers import count_real, pow2_block
+from clusterserve.kernels.triton import means
+from clusterserve.kernels.triton.helpers import count_real, pow2_block
 
 # Clusters per step of the seeds' search, queries per step of a chunk's rank count, and mask
 # bytes per step of a count of real queries.

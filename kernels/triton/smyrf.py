@@ -41,12 +41,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.reference.hashing import on_device
-from kernels.reference.smyrf import smyrf_cluster_count, smyrf_projections
-from kernels.spec import AttentionSpec
-from kernels.stages import SmyrfStages, sort_by_hash
-from kernels.triton import helpers
-from kernels.triton.helpers import (
+from clusterserve.kernels.reference.hashing import on_device
+from clusterserve.kernels.reference.smyrf import smyrf_cluster_count, smyrf_projections
+from clusterserve.kernels.spec import AttentionSpec
+from clusterserve.kernels.stages import SmyrfStages, sort_by_hash
+from clusterserve.kernels.triton import helpers
+from clusterserve.kernels.triton.helpers import (
     ceil_div,
     chunking,
     count_real,

@@ -12,11 +12,11 @@ mixer.Wqkv with torch parametrizations); ModernBERT's and EuroBERT's parameters 
 checkpoints' names. Old versions' buffers and the NSP pooler are not loaded.
 """
 
-from models.networks.bert import BertModel
-from models.networks.eurobert import EuroBertModel
-from models.networks.modernbert import ModernBertModel
-from models.networks.network import Network
-from models.networks.rotary_bert import RotaryBertModel
+from clusterserve.models.networks.bert import BertModel
+from clusterserve.models.networks.eurobert import EuroBertModel
+from clusterserve.models.networks.modernbert import ModernBertModel
+from clusterserve.models.networks.network import Network
+from clusterserve.models.networks.rotary_bert import RotaryBertModel
 
 # The embeddings of BERT and of the rotary BERTs (no position table; nomic's LayerNorm is emb_ln).
 _EMBEDDINGS = (

@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kernels import AttentionSpec, attention
-from models.config import ACTIVATIONS, EncoderConfig
-from models.networks.linear import Linear
-from models.networks.rotary import apply_rotary, packed_rotary
-from models.networks.rows import by_rows
-from models.runtime.forward import Pass
-from models.runtime.packing import Packed
+from clusterserve.kernels import AttentionSpec, attention
+from clusterserve.models.config import ACTIVATIONS, EncoderConfig
+from clusterserve.models.networks.linear import Linear
+from clusterserve.models.networks.rotary import apply_rotary, packed_rotary
+from clusterserve.models.networks.rows import by_rows
+from clusterserve.models.runtime.forward import Pass
+from clusterserve.models.runtime.packing import Packed
 
 
 class RMSNorm(nn.Module):

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.config import EncoderConfig
-from models.networks.linear import Linear
+from clusterserve.models.config import EncoderConfig
+from clusterserve.models.networks.linear import Linear
 
 
 class AdaptedLinear(Linear):

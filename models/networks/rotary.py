@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import native
-from models.config import ROPE_TYPES
-from models.runtime.packing import Packed
+from clusterserve.kernels import native
+from clusterserve.models.config import ROPE_TYPES
+from clusterserve.models.runtime.packing import Packed
 
 
 def rotary_base(n: int, head_dim: int, theta: float, rope_type: str = "default", factor: float = 1.0, original: int = 0) -> float:
@@ -90,7 +90,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False)
     of the native loops (kernels.native.rotary), bit for bit the same, without the five
     float32 temporaries of the element-wise ops; everything else takes `apply_rotary_torch`."""
     if x.is_cuda and x.dim() == 3 and cos.dim() == 3:
-        from kernels.triton.rotary import rotary_triton
+        from clusterserve.kernels.triton.rotary import rotary_triton
 
         return rotary_triton(x, cos, sin, interleaved)
     if x.device.type == "cpu":

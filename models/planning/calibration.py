@@ -1,6 +1,6 @@
 """Calibration tables: measured fidelity and time of attention configurations per input length.
 
-`python -m bench.calibrate` embeds real long text with exact attention and with a grid of
+`python -m clusterserve.bench.calibrate` embeds real long text with exact attention and with a grid of
 approximate configurations, per length bucket, on one device, and writes a table:
 
     {"format": "clusterserve-calibration/1", "model": "all-MiniLM-L6-v2", "device": "cpu",
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kernels import APPROXIMATE_METHODS, AttentionSpec
+from clusterserve.kernels import APPROXIMATE_METHODS, AttentionSpec
 
 FORMAT = "clusterserve-calibration/1"
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "calibrations"

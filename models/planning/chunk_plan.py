@@ -26,12 +26,12 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from kernels import AttentionSpec, FieldError, resolve_auto
-from models.planning.chunking import CHUNKING, ChunkingSpec, chunk_spans, unit_starts, window_sizes, windows
-from models.planning.inputs import InputTooLong, NoTokens
-from models.planning.plan import Encoder, Plan, PlannedInput, check_attention, choose_prompt_and_adapter
-from models.pooling import POOLED, Output
-from models.tokenization import TRUNCATION_DIRECTIONS, Tokens
+from clusterserve.kernels import AttentionSpec, FieldError, resolve_auto
+from clusterserve.models.planning.chunking import CHUNKING, ChunkingSpec, chunk_spans, unit_starts, window_sizes, windows
+from clusterserve.models.planning.inputs import InputTooLong, NoTokens
+from clusterserve.models.planning.plan import Encoder, Plan, PlannedInput, check_attention, choose_prompt_and_adapter
+from clusterserve.models.pooling import POOLED, Output
+from clusterserve.models.tokenization import TRUNCATION_DIRECTIONS, Tokens
 
 
 @dataclass(frozen=True)

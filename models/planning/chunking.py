@@ -25,8 +25,8 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Sequence
 
-from kernels import FieldError
-from models.planning.inputs import is_int
+from clusterserve.kernels import FieldError
+from clusterserve.models.planning.inputs import is_int
 
 CHUNKING = "chunking"  # FieldError.within for a ChunkingSpec field
 BOUNDARIES = ("tokens", "sentences", "paragraphs")

@@ -15,8 +15,8 @@ from __future__ import annotations
 from numbers import Integral
 from typing import Any, Protocol, Sequence
 
-from kernels import FieldError
-from models.tokenization import TRUNCATION_DIRECTIONS, Tokens
+from clusterserve.kernels import FieldError
+from clusterserve.models.tokenization import TRUNCATION_DIRECTIONS, Tokens
 
 
 class InputError(FieldError):

@@ -22,11 +22,11 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
-from kernels import AttentionSpec, FieldError, Resolved, resolve_auto
-from models.planning.calibration import Calibration
-from models.pooling import PoolingConfig
-from models.prompts import NO_PROMPT, Prompts, UnknownPrompt
-from models.tokenization import TextTokenizer
+from clusterserve.kernels import AttentionSpec, FieldError, Resolved, resolve_auto
+from clusterserve.models.planning.calibration import Calibration
+from clusterserve.models.pooling import PoolingConfig
+from clusterserve.models.prompts import NO_PROMPT, Prompts, UnknownPrompt
+from clusterserve.models.tokenization import TextTokenizer
 
 
 class Encoder(Protocol):

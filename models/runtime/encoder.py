@@ -30,19 +30,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import BACKENDS, AttentionSpec, FieldError
-from models.planning.calibration import Calibration
-from models.planning.chunk_plan import Chunk, ChunkPlan, plan_chunks
-from models.planning.chunking import ChunkingSpec
-from models.planning.cost import CostModel
-from models.planning.inputs import is_int, prepare_inputs
-from models.planning.plan import UnknownAdapter, plan
-from models.pooling import Output, PoolingConfig, pool, pool_each
-from models.prompts import NO_PROMPT, Prompts
-from models.runtime.forward import Pass
-from models.runtime.graphs import LayerGraphs
-from models.runtime.packing import bucket_length, pack
-from models.tokenization import TextTokenizer, Tokens
+from clusterserve.kernels import BACKENDS, AttentionSpec, FieldError
+from clusterserve.models.planning.calibration import Calibration
+from clusterserve.models.planning.chunk_plan import Chunk, ChunkPlan, plan_chunks
+from clusterserve.models.planning.chunking import ChunkingSpec
+from clusterserve.models.planning.cost import CostModel
+from clusterserve.models.planning.inputs import is_int, prepare_inputs
+from clusterserve.models.planning.plan import UnknownAdapter, plan
+from clusterserve.models.pooling import Output, PoolingConfig, pool, pool_each
+from clusterserve.models.prompts import NO_PROMPT, Prompts
+from clusterserve.models.runtime.forward import Pass
+from clusterserve.models.runtime.graphs import LayerGraphs
+from clusterserve.models.runtime.packing import bucket_length, pack
+from clusterserve.models.tokenization import TextTokenizer, Tokens
 
 __all__ = ["Chunked", "Encoder", "finish"]
 

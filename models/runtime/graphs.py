@@ -38,10 +38,10 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import Tensor
 
-from kernels import AttentionSpec
-from kernels.reference.hashing import holding_device_constants
-from models.runtime.forward import LayeredModel, Pass
-from models.runtime.packing import Packed
+from clusterserve.kernels import AttentionSpec
+from clusterserve.kernels.reference.hashing import holding_device_constants
+from clusterserve.models.runtime.forward import LayeredModel, Pass
+from clusterserve.models.runtime.packing import Packed
 
 log = logging.getLogger("clusterserve")
 

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from kernels import AttentionSpec
+from clusterserve.kernels import AttentionSpec
 
 # Lengths up to twice this are their own bucket; above, each doubling is cut into this many.
 BUCKET_STEPS = 16

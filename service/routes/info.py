@@ -10,9 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from kernels import KNOB_RANGES, METHOD_KNOBS, METHODS
-from models import Encoder
-from models.planning.chunking import BOUNDARIES, ChunkingSpec, window_sizes
+from clusterserve.kernels import KNOB_RANGES, METHOD_KNOBS, METHODS
+from clusterserve.models import Encoder
+from clusterserve.models.planning.chunking import BOUNDARIES, ChunkingSpec, window_sizes
 
 from .. import __version__, errors
 from ..schemas import CHUNK_TOKENS_MAX, ErrorResponse

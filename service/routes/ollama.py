@@ -24,8 +24,8 @@ from typing import Callable
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from models import Encoder
-from models.prompts import NO_PROMPT
+from clusterserve.models import Encoder
+from clusterserve.models.prompts import NO_PROMPT
 
 from .. import __version__, errors
 from ..auth import require_api_key

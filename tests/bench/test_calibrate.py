@@ -1,14 +1,14 @@
-"""bench.calibrate's measurement on a small model: what it times and what the table records."""
+"""clusterserve.bench.calibrate's measurement on a small model: what it times and what the table records."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.calibrate import measure
-from bench.common import CALIBRATION_TEXTS, LICENSE_DIR
-from kernels import AttentionSpec
-from models import load_encoder
-from models.planning.calibration import parse_calibration
+from clusterserve.bench.calibrate import measure
+from clusterserve.bench.common import CALIBRATION_TEXTS, LICENSE_DIR
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models import load_encoder
+from clusterserve.models.planning.calibration import parse_calibration
 
 
 @pytest.mark.skipif(not (LICENSE_DIR / CALIBRATION_TEXTS[0]).is_file(), reason="needs Debian's license texts")

@@ -1,7 +1,7 @@
 """The committed offline GPU reports (bench/results/gpu_static.json, its twin compiled by the
 Docker image's Triton 3.4, gpu_static-triton-3.4.json, and gpu_model.json) name only Triton
 kernels that exist: a kernel renamed, fused away or deleted makes this fail until the reports
-are regenerated (`python -m bench.gpu_static`, `python -m bench.gpu_model`; bench/README.md).
+are regenerated (`python -m clusterserve.bench.gpu_static`, `python -m clusterserve.bench.gpu_model`; bench/README.md).
 
 Nothing compiles here: the reports are read as committed and the kernels are looked up by name
 in the kernels package (and bench.flash_attention, the model's validation kernel).
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.timing import triton_kernels
+from clusterserve.bench.timing import triton_kernels
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
 def existing_kernels() -> set[str]:
-    from bench.flash_attention import _flash_forward_kernel
+    from clusterserve.bench.flash_attention import _flash_forward_kernel
 
     return {kernel.fn.__name__ for kernel in triton_kernels()} | {_flash_forward_kernel.fn.__name__}
 
@@ -50,7 +50,7 @@ def test_committed_report_names_only_existing_kernels(name, kernels_of):
     assert named, f"bench/results/{name} names no kernel"
     stale = sorted(named - existing_kernels())
     assert not stale, (f"bench/results/{name} names kernels that no longer exist: {stale}; regenerate it "
-                       f"(python -m bench.{name.removesuffix('.json').split('-')[0]})")
+                       f"(python -m clusterserve.bench.{name.removesuffix('.json').split('-')[0]})")
 
 
 def test_a_stale_report_is_caught():

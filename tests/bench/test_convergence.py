@@ -1,4 +1,4 @@
-"""bench.convergence's starts and counts on small random codes (native backend): a warm start
+"""clusterserve.bench.convergence's starts and counts on small random codes (native backend): a warm start
 from a layer's own converged clusters is already converged, an empty cluster starts as the
 cold start's, and a start that needs iterations is counted as needing them."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from bench.convergence import CAP, cold_initial, iterations_to_converge, warm_initial
-from kernels import AttentionSpec
-from kernels.native import hamming_kmeans
+from clusterserve.bench.convergence import CAP, cold_initial, iterations_to_converge, warm_initial
+from clusterserve.kernels import AttentionSpec
+from clusterserve.kernels.native import hamming_kmeans
 
 SPEC = AttentionSpec(method="i-clustered", clusters=8, topk=4, bits=16)
 

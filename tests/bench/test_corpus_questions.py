@@ -1,7 +1,7 @@
-"""bench.corpus's hand-written questions: the file parses, each question goes to its page's
+"""clusterserve.bench.corpus's hand-written questions: the file parses, each question goes to its page's
 document, and pages outside the corpus are left out."""
 
-from bench.corpus import QUESTIONS, Document, questions
+from clusterserve.bench.corpus import QUESTIONS, Document, questions
 
 
 def _rows() -> list[tuple[str, str]]:

@@ -1,4 +1,4 @@
-"""bench.cost_check's fit of the work estimate's weights, on tables made from known weights."""
+"""clusterserve.bench.cost_check's fit of the work estimate's weights, on tables made from known weights."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from bench.cost_check import EXACT, fit, ratios
-from kernels import AttentionSpec
-from models.planning.calibration import Bucket, Calibration, Measured
-from models.planning.cost import WEIGHTS, CostModel
+from clusterserve.bench.cost_check import EXACT, fit, ratios
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models.planning.calibration import Bucket, Calibration, Measured
+from clusterserve.models.planning.cost import WEIGHTS, CostModel
 
 # all-MiniLM-L6-v2's shape: 6 layers of 12 heads x 32.
 SHAPE = CostModel(per_token=21293568.0, heads=12, head_dim=32, global_layers=6)

@@ -8,8 +8,8 @@ import pytest
 import triton
 import triton.language as tl
 
-from bench import sass, warp_cost
-from bench.trip_counts import UnknownBound, bound_arguments, loop_trips
+from clusterserve.bench import sass, warp_cost
+from clusterserve.bench.trip_counts import UnknownBound, bound_arguments, loop_trips
 
 # An outer loop (line 11) around an inner one (line 14), then an exit and the idle loop that
 # follows every kernel.

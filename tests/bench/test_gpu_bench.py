@@ -1,4 +1,4 @@
-"""`python -m bench.gpu --dry-run`: the whole GPU benchmark script, run on CPU through Triton's
+"""`python -m clusterserve.bench.gpu --dry-run`: the whole GPU benchmark script, run on CPU through Triton's
 interpreter at tiny sizes and knobs in a subprocess, writes complete, sane rows. It measures
 nothing; it proves the script runs end to end before a GPU session spends time on it."""
 
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kernels.stages import CLUSTERED_STAGES, SMYRF_STAGES
+from clusterserve.kernels.stages import CLUSTERED_STAGES, SMYRF_STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 # Each subprocess below runs the interpreter for minutes (~120-180 s on a loaded 2-core machine);
@@ -38,7 +38,7 @@ STAGES = {
 def dry_run(out: Path, *args: str) -> str:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "bench.gpu", "--dry-run", "--out", str(out), "--name", "dry", *args],
+        [sys.executable, "-m", "clusterserve.bench.gpu", "--dry-run", "--out", str(out), "--name", "dry", *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

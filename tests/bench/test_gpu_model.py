@@ -1,4 +1,4 @@
-"""`python -m bench.gpu_model` on the budget's shapes (B = 1, 12 heads x 64, bfloat16, sm_90, no
+"""`python -m clusterserve.bench.gpu_model` on the budget's shapes (B = 1, 12 heads x 64, bfloat16, sm_90, no
 GPU): the strict offline cost model runs on every launch the pipelines record, every loop of
 every kernel gets a trip count, its validation kernel stays within its published figures' band,
 and the time budgets of the GPU path hold (DESIGN.md, "The GPU path"):
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import AttentionSpec
+from clusterserve.kernels import AttentionSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET_METHODS = ["clustered 100", "i-clustered 100/32 (paper)", "i-clustered 100/32",
@@ -34,10 +34,10 @@ SMS = 132
 NEGLIGIBLE_US = 10.0
 
 def run_model(out: Path, lengths: list[int], methods: list[str]) -> dict:
-    """`python -m bench.gpu_model` at head dim 64 on these lengths and methods: its JSON report."""
+    """`python -m clusterserve.bench.gpu_model` at head dim 64 on these lengths and methods: its JSON report."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # it compiles: no interpreter
     result = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_model", "--lengths", *map(str, lengths), "--head-dims", "64",
+        [sys.executable, "-m", "clusterserve.bench.gpu_model", "--lengths", *map(str, lengths), "--head-dims", "64",
          "--methods", *methods, "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )

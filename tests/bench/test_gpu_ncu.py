@@ -1,9 +1,9 @@
-"""bench.gpu_ncu on Triton's interpreter at tiny sizes: the script runs one call per method and
+"""clusterserve.bench.gpu_ncu on Triton's interpreter at tiny sizes: the script runs one call per method and
 length (on a GPU, the bracketed one that Nsight Compute profiles)."""
 
 import pytest
 
-from bench import gpu_ncu
+from clusterserve.bench import gpu_ncu
 
 
 def test_the_script_runs_each_method_at_each_length(capsys):

@@ -1,12 +1,12 @@
-"""bench.gpu_shapes on Triton's interpreter at tiny sizes: the script runs every method under a
+"""clusterserve.bench.gpu_shapes on Triton's interpreter at tiny sizes: the script runs every method under a
 variant beside the shipped shape, and a variant's constants hold for its calls only."""
 
 import json
 
 import torch
 
-from bench import gpu_shapes
-from kernels.triton import banded, helpers
+from clusterserve.bench import gpu_shapes
+from clusterserve.kernels.triton import banded, helpers
 
 
 def test_a_variant_patches_its_constants_and_restores_them():

@@ -1,4 +1,4 @@
-"""`python -m bench.gpu_static` for sm_90 on the shapes of one 16k-token call (B = 1, 12 heads
+"""`python -m clusterserve.bench.gpu_static` for sm_90 on the shapes of one 16k-token call (B = 1, 12 heads
 x 64, bfloat16): every Triton kernel compiles for an H100 with the launchers' own block
 sizes, and the report's figures are read from what the compiler made.
 
@@ -31,7 +31,7 @@ KERNELS = {"_hash_kernel", "_seed_means_kernel", "_hamming_initial_kernel", "_ha
 def run_report(out: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # it compiles: no interpreter
     return subprocess.run(
-        [sys.executable, "-m", "bench.gpu_static", "--arch", "90", "--lengths", "16384", "--head-dims", "64",
+        [sys.executable, "-m", "clusterserve.bench.gpu_static", "--arch", "90", "--lengths", "16384", "--head-dims", "64",
          "--dtypes", "bfloat16", "--out", str(out), *extra],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
@@ -141,7 +141,7 @@ def test_targeting_restores_the_driver_of_either_triton_layout(config, monkeypat
     # The compile runs under the Docker image's Triton (3.4) as well as this checkout's.
     import importlib
 
-    from bench.gpu_static import targeting
+    from clusterserve.bench.gpu_static import targeting
 
     before = object()
     registry = config(before)

@@ -1,9 +1,9 @@
-"""bench.gpu_stress on Triton's interpreter at tiny sizes: the script runs, repeats a case, and
+"""clusterserve.bench.gpu_stress on Triton's interpreter at tiny sizes: the script runs, repeats a case, and
 counts a changed element as a change."""
 
 import torch
 
-from bench import gpu_stress
+from clusterserve.bench import gpu_stress
 
 
 def test_one_case_runs_and_finds_nothing_changed(capsys):

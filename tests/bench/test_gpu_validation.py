@@ -1,14 +1,14 @@
-"""bench.gpu_validation: the profiler tables parse into per-kernel device times, and the committed
+"""clusterserve.bench.gpu_validation: the profiler tables parse into per-kernel device times, and the committed
 comparison of the cost model with the H100's measurements is what the committed files give
-(regenerate it with `python -m bench.gpu_validation` after regenerating gpu_model.json)."""
+(regenerate it with `python -m clusterserve.bench.gpu_validation` after regenerating gpu_model.json)."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from bench.gpu import SPECS
-from bench.gpu_validation import LIBRARY, compare, fixed_launch_cost, parse_profile
+from clusterserve.bench.gpu import SPECS
+from clusterserve.bench.gpu_validation import LIBRARY, compare, fixed_launch_cost, parse_profile
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 # Each H100 run: its stem, and the (method, length) calls it profiled that the model estimates.

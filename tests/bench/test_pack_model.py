@@ -1,11 +1,11 @@
-"""bench.pack_model's stand-in for the default model on a GPU machine: `--shape` here is small
+"""clusterserve.bench.pack_model's stand-in for the default model on a GPU machine: `--shape` here is small
 enough to carry, and `--fill` there gives a folder that loads as the default model's
 architecture with every weight at its own tensor's scale."""
 
 import torch
 
-from bench.pack_model import fill, pack_shape
-from models import load_encoder
+from clusterserve.bench.pack_model import fill, pack_shape
+from clusterserve.models import load_encoder
 
 CARRY_LIMIT = 64 * 2**20  # what the device tool carries in all
 

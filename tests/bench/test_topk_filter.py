@@ -1,4 +1,4 @@
-"""bench.topk_filter's replay of the centroid top-k's filter: the kernel's rotated lanes spread
+"""clusterserve.bench.topk_filter's replay of the centroid top-k's filter: the kernel's rotated lanes spread
 each block's keys over every lane, and keys that repeat every 512 positions over many lanes;
 on random logits the threshold leaves ~1.3 TOP keys a row, and on periodic ones the rotation
 keeps it under 2 TOP where key index mod 2 TOP does not; tied logits fill the candidate
@@ -6,7 +6,7 @@ buffers once, and the floor a merge leaves keeps the rest of the tie out."""
 
 import torch
 
-from bench.topk_filter import lanes_of, replay
+from clusterserve.bench.topk_filter import lanes_of, replay
 
 TOP, BLOCK_M = 32, 64
 
@@ -38,8 +38,8 @@ def test_tied_logits_fill_the_buffers_once_then_the_floor_rises_above_them(monke
     """One split a program: every key of 1024 tied logits is a candidate, TOPK_BLOCK_M a block,
     until a buffer of TOPK_BUFFER keys could not take another block's and merges; the kept
     keys are then TOP of the tie, and no later key of it enters."""
-    from kernels.triton import helpers
-    from kernels.triton.centroid_topk import TOPK_BLOCK_M, TOPK_BUFFER
+    from clusterserve.kernels.triton import helpers
+    from clusterserve.kernels.triton.centroid_topk import TOPK_BLOCK_M, TOPK_BUFFER
 
     monkeypatch.setattr(helpers, "TARGET_PROGRAMS", 1)
     tied = replay(torch.zeros(1, 8, 1024), TOP, "rotated")

@@ -1,5 +1,5 @@
 """Fixtures of the deployment tests: the real server on a free loopback port, started as the
-image starts it (`python -m service`, without warm-up to save time), and what it exports."""
+image starts it (`clusterserve serve`, without warm-up to save time), and what it exports."""
 
 from __future__ import annotations
 

@@ -53,8 +53,8 @@ def load_yaml_documents(path: Path) -> list[Any]:
 def get_routes() -> set[tuple[str, str]]:
     """(HTTP method, path) of every route of the real app, read from its OpenAPI schema
     (building the app loads no model)."""
-    from service.app import create_app
-    from service.settings import Settings
+    from clusterserve.service.app import create_app
+    from clusterserve.service.settings import Settings
 
     paths = create_app(Settings(warmup=False)).openapi()["paths"]
     return {(method.upper(), path) for path, operations in paths.items() for method in operations}
@@ -197,7 +197,7 @@ def settings_from_env(env: dict[str, str]) -> Any:
     import os
     from unittest import mock
 
-    from service.settings import Settings
+    from clusterserve.service.settings import Settings
 
     with mock.patch.dict(os.environ, env):  # restores the environment on exit
         for name in [n for n in os.environ if n.startswith("CLUSTERSERVE_") and n not in env]:
@@ -214,8 +214,8 @@ def drain_seconds(request_timeout_s: float) -> float:
     """
     import inspect
 
-    from service.batching import Batcher
-    from service.settings import Settings
+    from clusterserve.service.batching import Batcher
+    from clusterserve.service.settings import Settings
 
     field = Settings.model_fields.get("drain_timeout_s")
     scheduler = field.default if field is not None else inspect.signature(Batcher.stop).parameters["timeout_s"].default

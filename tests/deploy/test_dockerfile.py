@@ -100,11 +100,12 @@ def test_the_image_keeps_a_c_compiler_and_fails_to_build_without_its_kernels(com
     assert not any(re.search(r"apt-get (remove|purge|autoremove)", run) for run in runs), "the compiler must stay"
     package = next(i for i, run in enumerate(runs) if re.search(r"pip install [^&]*\s\.(\s|$)", run))
     assert installs[0] < package, "the compiler must be there when pip builds the native loops"
-    assert re.search(r"cd / && python -m kernels\.toolchain", runs[package]), "the build must run the toolchain check"
+    toolchain = r"cd / && python -m clusterserve\.kernels\.toolchain"
+    assert re.search(toolchain, runs[package]), "the build must run the toolchain check"
 
 
 def test_the_toolchain_check_passes_here_and_fails_without_a_compiler():
-    check = [sys.executable, "-m", "kernels.toolchain"]
+    check = [sys.executable, "-m", "clusterserve.kernels.toolchain"]
     passed = subprocess.run(check, cwd="/", capture_output=True, text=True, timeout=120)
     assert passed.returncode == 0, passed.stderr
     env = {"PATH": "/nonexistent", "HOME": "/tmp"}
@@ -121,18 +122,18 @@ def test_runs_as_a_numeric_non_root_user_after_every_root_step(commands):
 
 
 def test_cmd_starts_the_server_on_the_exposed_port(commands):
-    from service.__main__ import parse_settings
+    from clusterserve.service.__main__ import parse_settings
 
     cmd = only(commands, "CMD")
     assert cmd.json, "CMD must be exec form, so that SIGTERM reaches python"
-    assert list(cmd.value[:3]) == ["python", "-m", "service"]
-    settings = parse_settings(list(cmd.value[3:]))
+    assert list(cmd.value[:2]) == ["clusterserve", "serve"]
+    settings = parse_settings(list(cmd.value[2:]))
     assert settings.host == "0.0.0.0"
     assert [settings.port] == [int(p) for p in only(commands, "EXPOSE").value]
 
 
 def test_env_names_only_real_settings(commands):
-    from service.settings import Settings
+    from clusterserve.service.settings import Settings
 
     env = only(commands, "ENV").value
     names = env[0::2]

@@ -142,7 +142,7 @@ def settings_env() -> dict[str, str]:
 
 
 def test_configmap_settings_are_valid_server_settings():
-    from service.settings import Settings
+    from clusterserve.service.settings import Settings
 
     env = settings_env()
     assert env
@@ -219,7 +219,7 @@ def test_settings_come_from_the_generated_configmap(deployment):
 
 
 def test_termination_grace_outlasts_the_drain(deployment):
-    from service.settings import Settings
+    from clusterserve.service.settings import Settings
 
     pre_stop = container(deployment)["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"

@@ -7,10 +7,10 @@ import itertools
 import pytest
 from cross_field import keeps_cross_field_rules
 
-from kernels import AttentionSpec
-from models.planning.chunk_plan import plan_chunks
-from service.planning import chunking_spec
-from service.schemas import ChunkingRequest
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models.planning.chunk_plan import plan_chunks
+from clusterserve.service.planning import chunking_spec
+from clusterserve.service.schemas import ChunkingRequest
 
 TEXT = "One sentence of a document. " * 40
 GRID = dict(
@@ -31,7 +31,7 @@ def kept_bodies():
 
 @pytest.fixture(scope="module", params=["minilm", "nomic"])
 def encoder(request):
-    from models import load_encoder
+    from clusterserve.models import load_encoder
 
     if request.param == "nomic":
         from default_model import require_default_model

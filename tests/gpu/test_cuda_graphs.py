@@ -28,9 +28,9 @@ import os
 import pytest
 import torch
 
-from bench.common import eager_layers, long_text_ids
-from bench.cpu import SPECS
-from models.runtime.graphs import CudaGraphs, LayerGraphs
+from clusterserve.bench.common import eager_layers, long_text_ids
+from clusterserve.bench.cpu import SPECS
+from clusterserve.models.runtime.graphs import CudaGraphs, LayerGraphs
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +46,7 @@ MIN_COSINE_APPROXIMATE = 0.995
 
 @functools.lru_cache(maxsize=1)
 def encoder():
-    from models import load_encoder
+    from clusterserve.models import load_encoder
 
     model = os.environ.get("GPU_TEST_MODEL", "all-MiniLM-L6-v2")
     return load_encoder(model, max_input_tokens=4096, device="cuda", dtype=torch.bfloat16)

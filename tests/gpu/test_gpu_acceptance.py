@@ -43,14 +43,14 @@ import pytest
 import torch
 from torch import Tensor
 
-from bench.common import exact_attention, long_text_ids, real_qkv, rel_err
-from bench.cpu import SPECS
-from bench.gpu import dry_run_spec
-from kernels import AttentionSpec, attention
-from kernels.reference.clustered import REFERENCE
-from kernels.reference.masks import token_masks
-from kernels.reference.smyrf import asymmetric_hashes, smyrf_cluster_count, smyrf_projections
-from kernels.stages import cluster_queries
+from clusterserve.bench.common import exact_attention, long_text_ids, real_qkv, rel_err
+from clusterserve.bench.cpu import SPECS
+from clusterserve.bench.gpu import dry_run_spec
+from clusterserve.kernels import AttentionSpec, attention
+from clusterserve.kernels.reference.clustered import REFERENCE
+from clusterserve.kernels.reference.masks import token_masks
+from clusterserve.kernels.reference.smyrf import asymmetric_hashes, smyrf_cluster_count, smyrf_projections
+from clusterserve.kernels.stages import cluster_queries
 
 pytestmark = pytest.mark.gpu
 
@@ -73,7 +73,7 @@ def spec_of(label: str) -> AttentionSpec:
 
 @functools.lru_cache(maxsize=1)
 def encoder():
-    from models import load_encoder
+    from clusterserve.models import load_encoder
 
     longest = max(max(LENGTHS), 32768)
     return load_encoder(os.environ.get("GPU_TEST_MODEL"), max_input_tokens=longest, device=DEVICE, dtype=torch.float32)
@@ -143,22 +143,22 @@ def same_clusters(q: Tensor, k: Tensor, spec: AttentionSpec, mask: Tensor | None
     bucket, queries and keys, averaged over rounds)."""
     key_mask, query_mask = token_masks(q, k, mask)
     if spec.method == "banded":
-        from kernels.reference import banded as reference
-        from kernels.triton.banded_pool import pool
-        from kernels.triton.banded_select import select
+        from clusterserve.kernels.reference import banded as reference
+        from clusterserve.kernels.triton.banded_pool import pool
+        from clusterserve.kernels.triton.banded_select import select
 
         scale = 1.0 / math.sqrt(q.shape[-1])
         tri = select(q, pool(k, k, key_mask, spec), key_mask, spec, scale).chosen
         ref = reference.select(q.float(), reference.pool(k.float(), k.float(), key_mask, spec), key_mask, spec, scale)
         return (tri == ref.chosen).all(dim=-1).float().mean().item()
     if spec.method != "smyrf":
-        from kernels.triton.clustered import TRITON
+        from clusterserve.kernels.triton.clustered import TRITON
 
         with deterministic():
             expected = cluster_queries(REFERENCE, q.float(), query_mask, spec)
         same = cluster_queries(TRITON, q, query_mask, spec) == expected
         return same.transpose(0, 1)[:, query_mask].float().mean().item()
-    from kernels.triton.smyrf import smyrf_hashes_triton
+    from clusterserve.kernels.triton.smyrf import smyrf_hashes_triton
 
     projections = smyrf_projections(spec.hash_rounds, q.shape[1], q.shape[-1], spec.seed)
     tri = smyrf_hashes_triton(q, k, mask, projections.to(q.device))
@@ -274,7 +274,7 @@ def test_no_host_sync_inside_a_call(label):
 @pytest.mark.skipif(DRY_RUN, reason="CUDA graphs need CUDA")
 @pytest.mark.parametrize("label", METHODS)
 def test_cuda_graph_replays_the_eager_output(label):
-    from bench.timing import capture_graph
+    from clusterserve.bench.timing import capture_graph
 
     call = longest_bf16_call(label)
     eager = call()

@@ -25,12 +25,12 @@ import pytest
 import torch
 from test_gpu_acceptance import DEVICE, DRY_RUN, LENGTHS, compare, spec_of, text_qkv
 
-from bench.common import exact_attention
-from kernels import AttentionSpec, attention
-from kernels.reference.clustered import REFERENCE, cluster_tiles
-from kernels.reference.kmeans import cluster_means
-from kernels.reference.masks import token_masks
-from kernels.reference.smyrf import asymmetric_hashes, smyrf_projections
+from clusterserve.bench.common import exact_attention
+from clusterserve.kernels import AttentionSpec, attention
+from clusterserve.kernels.reference.clustered import REFERENCE, cluster_tiles
+from clusterserve.kernels.reference.kmeans import cluster_means
+from clusterserve.kernels.reference.masks import token_masks
+from clusterserve.kernels.reference.smyrf import asymmetric_hashes, smyrf_projections
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))  # the kernel tests' helpers
 from kernel_inputs import poison_empty, tile_positions  # noqa: E402
@@ -82,7 +82,7 @@ def reference_clusters(q, mask, s):
 @pytest.mark.parametrize("clusters, topk", SETTINGS)
 @pytest.mark.parametrize("n", LONG)
 def test_hamming_kmeans_equals_the_reference(n, clusters, topk, batch, poisoned):
-    from kernels.triton.clustered import cluster_codes_triton, hash_queries_triton
+    from clusterserve.kernels.triton.clustered import cluster_codes_triton, hash_queries_triton
 
     q, _, _, mask = inputs(n, batch)
     s = spec(clusters, topk)
@@ -96,7 +96,7 @@ def test_hamming_kmeans_equals_the_reference(n, clusters, topk, batch, poisoned)
 @pytest.mark.parametrize("clusters, topk", SETTINGS)
 @pytest.mark.parametrize("n", LONG)
 def test_refinement_agrees_with_the_reference(n, clusters, topk, poisoned):
-    from kernels.triton.lloyd import refine_clusters_triton
+    from clusterserve.kernels.triton.lloyd import refine_clusters_triton
 
     if n * clusters > CHECKED_PAIRS:
         pytest.skip("the float64 tie check would hold too many distances")
@@ -114,11 +114,11 @@ def test_refinement_agrees_with_the_reference(n, clusters, topk, poisoned):
 def test_means_centroid_pass_layout_and_sparse_part(n, clusters, topk, batch, poisoned):
     """From the reference's assignments: cluster means, the centroid pass, the layout (equal)
     and the sparse part."""
-    from kernels.reference.clustered import TILE
-    from kernels.triton.centroid import centroid_attention_triton
-    from kernels.triton.cluster_layout import cluster_layout_triton
-    from kernels.triton.clustered import TRITON
-    from kernels.triton.means import cluster_means_triton
+    from clusterserve.kernels.reference.clustered import TILE
+    from clusterserve.kernels.triton.centroid import centroid_attention_triton
+    from clusterserve.kernels.triton.cluster_layout import cluster_layout_triton
+    from clusterserve.kernels.triton.clustered import TRITON
+    from clusterserve.kernels.triton.means import cluster_means_triton
 
     q, k, v, mask = inputs(n, batch)
     s = spec(clusters, topk)
@@ -161,7 +161,7 @@ def test_means_centroid_pass_layout_and_sparse_part(n, clusters, topk, batch, po
 
 @pytest.mark.parametrize("n", LONG)
 def test_smyrf_hashes_equal_the_reference(n, poisoned):
-    from kernels.triton.smyrf import smyrf_hashes_triton
+    from clusterserve.kernels.triton.smyrf import smyrf_hashes_triton
 
     q, k, _, _ = inputs(n)
     s = spec_of("smyrf")

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import AttentionSpec
-from models.networks.rotary import apply_rotary, apply_rotary_torch, packed_rotary
-from models.runtime.packing import pack
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models.networks.rotary import apply_rotary, apply_rotary_torch, packed_rotary
+from clusterserve.models.runtime.packing import pack
 
 pytestmark = pytest.mark.gpu
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kernels import native
+from clusterserve.kernels import native
 
 
 @pytest.fixture

@@ -34,13 +34,13 @@ def several_programs_per_head(monkeypatch):
     the few dozen tokens of a test give each head several programs: the per-chunk partials
     and the launches that reduce them across programs really run; and their sums over the
     chunks (the layout's scatter's too) to 2 chunks a load, so those loops take several steps."""
-    from kernels.triton import cluster_layout as cluster_layout_triton
-    from kernels.triton import hamming as hamming_triton
-    from kernels.triton import hashing as hashing_triton
-    from kernels.triton import helpers as triton_helpers
-    from kernels.triton import means as means_triton
-    from kernels.triton import seeding as seeding_triton
-    from kernels.triton import smyrf as smyrf_triton
+    from clusterserve.kernels.triton import cluster_layout as cluster_layout_triton
+    from clusterserve.kernels.triton import hamming as hamming_triton
+    from clusterserve.kernels.triton import hashing as hashing_triton
+    from clusterserve.kernels.triton import helpers as triton_helpers
+    from clusterserve.kernels.triton import means as means_triton
+    from clusterserve.kernels.triton import seeding as seeding_triton
+    from clusterserve.kernels.triton import smyrf as smyrf_triton
 
     for module, name in ((hamming_triton, "BLOCK_N"), (means_triton, "BLOCK_N"), (cluster_layout_triton, "BLOCK_N"),
                          (hashing_triton, "BLOCK_N"), (seeding_triton, "BLOCK_N"), (smyrf_triton, "HASH_TILE")):
@@ -87,9 +87,9 @@ def tile_positions(layout, n_tiles: int, tile: int) -> tuple[torch.Tensor, torch
 def packed_rotary_tables(t: int, d: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin (T, 1, D) of one sequence of t tokens, as the encoders get them (packed_rotary:
     strided views of one table)."""
-    from kernels import AttentionSpec
-    from models.networks.rotary import packed_rotary
-    from models.runtime.packing import pack
+    from clusterserve.kernels import AttentionSpec
+    from clusterserve.models.networks.rotary import packed_rotary
+    from clusterserve.models.runtime.packing import pack
 
     cpu = torch.device("cpu")
     _, packed = pack([[1] * t], [AttentionSpec()], cpu)

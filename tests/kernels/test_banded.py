@@ -12,8 +12,8 @@ import pytest
 import torch
 from kernel_inputs import padding_mask, qkv
 
-from kernels import AttentionSpec, attention, native
-from kernels.spec import exact_by_knobs, resolve_auto
+from clusterserve.kernels import AttentionSpec, attention, native
+from clusterserve.kernels.spec import exact_by_knobs, resolve_auto
 
 FULL = AttentionSpec(method="full")
 
@@ -137,8 +137,8 @@ def test_native_pool_and_choice_scores_match_the_reference(n, d, block, band, si
     and v as they are) against the reference's: means to float32 rounding, the same counts,
     the same -inf scores (band, empty blocks, query blocks with no real query), the same
     chosen blocks."""
-    from kernels.native.banded import NATIVE
-    from kernels.reference import banded as reference
+    from clusterserve.kernels.native.banded import NATIVE
+    from clusterserve.kernels.reference import banded as reference
 
     q, k, v = qkv(b=2, h=3, n=n, d=d, dv=8, dtype=dtype, seed=n + d)
     mask = padding_mask(2, n, lengths)
@@ -182,7 +182,7 @@ def test_triton_far_tiles_of_several_blocks_match_reference(key_tile, n, block, 
                                                             monkeypatch):
     """Key tiles longer than a block, as on a GPU (128 keys over blocks of 64): a far tile takes
     several chosen blocks, lane by lane, and the band and pooled loops take the longer tiles too."""
-    from kernels.triton import banded as banded_triton
+    from clusterserve.kernels.triton import banded as banded_triton
 
     monkeypatch.setattr(banded_triton, "key_tile", lambda head_dim, dtype, interpreted: key_tile)
     q, k, v = qkv(b=2, h=1, n=n, d=16, dtype=torch.float32, seed=n + block)
@@ -219,8 +219,8 @@ def test_triton_choice_scores_match_the_reference(n, block, band, lengths, dtype
     """The scores that choose the far blocks: the Triton kernel against the reference's matrix
     product, -inf within the band, for a block of no counted key and where a query block has
     no real query."""
-    from kernels.reference import banded as reference
-    from kernels.triton import banded_pool, banded_select
+    from clusterserve.kernels.reference import banded as reference
+    from clusterserve.kernels.triton import banded_pool, banded_select
 
     q, k, v = qkv(b=2, h=2, n=n, d=16, dtype=dtype, seed=n + 4)
     mask = padding_mask(2, n, lengths)
@@ -238,8 +238,8 @@ def test_triton_choice_scores_match_the_reference(n, block, band, lengths, dtype
 def test_triton_select_chooses_the_reference_blocks(n, block, band, far, lengths, dtype):
     """The far blocks each query block attends: the Triton choice scores and top-k kernels against
     the reference's (ascending ids, -1 where fewer blocks than far_blocks have a finite score)."""
-    from kernels.reference import banded as reference
-    from kernels.triton import banded_pool, banded_select
+    from clusterserve.kernels.reference import banded as reference
+    from clusterserve.kernels.triton import banded_pool, banded_select
 
     q, k, v = qkv(b=2, h=2, n=n, d=16, dtype=dtype, seed=n + 6)
     mask = padding_mask(2, n, lengths)
@@ -253,9 +253,9 @@ def test_triton_select_chooses_the_reference_blocks(n, block, band, far, lengths
 def test_triton_select_falls_back_to_torch_topk_for_long_rows(monkeypatch):
     """Rows of more blocks than the top-k kernel holds on chip take torch's topk, counted as a
     kernel fallback, with the same choice."""
-    from kernels import fallbacks
-    from kernels.reference import banded as reference
-    from kernels.triton import banded_pool, banded_select
+    from clusterserve.kernels import fallbacks
+    from clusterserve.kernels.reference import banded as reference
+    from clusterserve.kernels.triton import banded_pool, banded_select
 
     monkeypatch.setattr(banded_select, "TOP_BLOCKS_MAX", 4)
     q, k, v = qkv(b=2, h=1, n=37, d=16, seed=9)
@@ -273,8 +273,8 @@ def test_triton_select_falls_back_to_torch_topk_for_long_rows(monkeypatch):
 def test_triton_pool_matches_the_reference(n, block, sinks, lengths, dtype):
     """The pooled blocks: mean key and value over each block's real non-sink keys, log count,
     and which keys count, the Triton kernel against the reference."""
-    from kernels.reference import banded as reference
-    from kernels.triton.banded_pool import pool
+    from clusterserve.kernels.reference import banded as reference
+    from clusterserve.kernels.triton.banded_pool import pool
 
     q, k, v = qkv(b=2, h=2, n=n, d=16, dv=8, dtype=dtype, seed=n + 5)
     mask = padding_mask(2, n, lengths)
@@ -336,7 +336,7 @@ def test_self_attention_only():
 def test_no_sequence_by_sequence_tensor(monkeypatch):
     """The reference never builds an N x N tensor: its logits are (blocks, block, band + sinks +
     blocks) per step."""
-    import kernels.reference.banded as module
+    import clusterserve.kernels.reference.banded as module
 
     n = 512
     q, k, v = qkv(b=1, h=1, n=n, d=8)

@@ -26,11 +26,11 @@ from ties import (  # noqa: E402
     assert_topk_agree,
 )
 
-from kernels import AttentionSpec, attention  # noqa: E402
-from kernels.reference.clustered import REFERENCE, _centroid_attention  # noqa: E402
-from kernels.reference.full import full_attention  # noqa: E402
-from kernels.reference.hashing import hash_codes, hash_planes, hash_signs, pack_codes  # noqa: E402
-from kernels.reference.kmeans import (  # noqa: E402
+from clusterserve.kernels import AttentionSpec, attention  # noqa: E402
+from clusterserve.kernels.reference.clustered import REFERENCE, _centroid_attention  # noqa: E402
+from clusterserve.kernels.reference.full import full_attention  # noqa: E402
+from clusterserve.kernels.reference.hashing import hash_codes, hash_planes, hash_signs, pack_codes  # noqa: E402
+from clusterserve.kernels.reference.kmeans import (  # noqa: E402
     _count_members,
     _nearest,
     cluster_means,
@@ -41,23 +41,23 @@ from kernels.reference.kmeans import (  # noqa: E402
     refine_clusters,
     seeded_clusters,
 )
-from kernels.stages import CentroidAttention, cluster_queries  # noqa: E402
+from clusterserve.kernels.stages import CentroidAttention, cluster_queries  # noqa: E402
 
-triton_clustered = pytest.importorskip("kernels.triton.clustered")
-from kernels.reference.clustered import cluster_tiles  # noqa: E402
-from kernels.triton import centroid as centroid_triton  # noqa: E402
-from kernels.triton import centroid_topk as centroid_topk_triton  # noqa: E402
-from kernels.triton import cluster_layout as cluster_layout_module  # noqa: E402
-from kernels.triton import hamming as hamming_triton  # noqa: E402
-from kernels.triton import helpers as triton_helpers  # noqa: E402
-from kernels.triton import lloyd as lloyd_triton  # noqa: E402
-from kernels.triton import seeding as seeding_triton  # noqa: E402
-from kernels.triton.cluster_layout import cluster_layout_triton  # noqa: E402
-from kernels.triton.hamming import hamming_kmeans_triton  # noqa: E402
-from kernels.triton.hashing import hash_codes_triton  # noqa: E402
-from kernels.triton.helpers import chunking  # noqa: E402
-from kernels.triton.lloyd import refine_clusters_triton, seed_clusters_triton  # noqa: E402
-from kernels.triton.means import cluster_means_triton  # noqa: E402
+triton_clustered = pytest.importorskip("clusterserve.kernels.triton.clustered")
+from clusterserve.kernels.reference.clustered import cluster_tiles  # noqa: E402
+from clusterserve.kernels.triton import centroid as centroid_triton  # noqa: E402
+from clusterserve.kernels.triton import centroid_topk as centroid_topk_triton  # noqa: E402
+from clusterserve.kernels.triton import cluster_layout as cluster_layout_module  # noqa: E402
+from clusterserve.kernels.triton import hamming as hamming_triton  # noqa: E402
+from clusterserve.kernels.triton import helpers as triton_helpers  # noqa: E402
+from clusterserve.kernels.triton import lloyd as lloyd_triton  # noqa: E402
+from clusterserve.kernels.triton import seeding as seeding_triton  # noqa: E402
+from clusterserve.kernels.triton.cluster_layout import cluster_layout_triton  # noqa: E402
+from clusterserve.kernels.triton.hamming import hamming_kmeans_triton  # noqa: E402
+from clusterserve.kernels.triton.hashing import hash_codes_triton  # noqa: E402
+from clusterserve.kernels.triton.helpers import chunking  # noqa: E402
+from clusterserve.kernels.triton.lloyd import refine_clusters_triton, seed_clusters_triton  # noqa: E402
+from clusterserve.kernels.triton.means import cluster_means_triton  # noqa: E402
 
 METHODS = ("clustered", "i-clustered")
 
@@ -297,7 +297,7 @@ def test_centroid_attention_equals_the_reference(d, dv, m, topk, poisoned):
 def test_top_k_over_the_on_chip_limit_falls_back_counted_and_logged(caplog):
     """topk over MAX_TOPK_ON_CHIP runs torch's A^c and top-k (same result), and says so: the
     process-wide count goes up by one per call, the first call logs a warning."""
-    from kernels import fallbacks
+    from clusterserve.kernels import fallbacks
 
     topk = centroid_triton.MAX_TOPK_ON_CHIP + 1
     _, k, v = qkv(m=300, d=16)

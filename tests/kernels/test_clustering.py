@@ -5,11 +5,11 @@ import torch
 from kernel_inputs import APPROXIMATE, padding_mask, qkv
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import AttentionSpec, attention
-from kernels.reference.clustered import REFERENCE, cluster_tiles
-from kernels.reference.hashing import hash_codes, hash_planes, hash_signs, pack_codes, unpack_bits
-from kernels.reference.kmeans import hamming_kmeans
-from kernels.stages import cluster_queries
+from clusterserve.kernels import AttentionSpec, attention
+from clusterserve.kernels.reference.clustered import REFERENCE, cluster_tiles
+from clusterserve.kernels.reference.hashing import hash_codes, hash_planes, hash_signs, pack_codes, unpack_bits
+from clusterserve.kernels.reference.kmeans import hamming_kmeans
+from clusterserve.kernels.stages import cluster_queries
 
 
 @pytest.mark.parametrize("bits", [1, 8, 63])

@@ -1,4 +1,4 @@
-"""kernels.triton.interpreter: under Triton's interpreter, a helper's call inside a launch skips
+"""clusterserve.kernels.triton.interpreter: under Triton's interpreter, a helper's call inside a launch skips
 re-swapping triton.language's builtins, with the same results, and every launch still puts the
 builtins back when it ends, also when it fails; int32 overflow wraps as before, and is still
 caught where the interpreter's debug option keeps device asserts."""
@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 from triton.runtime import interpreter as triton_interpreter
 
-import kernels.triton  # noqa: F401  (applies the wrapper)
-from kernels.triton import interpreter
+import clusterserve.kernels.triton  # noqa: F401  (applies the wrapper)
+from clusterserve.kernels.triton import interpreter
 
 BLOCK = 16
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels import AttentionSpec, attention
-from kernels.reference.local import local_attention, local_attention_dense
+from clusterserve.kernels import AttentionSpec, attention
+from clusterserve.kernels.reference.local import local_attention, local_attention_dense
 
 
 @pytest.mark.parametrize("n", [1, 7, 64, 130, 301])

@@ -17,9 +17,9 @@ import pytest
 import torch
 from kernel_inputs import padding_mask, qkv
 
-from kernels import AttentionSpec, attention
-from kernels.reference.full import full_attention
-from kernels.spec import exact_by_knobs
+from clusterserve.kernels import AttentionSpec, attention
+from clusterserve.kernels.reference.full import full_attention
+from clusterserve.kernels.spec import exact_by_knobs
 
 N = 40
 LENGTHS = [40, 27]  # row 1 padded: padded keys get no weight, padded queries give 0

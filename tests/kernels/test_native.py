@@ -13,12 +13,12 @@ from ties import (
     assert_topk_agree,
 )
 
-from kernels import AttentionSpec, attention, backend_for, native
-from kernels.native.clustered import NATIVE
-from kernels.reference.clustered import REFERENCE, _centroid_attention
-from kernels.reference.hashing import hash_codes, hash_planes, hash_signs
-from kernels.reference.kmeans import hamming_kmeans, initial_centroid_positions, initial_offsets
-from kernels.reference.masks import token_masks
+from clusterserve.kernels import AttentionSpec, attention, backend_for, native
+from clusterserve.kernels.native.clustered import NATIVE
+from clusterserve.kernels.reference.clustered import REFERENCE, _centroid_attention
+from clusterserve.kernels.reference.hashing import hash_codes, hash_planes, hash_signs
+from clusterserve.kernels.reference.kmeans import hamming_kmeans, initial_centroid_positions, initial_offsets
+from clusterserve.kernels.reference.masks import token_masks
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native loops were not built (no C compiler)")
 
@@ -164,7 +164,7 @@ def test_without_a_built_library_auto_runs_the_reference(monkeypatch, caplog, re
     spec = AttentionSpec(method="i-clustered", clusters=5, topk=8)
     expected = attention(q, k, v, spec, backend="reference")
     monkeypatch.setattr(native, "FOLDER", tmp_path)  # an install made without a C compiler
-    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+    with caplog.at_level(logging.WARNING, logger="clusterserve.kernels.native"):
         assert native.library() is None and backend_for("cpu", torch.float32) == "reference"
         assert torch.equal(attention(q, k, v, spec), expected)
     assert "were not built" in caplog.text

@@ -20,16 +20,16 @@ from kernel_inputs import padding_mask, qkv
 from ties import assert_codes_agree, assert_refinement_agrees, assert_topk_agree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import AttentionSpec, attention, native
-from kernels.native.clustered import NATIVE
-from kernels.native.smyrf import NATIVE as SMYRF_NATIVE
-from kernels.reference.clustered import REFERENCE, _centroid_attention
-from kernels.reference.full import full_attention
-from kernels.reference.hashing import hash_planes
-from kernels.reference.masks import token_masks
-from kernels.reference.smyrf import REFERENCE as SMYRF_REFERENCE
-from kernels.reference.smyrf import cluster_counts
-from kernels.stages import run_clustered, run_smyrf
+from clusterserve.kernels import AttentionSpec, attention, native
+from clusterserve.kernels.native.clustered import NATIVE
+from clusterserve.kernels.native.smyrf import NATIVE as SMYRF_NATIVE
+from clusterserve.kernels.reference.clustered import REFERENCE, _centroid_attention
+from clusterserve.kernels.reference.full import full_attention
+from clusterserve.kernels.reference.hashing import hash_planes
+from clusterserve.kernels.reference.masks import token_masks
+from clusterserve.kernels.reference.smyrf import REFERENCE as SMYRF_REFERENCE
+from clusterserve.kernels.reference.smyrf import cluster_counts
+from clusterserve.kernels.stages import run_clustered, run_smyrf
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native loops were not built (no C compiler)")
 

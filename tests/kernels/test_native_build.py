@@ -10,7 +10,7 @@ import sysconfig
 import pytest
 import torch
 
-from kernels import backend_for, native
+from clusterserve.kernels import backend_for, native
 
 
 def _c_compiler() -> str | None:

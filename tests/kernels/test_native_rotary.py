@@ -8,8 +8,8 @@ import pytest
 import torch
 from kernel_inputs import packed_rotary_tables
 
-from kernels import native
-from models.networks.rotary import apply_rotary, apply_rotary_torch
+from clusterserve.kernels import native
+from clusterserve.models.networks.rotary import apply_rotary, apply_rotary_torch
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native loops were not built (no C compiler)")
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from kernel_inputs import padding_mask, qkv
 
-from kernels import AttentionSpec, attention, native
-from kernels.dispatch import smyrf_stages
-from kernels.native.smyrf import NATIVE
-from kernels.reference.masks import token_masks
-from kernels.reference.smyrf import REFERENCE, _cluster_attention, cluster_counts, cluster_slots, merge_by_mass
+from clusterserve.kernels import AttentionSpec, attention, native
+from clusterserve.kernels.dispatch import smyrf_stages
+from clusterserve.kernels.native.smyrf import NATIVE
+from clusterserve.kernels.reference.masks import token_masks
+from clusterserve.kernels.reference.smyrf import REFERENCE, _cluster_attention, cluster_counts, cluster_slots, merge_by_mass
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native loops were not built (no C compiler)")
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from kernel_inputs import APPROXIMATE, padding_mask, qkv
 
-from kernels import AttentionSpec, attention
+from clusterserve.kernels import AttentionSpec, attention
 
 FULL = AttentionSpec(method="full")
 # Specs under which each approximate method must equal exact attention for N, M <= 64.

@@ -9,8 +9,8 @@ import pytest
 import torch
 from kernel_inputs import packed_rotary_tables, poison_empty
 
-from kernels.triton.rotary import BLOCK_T, rotary_triton
-from models.networks.rotary import apply_rotary_torch
+from clusterserve.kernels.triton.rotary import BLOCK_T, rotary_triton
+from clusterserve.models.networks.rotary import apply_rotary_torch
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

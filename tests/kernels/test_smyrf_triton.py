@@ -14,17 +14,17 @@ import pytest
 import torch
 from kernel_inputs import padding_mask, poison_empty, qkv, several_programs_per_head
 
-from kernels import AttentionSpec, attention
-from kernels.reference.smyrf import (
+from clusterserve.kernels import AttentionSpec, attention
+from clusterserve.kernels.reference.smyrf import (
     _cluster_attention,
     asymmetric_hashes,
     cluster_slots,
     merge_by_mass,
     smyrf_projections,
 )
-from kernels.triton import helpers as triton_helpers
-from kernels.triton import smyrf as smyrf_triton
-from kernels.triton.smyrf import hash_block, smyrf_cluster_attention_triton, smyrf_hashes_triton
+from clusterserve.kernels.triton import helpers as triton_helpers
+from clusterserve.kernels.triton import smyrf as smyrf_triton
+from clusterserve.kernels.triton.smyrf import hash_block, smyrf_cluster_attention_triton, smyrf_hashes_triton
 
 FULL = AttentionSpec(method="full")
 

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from kernels import KNOB_RANGES, METHODS, AttentionSpec, resolve_auto
-from kernels.spec import FieldError, choose_auto
+from clusterserve.kernels import KNOB_RANGES, METHODS, AttentionSpec, resolve_auto
+from clusterserve.kernels.spec import FieldError, choose_auto
 
 
 @pytest.mark.parametrize("name", sorted(KNOB_RANGES))
@@ -124,7 +124,7 @@ def test_attention_resolves_auto_per_row_by_its_real_keys():
 
     import torch
 
-    from kernels import attention
+    from clusterserve.kernels import attention
 
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 40, 8, generator=generator) for _ in range(3))
@@ -142,8 +142,8 @@ def test_attention_resolves_auto_per_row_by_its_real_keys():
 def test_exact_attention_with_a_check_runs_in_query_blocks_to_the_same_result():
     import torch
 
-    from kernels import attention
-    from kernels.reference.full import CHECKED_QUERY_BLOCK
+    from clusterserve.kernels import attention
+    from clusterserve.kernels.reference.full import CHECKED_QUERY_BLOCK
 
     generator = torch.Generator().manual_seed(1)
     n = 2 * CHECKED_QUERY_BLOCK + 5
@@ -170,7 +170,7 @@ def test_exact_attention_with_a_check_runs_in_query_blocks_to_the_same_result():
 def test_kernels_attention_decides_auto_by_the_one_rule_exact_by_knobs_included():
     import torch
 
-    from kernels import attention
+    from clusterserve.kernels import attention
 
     generator = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 40, 8, generator=generator) for _ in range(3))

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.reference.hashing import pack_codes
-from kernels.reference.kmeans import _count_members, _rows, cluster_means, refine_clusters
-from kernels.reference.kmeans import _reseed_empty as reseed_empty
+from clusterserve.kernels.reference.hashing import pack_codes
+from clusterserve.kernels.reference.kmeans import _count_members, _rows, cluster_means, refine_clusters
+from clusterserve.kernels.reference.kmeans import _reseed_empty as reseed_empty
 
 # Relative margin under which two float32 computations of the same decision may disagree:
 # ~100x float32's epsilon, far below the margins of real decisions.

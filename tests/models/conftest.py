@@ -14,7 +14,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def default_encoder():
-    from models import load_encoder
+    from clusterserve.models import load_encoder
 
     return load_encoder("all-MiniLM-L6-v2")
 
@@ -23,7 +23,7 @@ def default_encoder():
 def nomic_encoder():
     from default_model import require_default_model
 
-    from models import load_encoder
+    from clusterserve.models import load_encoder
 
     require_default_model()
     return load_encoder(None, dtype="float32")
@@ -31,7 +31,7 @@ def nomic_encoder():
 
 @pytest.fixture(scope="session")
 def full_spec():
-    from kernels import AttentionSpec
+    from clusterserve.kernels import AttentionSpec
 
     return AttentionSpec(method="full")
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kernels import AttentionSpec
-from models.planning.calibration import (
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models.planning.calibration import (
     FORMAT,
     SHIPPED_DIR,
     CalibrationError,

@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.calibrate import pooled_and_chunks
-from bench.common import HELD_BACK_TEXTS, LICENSE_DIR, long_text_ids
-from models import load_encoder
-from models.planning.calibration import SHIPPED_DIR, load_calibration, table_name
-from models.runtime.precision import cpu_has_bf16
+from clusterserve.bench.calibrate import pooled_and_chunks
+from clusterserve.bench.common import HELD_BACK_TEXTS, LICENSE_DIR, long_text_ids
+from clusterserve.models import load_encoder
+from clusterserve.models.planning.calibration import SHIPPED_DIR, load_calibration, table_name
+from clusterserve.models.runtime.precision import cpu_has_bf16
 
 # Each configuration is checked at the first of these lengths that chooses it, so a length adds
 # time only where its table chooses something new: both tables choose at 8k as at 4k, float32's

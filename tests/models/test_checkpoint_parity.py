@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import models.networks.rows
-from models import load_encoder
+from clusterserve.models import load_encoder
+from clusterserve.models.networks import rows as network_rows
 
 transformers = pytest.importorskip("transformers")
 
@@ -98,7 +98,7 @@ def tokenizer_json():
 
 @pytest.mark.parametrize("arch", list(CHECKPOINTS))
 def test_tiny_checkpoint_matches_transformers(arch, tmp_path, tokenizer_json, full_spec, monkeypatch):
-    monkeypatch.setattr(models.networks.rows, "ROWS", 100)  # the feed-forward blocks run in several row blocks
+    monkeypatch.setattr(network_rows, "ROWS", 100)  # the feed-forward blocks run in several row blocks
     build, native, prefix = CHECKPOINTS[arch]
     reference = build()
     _save(reference, tmp_path, tokenizer_json, shards=arch == "xlm-roberta", legacy_names=arch == "bert")
@@ -158,19 +158,19 @@ def test_modernbert_window_changes_the_output(tmp_path, tokenizer_json, full_spe
 
 
 def test_modernbert_spec_replaces_global_layers_only(tmp_path, tokenizer_json, full_spec, monkeypatch):
-    import models.networks.modernbert
-    from kernels import AttentionSpec
+    from clusterserve.kernels import AttentionSpec
+    from clusterserve.models.networks import modernbert
 
     _save(_modernbert(), tmp_path, tokenizer_json)
     encoder = load_encoder(tmp_path)
     calls = []
-    real_attention = models.networks.modernbert.attention
+    real_attention = modernbert.attention
 
     def counting_attention(q, k, v, spec, **kwargs):
         calls.append(spec.method)
         return real_attention(q, k, v, spec, **kwargs)
 
-    monkeypatch.setattr(models.networks.modernbert, "attention", counting_attention)
+    monkeypatch.setattr(modernbert, "attention", counting_attention)
     ids = [t.ids for t in encoder.tokenize(TEXTS)]
     # Run as given (no plan, so no exact-by-knobs shortcut): top-k >= N makes it exact.
     spec = AttentionSpec(method="i-clustered", clusters=4, topk=128)

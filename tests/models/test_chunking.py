@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import AttentionSpec
-from models.planning.chunk_plan import plan_chunks, plan_late_inputs
-from models.planning.chunking import ChunkingSpec, chunk_spans, unit_starts, windows
-from models.planning.inputs import EmptyInput
-from models.pooling import EVERY_TOKEN, POOLED, Output
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models.planning.chunk_plan import plan_chunks, plan_late_inputs
+from clusterserve.models.planning.chunking import ChunkingSpec, chunk_spans, unit_starts, windows
+from clusterserve.models.planning.inputs import EmptyInput
+from clusterserve.models.pooling import EVERY_TOKEN, POOLED, Output
 
 GPL = Path("/usr/share/common-licenses/GPL-3")
 
@@ -166,7 +166,7 @@ def test_a_text_without_tokens_of_its_own_is_one_chunk_its_own_embedding(default
 
 
 def test_a_document_longer_than_one_pass_is_chunked_and_truncate_cuts_it_first(full_spec, text):
-    from models import load_encoder
+    from clusterserve.models import load_encoder
 
     short = load_encoder("all-MiniLM-L6-v2", max_input_tokens=64)
     whole = plan_chunks(short, [text], full_spec, ChunkingSpec(size=16, window=64, window_overlap=16))
@@ -204,7 +204,7 @@ def test_encode_gives_each_sequence_its_output_in_one_batch(default_encoder, ful
 def test_a_prompt_runs_in_every_sequence_and_in_no_chunk(default_encoder, full_spec, text):
     import copy
 
-    from models.prompts import Prompts
+    from clusterserve.models.prompts import Prompts
 
     encoder = copy.copy(default_encoder)
     encoder.prompts = Prompts({"document": "search document: "})

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.cost_check import as_run, ratios, table_cost
-from kernels import APPROXIMATE_METHODS, AttentionSpec
-from models.loader import DEFAULT_MODEL_NAME, MINILM_NAME
-from models.planning.calibration import SHIPPED_DIR, Calibration, load_calibration
-from models.planning.cost import BUDGET_INPUTS, CostModel, default_budget, over_budget
+from clusterserve.bench.cost_check import as_run, ratios, table_cost
+from clusterserve.kernels import APPROXIMATE_METHODS, AttentionSpec
+from clusterserve.models.loader import DEFAULT_MODEL_NAME, MINILM_NAME
+from clusterserve.models.planning.calibration import SHIPPED_DIR, Calibration, load_calibration
+from clusterserve.models.planning.cost import BUDGET_INPUTS, CostModel, default_budget, over_budget
 
 TABLES = sorted(SHIPPED_DIR.glob("*.json"))
 EXACT = AttentionSpec(method="full")
@@ -23,7 +23,7 @@ FIXTURES = {MINILM_NAME: "default_encoder", DEFAULT_MODEL_NAME: "nomic_encoder"}
 
 @lru_cache
 def _loaded_cost(model: str) -> CostModel:
-    from models import load_encoder
+    from clusterserve.models import load_encoder
 
     return load_encoder(model).cost
 
@@ -94,7 +94,7 @@ def test_the_estimate_moves_with_the_dtype_as_the_tables_do(request, model: str)
 
 
 def test_the_cost_model_takes_its_dtype_and_device_from_the_models_parameters(default_encoder):
-    from models import load_encoder
+    from clusterserve.models import load_encoder
 
     assert (default_encoder.cost.dtype, default_encoder.cost.device) == ("float32", "cpu")
     in_bfloat16 = load_encoder(MINILM_NAME, dtype="bfloat16").cost

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from default_model import require_default_model, require_llama_cpp
 
-from kernels import AttentionSpec
-from models.networks.rotary import rotary_base
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models.networks.rotary import rotary_base
 
 FULL = AttentionSpec(method="full")
 LICENCES = Path("/usr/share/common-licenses")

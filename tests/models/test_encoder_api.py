@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from kernels import AttentionSpec
-from models import EncoderConfig, InputTooLong, UnsupportedArchitecture, load_encoder
-from models.loader import extend_positions
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models import EncoderConfig, InputTooLong, UnsupportedArchitecture, load_encoder
+from clusterserve.models.loader import extend_positions
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,7 @@ def test_missing_files_say_what_is_missing(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="no such folder or file.*all-minilm-l6-v2"):
         load_encoder(tmp_path / "nowhere")
     monkeypatch.setenv("CLUSTERSERVE_CACHE", str(tmp_path / "empty-cache"))
-    with pytest.raises(FileNotFoundError, match=r"nomic-embed-text-v1.5 is not fetched.*python -m models.fetch"):
+    with pytest.raises(FileNotFoundError, match=r"nomic-embed-text-v1.5 is not fetched.*clusterserve fetch"):
         load_encoder(None)
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_encoder(tmp_path)
@@ -239,7 +239,7 @@ def test_bfloat16_weights_give_float32_vectors_close_to_float32(default_encoder,
 
 
 def test_run_is_one_packed_pass_over_prepared_inputs(default_encoder, full_spec, long_text):
-    from models.runtime.encoder import finish
+    from clusterserve.models.runtime.encoder import finish
 
     texts = ["short", long_text(60, seed=8)]
     sequences = default_encoder.prepare(texts)
@@ -253,7 +253,7 @@ def test_run_is_one_packed_pass_over_prepared_inputs(default_encoder, full_spec,
 
 
 def test_prepare_raises_typed_errors_naming_the_input(short_encoder):
-    from models.planning.inputs import EmptyInput, InputTooLong, InvalidTokenIds
+    from clusterserve.models.planning.inputs import EmptyInput, InputTooLong, InvalidTokenIds
 
     with pytest.raises(InvalidTokenIds) as caught:
         short_encoder.prepare([[1, 2], [3, 30522]])
@@ -271,7 +271,7 @@ def test_prepare_raises_typed_errors_naming_the_input(short_encoder):
 
 
 def test_the_backend_is_stored_checked_and_reaches_every_attention_call(monkeypatch):
-    from kernels import BACKENDS
+    from clusterserve.kernels import BACKENDS
 
     assert load_encoder("all-MiniLM-L6-v2", max_input_tokens=64).backend == "auto"
     concrete = BACKENDS[1]
@@ -286,11 +286,11 @@ def test_the_backend_is_stored_checked_and_reaches_every_attention_call(monkeypa
 
 
 def test_fetching_the_default_model_runs_without_a_warning(tmp_path):
-    """`python -m models.fetch` (what make serve runs first) imports the models package before
+    """`clusterserve fetch` (what make serve runs first) imports the models package before
     it runs: a package that imported models.fetch itself made runpy warn on every start."""
     empty = {**os.environ, "CLUSTERSERVE_CACHE": str(tmp_path)}
     run = subprocess.run(
-        [sys.executable, "-W", "error::RuntimeWarning", "-m", "models.fetch", "--check"],
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "clusterserve.models.fetch", "--check"],
         capture_output=True, text=True, env=empty, timeout=300,
     )
     assert run.returncode == 1 and "not fetched" in run.stdout, run.stderr

@@ -11,9 +11,9 @@ import pytest
 import torch
 from gguf_files import minilm_gguf, nomic_gguf
 
-from kernels import AttentionSpec
-from models import UnsupportedArchitecture, load_encoder
-from models.gguf_checkpoint import ARCHITECTURES, NOMIC_PROMPTS, read_gguf
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models import UnsupportedArchitecture, load_encoder
+from clusterserve.models.gguf_checkpoint import ARCHITECTURES, NOMIC_PROMPTS, read_gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 from tiny_checkpoints import make_checkpoint  # noqa: E402

@@ -14,15 +14,15 @@ import logging
 import pytest
 import torch
 
-from kernels import AttentionSpec
-from kernels.reference.hashing import hash_planes, holding_device_constants, on_device
-from models.config import EncoderConfig
-from models.networks import bert, eurobert, modernbert, rotary_bert
-from models.pooling import POOLING_MODES, pool
-from models.runtime.encoder import Forward
-from models.runtime.forward import run_pass
-from models.runtime.graphs import LayerGraphs, Signature
-from models.runtime.packing import BUCKET_STEPS, bucket_length, pack
+from clusterserve.kernels import AttentionSpec
+from clusterserve.kernels.reference.hashing import hash_planes, holding_device_constants, on_device
+from clusterserve.models.config import EncoderConfig
+from clusterserve.models.networks import bert, eurobert, modernbert, rotary_bert
+from clusterserve.models.pooling import POOLING_MODES, pool
+from clusterserve.models.runtime.encoder import Forward
+from clusterserve.models.runtime.forward import run_pass
+from clusterserve.models.runtime.graphs import LayerGraphs, Signature
+from clusterserve.models.runtime.packing import BUCKET_STEPS, bucket_length, pack
 
 CPU = torch.device("cpu")
 SPECS = {
@@ -313,7 +313,7 @@ def test_captures_keep_the_device_constants_they_read():
 
 
 def test_load_encoder_keeps_no_graphs_on_a_cpu_and_checks_their_settings():
-    from models import load_encoder
+    from clusterserve.models import load_encoder
 
     assert load_encoder("all-MiniLM-L6-v2", max_input_tokens=128).graphs is None
     for name, bad in (("cuda_graphs", -1), ("cuda_graph_max_length", 0)):

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from kernels import AttentionSpec
-from models import UnsupportedArchitecture
-from models.pooling import PoolingConfig, pool, read_pooling
-from models.runtime.packing import pack
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models import UnsupportedArchitecture
+from clusterserve.models.pooling import PoolingConfig, pool, read_pooling
+from clusterserve.models.runtime.packing import pack
 
 HIDDEN = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3)  # (B, N, C); sequence 1 has 2 tokens
 

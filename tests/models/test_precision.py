@@ -16,12 +16,12 @@ import dataclasses
 import pytest
 import torch
 
-import models.runtime.precision as precision
-import models.runtime.timing as timing
-from kernels import AttentionSpec
-from models import load_encoder
-from models.networks.linear import Linear
-from models.runtime.precision import cpu_has_bf16, resolve_dtype
+import clusterserve.models.runtime.precision as precision
+import clusterserve.models.runtime.timing as timing
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models import load_encoder
+from clusterserve.models.networks.linear import Linear
+from clusterserve.models.runtime.precision import cpu_has_bf16, resolve_dtype
 
 SMALL = dict(clusters=16, topk=16, iterations=5, refine=1, hash_rounds=2, cluster_size=32, seed=3)
 METHODS = ["full", "clustered", "i-clustered", "smyrf"]

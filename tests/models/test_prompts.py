@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from models import InputTooLong, UnknownPrompt, load_encoder
+from clusterserve.models import InputTooLong, UnknownPrompt, load_encoder
 
 PROMPTS = {"query": "search_query: ", "document": "search_document: "}
 

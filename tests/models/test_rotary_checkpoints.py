@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import models.networks.rows
-from kernels import AttentionSpec
-from models import load_encoder
-from models.networks.rotary import apply_rotary, rotary_tables
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models import load_encoder
+from clusterserve.models.networks import rows as network_rows
+from clusterserve.models.networks.rotary import apply_rotary, rotary_tables
 
 transformers = pytest.importorskip("transformers")
 
@@ -108,7 +108,7 @@ def _assert_real_rows_close(encoder, input_ids, lengths, expected, adapter=None,
 
 @pytest.mark.parametrize("case", list(CHECKPOINTS))
 def test_tiny_checkpoint_matches_transformers(case, tmp_path, tokenizer_json, texts, full_spec, monkeypatch):
-    monkeypatch.setattr(models.networks.rows, "ROWS", 100)  # the feed-forward blocks run in several row blocks
+    monkeypatch.setattr(network_rows, "ROWS", 100)  # the feed-forward blocks run in several row blocks
     build, arch, native, prefix = CHECKPOINTS[case]
     reference = build()
     _save(reference, tmp_path, tokenizer_json)
@@ -362,7 +362,7 @@ def test_every_method_runs_and_the_exact_cases_are_exact(case, tmp_path, tokeniz
 
 
 def test_unknown_architectures_and_variants_are_refused_with_the_supported_list():
-    from models import EncoderConfig, UnsupportedArchitecture
+    from clusterserve.models import EncoderConfig, UnsupportedArchitecture
 
     with pytest.raises(UnsupportedArchitecture, match="'gpt2'.*modernbert, nomic-bert, gte, jina-embeddings-v3, eurobert"):
         EncoderConfig.from_dict({"model_type": "gpt2"})

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from models import load_encoder
-from models.networks import linear
-from models.networks.linear import (
+from clusterserve.models import load_encoder
+from clusterserve.models.networks import linear
+from clusterserve.models.networks.linear import (
     PACKED_LEAD,
     SMALL_BATCH_ROWS,
     Linear,

@@ -7,8 +7,8 @@ import pytest
 from fastapi.testclient import TestClient
 from service_helpers import REAL_LIMITS, wait_ready
 
-from service.app import create_app
-from service.settings import Settings
+from clusterserve.service.app import create_app
+from clusterserve.service.settings import Settings
 
 
 @pytest.fixture(scope="session")

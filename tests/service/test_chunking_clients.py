@@ -1,5 +1,5 @@
 """The chunking fields and /embed_all with real clients against a real server process
-(`python -m service`): the official `openai` client and curl. huggingface_hub's
+(`clusterserve serve`): the official `openai` client and curl. huggingface_hub's
 `InferenceClient` has no call for /embed_all (its `feature_extraction` posts /embed's body to
 the root route), so curl stands for TEI-style clients there."""
 

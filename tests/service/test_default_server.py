@@ -15,7 +15,7 @@ from default_model import require_default_model
 from server_process import running_server
 from service_helpers import license_text
 
-from kernels import AttentionSpec
+from clusterserve.kernels import AttentionSpec
 
 DOCUMENT = "Clustered attention groups similar queries so that long documents embed quickly."
 QUERY = "how do long documents embed quickly?"
@@ -39,7 +39,7 @@ def http(server):
 @pytest.fixture(scope="module")
 def reference():
     """The same model in-process, float32: what the prompts and vectors must match."""
-    from models import load_encoder
+    from clusterserve.models import load_encoder
 
     return load_encoder(None, dtype="float32")
 

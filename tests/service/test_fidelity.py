@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from service_helpers import REAL_LIMITS, FakeEncoder, fake_app, license_text, running, scrape, value
 
-from models.planning.calibration import FORMAT, load_calibration
-from service.app import create_app
-from service.settings import Settings
+from clusterserve.models.planning.calibration import FORMAT, load_calibration
+from clusterserve.service.app import create_app
+from clusterserve.service.settings import Settings
 
 ICL = {"method": "i-clustered", "clusters": 8, "topk": 8, "iterations": 3, "refine": 1}
 

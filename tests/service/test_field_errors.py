@@ -1,15 +1,15 @@
-"""service.errors.FIELD_ERRORS: each typed planning error answers with its status, naming the
+"""clusterserve.service.errors.FIELD_ERRORS: each typed planning error answers with its status, naming the
 request's field, without reading its message."""
 
 from __future__ import annotations
 
 import pytest
 
-from kernels import FieldError
-from models.planning.inputs import EmptyInput, InputError, InputTooLong, NoTokens
-from models.planning.plan import UnknownAdapter
-from models.prompts import UnknownPrompt
-from service.errors import from_field_error
+from clusterserve.kernels import FieldError
+from clusterserve.models.planning.inputs import EmptyInput, InputError, InputTooLong, NoTokens
+from clusterserve.models.planning.plan import UnknownAdapter
+from clusterserve.models.prompts import UnknownPrompt
+from clusterserve.service.errors import from_field_error
 
 PARAMS = ["input[0]", "input[1]"]
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from service_helpers import fake_app, license_text, running, scrape, value
 
-from kernels import AttentionSpec
-from models.planning.chunk_plan import plan_late_inputs
-from models.planning.chunking import ChunkingSpec
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models.planning.chunk_plan import plan_late_inputs
+from clusterserve.models.planning.chunking import ChunkingSpec
 
 DOCUMENT = license_text(1500)  # ~300 tokens of real prose
 FULL = {"method": "full"}

@@ -42,7 +42,7 @@ def test_an_input_gets_the_same_attention_and_vector_alone_or_with_others(client
     import numpy as np
     import torch
 
-    from kernels import AttentionSpec
+    from clusterserve.kernels import AttentionSpec
 
     attention = {"method": method, "seed": 1234, **SMALL}
     others = [license_text(300), TEXT, license_text(4000)[2000:]]  # ~60, ~300 and ~450 tokens

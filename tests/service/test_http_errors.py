@@ -265,8 +265,8 @@ async def test_503_until_the_model_is_loaded():
         loaded.wait(120)
         return encoder
 
-    from service.app import create_app
-    from service.settings import Settings
+    from clusterserve.service.app import create_app
+    from clusterserve.service.settings import Settings
 
     app = create_app(Settings(warmup=False), load=slow_load)
     async with running(app, ready=False) as http:
@@ -290,8 +290,8 @@ async def test_503_until_the_model_is_loaded():
 
 @pytest.mark.anyio
 async def test_503_when_the_model_fails_to_load():
-    from service.app import create_app
-    from service.settings import Settings
+    from clusterserve.service.app import create_app
+    from clusterserve.service.settings import Settings
 
     def broken(_settings):
         raise FileNotFoundError("no config.json in /nowhere")

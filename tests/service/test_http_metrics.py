@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from service_helpers import FakeEncoder, fake_app, running, scrape, value
 
-from kernels import fallbacks
+from clusterserve.kernels import fallbacks
 
 # DESIGN.md's metrics table: name -> (type, labels).
 SERIES = {

@@ -13,9 +13,9 @@ import torch
 from fastapi.testclient import TestClient
 from service_helpers import REAL_LIMITS, license_text, scrape, value, wait_ready
 
-from kernels import KNOB_RANGES, METHOD_KNOBS, AttentionSpec, backend_for
-from service.app import create_app
-from service.settings import Settings
+from clusterserve.kernels import KNOB_RANGES, METHOD_KNOBS, AttentionSpec, backend_for
+from clusterserve.service.app import create_app
+from clusterserve.service.settings import Settings
 
 TIMING_HEADERS = ("x-request-id", "x-queue-time-ms", "x-inference-time-ms", "x-total-time-ms")
 SUCCESS_HEADERS = TIMING_HEADERS + ("x-input-tokens", "x-attention", "x-peak-memory-bytes")

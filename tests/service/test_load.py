@@ -1,4 +1,4 @@
-"""A bounded load test against a real server process (`python -m service` on 127.0.0.1).
+"""A bounded load test against a real server process (`clusterserve serve` on 127.0.0.1).
 
 16 concurrent clients send requests of mixed lengths (10 to 8k tokens), both embedding
 routes and every attention method, until a time bound (each client sends its first request

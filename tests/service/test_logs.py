@@ -9,7 +9,7 @@ import logging
 import pytest
 from service_helpers import fake_app, running
 
-from service.logs import ACCESS_FIELD, JsonFormatter
+from clusterserve.service.logs import ACCESS_FIELD, JsonFormatter
 
 KEY = "sk-very-secret-key"
 
@@ -37,7 +37,7 @@ async def test_one_json_access_line_per_request_with_its_id_and_never_the_key(ca
 
 
 def test_log_format_setting(monkeypatch):
-    from service.settings import Settings
+    from clusterserve.service.settings import Settings
 
     assert Settings().log_format == "text"
     monkeypatch.setenv("CLUSTERSERVE_LOG_FORMAT", "json")

@@ -20,8 +20,8 @@ import pytest
 from fastapi.testclient import TestClient
 from service_helpers import FakeEncoder, fake_app, license_text, running, scrape, value, wait_ready
 
-from service.app import create_app
-from service.settings import Settings
+from clusterserve.service.app import create_app
+from clusterserve.service.settings import Settings
 
 MODEL = "all-minilm"  # Ollama's name for the session's all-MiniLM-L6-v2
 DIM = 384
@@ -212,7 +212,7 @@ def test_show_describes_the_model_and_answers_ollamas_404(client):
 
 
 def test_version(client):
-    from service import __version__
+    from clusterserve.service import __version__
 
     assert client.get("/api/version").json() == {"version": __version__}
 

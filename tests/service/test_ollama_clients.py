@@ -1,4 +1,4 @@
-"""Ollama's real clients, unchanged, against the real server (`python -m service`) serving the
+"""Ollama's real clients, unchanged, against the real server (`clusterserve serve`) serving the
 default model, nomic-embed-text-v1.5 from its GGUF, under Ollama's name for it,
 "nomic-embed-text": `ollama.Client(host=...)`, LangChain's `OllamaEmbeddings` and LlamaIndex's
 `OllamaEmbedding`. Each checks the dimensions, that a query vector and a document vector differ

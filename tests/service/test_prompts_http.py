@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 from service_helpers import license_text, wait_ready
 from tiny_checkpoints import ARCHITECTURES, DIM, JINA_PROMPTS, JINA_TASKS, PLAIN_PROMPTS, PROMPTS, make_checkpoint
 
-from service.app import create_app
-from service.settings import Settings
+from clusterserve.service.app import create_app
+from clusterserve.service.settings import Settings
 
 pytest.importorskip("transformers")
 

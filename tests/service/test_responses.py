@@ -1,4 +1,4 @@
-"""service.responses: vectors as JSON numbers that give their float32 values back, in 9 digits."""
+"""clusterserve.service.responses: vectors as JSON numbers that give their float32 values back, in 9 digits."""
 
 import json
 from decimal import Decimal
@@ -6,7 +6,7 @@ from decimal import Decimal
 import numpy as np
 import torch
 
-from service.responses import json_rows
+from clusterserve.service.responses import json_rows
 
 
 def _values() -> np.ndarray:

@@ -11,10 +11,10 @@ import pytest
 import torch
 from service_helpers import FakeEncoder, ManualClock, until
 
-from kernels import AttentionSpec
-from models.planning.cost import Throughput
-from service.batching import Batcher, Job, Run
-from service.metrics import Metrics
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models.planning.cost import Throughput
+from clusterserve.service.batching import Batcher, Job, Run
+from clusterserve.service.metrics import Metrics
 
 pytestmark = pytest.mark.anyio
 FULL = AttentionSpec(method="full")

@@ -1,4 +1,4 @@
-"""The real server, started as users start it (`python -m service`) on a free loopback port,
+"""The real server, started as users start it (`clusterserve serve`) on a free loopback port,
 driven with the official `openai` client and with plain HTTP."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 from server_process import running_server
 from service_helpers import license_text, scrape, value
 
-from kernels import backend_for
-from models.runtime.precision import DTYPES, cpu_has_bf16
+from clusterserve.kernels import backend_for
+from clusterserve.models.runtime.precision import DTYPES, cpu_has_bf16
 
 METHODS = ["full", "clustered", "i-clustered", "smyrf"]
 DOCUMENT = license_text(17000)  # real prose, ~3,300 tokens

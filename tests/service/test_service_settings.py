@@ -1,4 +1,4 @@
-"""Settings from CLUSTERSERVE_* variables and `python -m service` flags; CORS."""
+"""Settings from CLUSTERSERVE_* variables and `clusterserve serve` flags; CORS."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 from pydantic import ValidationError
 from service_helpers import fake_app, running
 
-from kernels import AttentionSpec
-from service.__main__ import parse_settings
-from service.app import load_model
-from service.settings import Settings
+from clusterserve.kernels import AttentionSpec
+from clusterserve.service.__main__ import parse_settings
+from clusterserve.service.app import load_model
+from clusterserve.service.settings import Settings
 
 
 def test_defaults_match_the_contract(monkeypatch):
@@ -64,7 +64,7 @@ def test_cuda_graphs_on_or_off_and_what_load_model_asks_for(monkeypatch, word, o
     settings = Settings(device="cpu", dtype="float32")
     assert (settings.cuda_graphs, settings.cuda_graph_signatures, settings.cuda_graph_max_length) == (on, 5, 8192)
     asked = {}
-    monkeypatch.setattr("models.load_encoder", lambda *args, **kwargs: asked.update(kwargs))
+    monkeypatch.setattr("clusterserve.models.load_encoder", lambda *args, **kwargs: asked.update(kwargs))
     load_model(settings)
     assert (asked["cuda_graphs"], asked["cuda_graph_max_length"]) == (5 if on else 0, 8192)
     assert parse_settings(["--no-cuda-graphs"]).cuda_graphs is False
