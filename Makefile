@@ -70,12 +70,12 @@ bench: install-test
 	$(PY) -m clusterserve.bench.fidelity
 
 # Schema fuzzing of a running server (`make serve` in another shell): schemathesis, every check,
-# with the relations between fields that the schema cannot state given as hooks
-# (tests/fuzz/cross_field.py). Installed in a venv of its own.
+# with the cross-field rules that the schema cannot state given as hooks (tests/fuzz/cross_field.py,
+# which reads clusterserve.models.planning.rules). `make test` runs it in small
+# (tests/fuzz/test_schemathesis.py).
 URL ?= http://$(HOST):$(PORT)
-fuzz:
-	@test -x .venv-fuzz/bin/schemathesis || ($(PYTHON) -m venv .venv-fuzz && .venv-fuzz/bin/pip install --quiet schemathesis)
-	SCHEMATHESIS_HOOKS=tests.fuzz.cross_field .venv-fuzz/bin/schemathesis run $(URL)/openapi.json \
+fuzz: install-test
+	SCHEMATHESIS_HOOKS=cross_field PYTHONPATH=tests/fuzz $(VENV)/bin/schemathesis run $(URL)/openapi.json \
 		--checks all --generation-deterministic --max-examples 60
 
 lint: install-test
@@ -83,4 +83,4 @@ lint: install-test
 	$(PY) -m ruff check clusterserve kernels models service bench tests
 
 clean:
-	rm -rf $(VENV) .venv-fuzz build *.egg-info
+	rm -rf $(VENV) build *.egg-info

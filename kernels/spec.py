@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -72,6 +73,59 @@ METHOD_KNOBS: dict[str, tuple[str, ...]] = {
     "smyrf": ("hash_rounds", "cluster_size", "seed"),
     "banded": ("band", "block", "sinks", "far_blocks"),
 }
+
+
+# Knobs a calibrated choice sets: a request that names target_fidelity leaves them out.
+CALIBRATED_KNOBS = (
+    "clusters", "topk", "bits", "iterations", "refine", "hash_rounds", "cluster_size", "band", "block", "sinks",
+    "far_blocks",
+)
+
+
+# The attention object's cross-field rules, each a function of its fields (given or resolved)
+# that returns the FieldError a breaking object gets, else None. A missing field may be
+# whatever its default turns out to be, so a rule says "broken" only when it is for any.
+# models.planning.rules lists them with the chunking rules; the service's OpenAPI document
+# and the fuzz hooks read that list.
+def iterations_without_codes(values: Mapping[str, Any]) -> FieldError | None:
+    """Hamming iterations need LSH codes: with bits 0 (no codes), iterations must be 0 where
+    the method that runs reads them (an absent method, or "auto" without its auto_method, may)."""
+    bits, iterations = _integer(values.get("bits")), _integer(values.get("iterations"))
+    if bits != 0 or iterations is None or iterations <= 0:
+        return None
+    method = values.get("method")
+    if method == "auto" or method is None:
+        method = values.get("auto_method")
+    if method is not None and "bits" not in METHOD_KNOBS.get(method, ("bits",)):
+        return None
+    detail = f"Hamming iterations need LSH codes: with bits 0 (no codes) it must be 0, got {iterations}"
+    return FieldError("iterations", detail, ATTENTION)
+
+
+def target_without_auto(values: Mapping[str, Any]) -> FieldError | None:
+    """target_fidelity applies to method "auto" only (an absent method runs "auto")."""
+    method = values.get("method")
+    if values.get("target_fidelity") is None or method is None or method == "auto":
+        return None
+    detail = f'applies to method "auto" only, got method {method!r}; set method to "auto" or leave it out'
+    return FieldError("target_fidelity", detail, ATTENTION)
+
+
+def knobs_beside_target(values: Mapping[str, Any]) -> FieldError | None:
+    """With target_fidelity (and method "auto" or absent) the calibration table chooses every
+    knob but seed: the object names none of CALIBRATED_KNOBS."""
+    if values.get("target_fidelity") is None or values.get("method") not in (None, "auto"):
+        return None
+    named = [name for name in CALIBRATED_KNOBS if values.get(name) is not None]
+    if not named:
+        return None
+    detail = ("is chosen by target_fidelity from the calibration table; leave it out, "
+              "or drop target_fidelity to choose the knobs yourself")
+    return FieldError(named[0], detail, ATTENTION)
+
+
+def _integer(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 @dataclass(frozen=True)
@@ -146,9 +200,9 @@ class AttentionSpec:
                 raise FieldError(name, f"must be an integer, got {value!r}", ATTENTION)
             if not low <= value <= high:
                 raise FieldError(name, f"must be in [{low}, {high}], got {value}", ATTENTION)
-        if self.bits == 0 and self.iterations and self._reads("bits"):
-            detail = f"Hamming iterations need LSH codes: with bits 0 (no codes) it must be 0, got {self.iterations}"
-            raise FieldError("iterations", detail, ATTENTION)
+        error = iterations_without_codes(self.as_dict())
+        if error is not None:
+            raise error
 
     def as_dict(self) -> dict[str, Any]:
         """The method and every knob, resolved (a report's record of what ran)."""
@@ -159,11 +213,6 @@ class AttentionSpec:
         to its method's default (`bits`, `refine`) takes the new method's default unless it is
         named; dataclasses.replace would keep the old method's value."""
         return AttentionSpec(**{**self.as_dict(), **dict.fromkeys(self.defaulted), **knobs})
-
-    def _reads(self, knob: str) -> bool:
-        """Whether the method that runs reads this knob ("auto": its approximate method may)."""
-        method = self.auto_method if self.method == "auto" else self.method
-        return knob in METHOD_KNOBS.get(method, ())
 
     def used_knobs(self) -> dict[str, Any]:
         """The method and only the knobs it reads, e.g. for echoing back to a client."""
@@ -235,9 +284,9 @@ def choose_auto(
     table judges its choice by the chunk vectors (`AutoTable.choose`).
     """
     if spec.method != "auto":
-        if target is not None:
-            detail = f'applies to method "auto" only, got method {spec.method!r}; set method to "auto" or leave it out'
-            raise FieldError("target_fidelity", detail, ATTENTION)
+        error = target_without_auto({"method": spec.method, "target_fidelity": target})
+        if error is not None:
+            raise error
         return Resolved(spec, spec.used_knobs())
     if target is not None and table is not None:
         choice = table.choose(tokens, target, seed=spec.seed, chunks=chunks)

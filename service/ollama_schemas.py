@@ -22,8 +22,12 @@ def _check_texts(value: Any) -> str | list[str]:
     raise ValueError("must be a string or a list of strings")
 
 
-# Ollama answers an empty input ("" or []) with no vectors; an empty item in a list is a 400.
-OllamaInput = Annotated[Union[str, list[str]], PlainValidator(_check_texts, json_schema_input_type=Union[str, list[str]])]
+# Ollama answers an empty input ("" or []) with no vectors; an empty item in a list is a 400,
+# which the schema states (minLength of the list's items).
+OllamaInput = Annotated[
+    Union[str, list[str]],
+    PlainValidator(_check_texts, json_schema_input_type=Union[str, list[Annotated[str, Field(min_length=1)]]]),
+]
 MODEL_DESCRIPTION = (
     "the served model's name (GET /api/tags), or Ollama's name for it (nomic-embed-text for "
     "nomic-embed-text-v1.5), with or without the tag :latest; another name is a 404"

@@ -6,9 +6,12 @@ checkpoint, so the static schemas say only "a string" or "an integer". Once the 
 loaded the document lists the names (an enum, or null alone when the model has none), bounds
 `dimensions` by the model's width, token ids by its vocabulary and `chunking.window` by its
 length limit, and states that prompts and chunking apply to texts only, so that a request the
-document allows is never refused as invalid (except for the relations between chunking
-fields, which JSON Schema cannot state: overlap below size, window_overlap below the window's
-room). Until then it is built without them and not cached.
+document allows is never refused as invalid. The rules between the fields of `attention` and
+of `chunking` (models.planning.rules.CROSS_FIELD_RULES) are stated on their schemas: in words
+in the description and in `x-cross-field-rules`, and as JSON Schema (`allOf`) where the rule
+has a form there; those it has not (a size against the model's limit less the prompt's
+tokens) are the ones the fuzz hooks keep. Until the model is loaded the document is built
+without any of this and not cached.
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+
+from clusterserve.kernels import AttentionSpec
+from clusterserve.models.planning.rules import CROSS_FIELD_RULES
+from clusterserve.models.prompts import NO_PROMPT
 
 from .state import ServiceState
 
@@ -35,9 +42,11 @@ def install(app: FastAPI, state: ServiceState) -> None:
         if state.encoder is None:
             return schema
         encoder = state.encoder
-        _name_the_model_choices(schema, list(encoder.prompts.prompts), list(encoder.adapters))
+        # "" (NO_PROMPT) asks for no prompt on any model
+        _name_the_model_choices(schema, [NO_PROMPT, *encoder.prompts.prompts], list(encoder.adapters))
         _bound_the_integers(schema, {"dimensions": encoder.dim, "input": encoder.vocab_size - 1})
         _bound_the_window(schema, encoder.max_input_tokens)
+        _state_the_cross_field_rules(schema, state.default_spec)
         app.openapi_schema = schema
         return schema
 
@@ -57,14 +66,35 @@ def _name_the_model_choices(schema: dict[str, Any], prompts: list[str], adapters
             if field in properties:
                 properties[field] = {**_one_of(names), "description": properties[field].get("description", "")}
         # A prompt is prepended to texts and texts are chunked; token-id inputs are used as
-        # given (422 otherwise).
+        # given (422 otherwise), with no prompt or none asked for.
         texts = {"properties": {_INPUT_FIELDS[name]: _TEXTS}}
-        rules = [{"anyOf": [{"properties": {"prompt_name": {"type": "null"}}}, texts]}]
+        rules = [{"anyOf": [{"properties": {"prompt_name": {"enum": [None, NO_PROMPT]}}}, texts]}]
         if "chunking" in properties:
             rules.append({"anyOf": [{"properties": {"chunking": {"type": "null"}}}, texts]})
         if "late_chunking" in properties:
             rules.append({"anyOf": [{"properties": {"late_chunking": {"const": False}}}, texts]})
         model["allOf"] = [*model.get("allOf", []), *rules]
+
+
+# The request object -> its schema's name in the document.
+_RULE_SCHEMAS = {"attention": "AttentionRequest", "chunking": "ChunkingRequest"}
+
+
+def _state_the_cross_field_rules(schema: dict[str, Any], default: AttentionSpec) -> None:
+    models = schema.get("components", {}).get("schemas", {})
+    for within, name in _RULE_SCHEMAS.items():
+        model = models.get(name)
+        if model is None:
+            continue
+        rules = [rule for rule in CROSS_FIELD_RULES if rule.within == within]
+        words = "; ".join(rule.statement for rule in rules)
+        model["description"] = f"{model.get('description', '').rstrip()}\n\nRules between fields (422 naming one): {words}."
+        model["x-cross-field-rules"] = [
+            {"fields": list(rule.fields), "rule": rule.statement, "json_schema": rule.schema is not None} for rule in rules
+        ]
+        forms = [rule.schema(default) for rule in rules if rule.schema is not None]
+        if forms:
+            model["allOf"] = [*model.get("allOf", []), *forms]
 
 
 def _bound_the_window(schema: dict[str, Any], max_input_tokens: int) -> None:

@@ -28,22 +28,21 @@ import torch
 from torch import Tensor
 
 from clusterserve.kernels import AttentionSpec, FieldError
-from clusterserve.kernels.spec import ATTENTION
+from clusterserve.kernels.spec import CALIBRATED_KNOBS, knobs_beside_target
 from clusterserve.models import Encoder
 from clusterserve.models.planning.calibration import EXACT
 from clusterserve.models.planning.chunk_plan import Chunk, plan_chunks, plan_late_inputs
-from clusterserve.models.planning.chunking import CHUNKING, ChunkingSpec
+from clusterserve.models.planning.chunking import ChunkingSpec, fields_beside_late_inputs
 from clusterserve.models.planning.cost import over_budget
 from clusterserve.models.planning.plan import Plan, plan
 from clusterserve.models.pooling import EVERY_TOKEN, POOLED, Output
 
 from . import errors
 from .batching import Run
-from .schemas import CALIBRATED_KNOBS, AttentionRequest, ChunkingRequest
+from .schemas import AttentionRequest, ChunkingRequest
 from .settings import Settings
 from .state import ServiceState
 
-LATE_INPUTS_FIELDS = ("window", "window_overlap")  # what `chunking` may set beside late_chunking
 PER_REQUEST = "send fewer or shorter inputs per request"
 
 
@@ -251,18 +250,14 @@ def resolve_request_attention(
     target with no method runs "auto", and names no knob it chooses (that it goes with "auto"
     only is kernels.resolve_auto's rule, met when the plan resolves each input)."""
     knobs = requested.model_dump(exclude_none=True) if requested is not None else {}
+    error = knobs_beside_target(knobs)
+    if error is not None:
+        raise error
     target = knobs.pop("target_fidelity", None)
-    named_knobs = [name for name in CALIBRATED_KNOBS if name in knobs]
-    if target is None and knobs.get("method", default.method) == "auto" and not named_knobs:
+    if target is not None:
+        knobs.setdefault("method", "auto")
+    elif knobs.get("method", default.method) == "auto" and not any(name in knobs for name in CALIBRATED_KNOBS):
         target = default_target
-    elif target is not None:
-        if knobs.setdefault("method", "auto") == "auto" and named_knobs:
-            raise FieldError(
-                named_knobs[0],
-                "is chosen by target_fidelity from the calibration table; leave it out, "
-                "or drop target_fidelity to choose the knobs yourself",
-                ATTENTION,
-            )
     return default.with_knobs(**knobs), target
 
 
@@ -296,12 +291,7 @@ def chunking_spec(requested: ChunkingRequest | None, late_inputs: bool) -> Chunk
     one). With late_inputs (Jina's form) the inputs are the chunks: only the window fields
     apply."""
     fields = requested.model_dump(exclude_none=True) if requested is not None else {}
-    if late_inputs:
-        for name in fields:
-            if name not in LATE_INPUTS_FIELDS:
-                raise FieldError(
-                    name,
-                    "does not apply with late_chunking, whose inputs are the chunks; set window and window_overlap only",
-                    CHUNKING,
-                )
+    error = fields_beside_late_inputs({**fields, "late_chunking": late_inputs})
+    if error is not None:
+        raise error
     return ChunkingSpec(**fields)

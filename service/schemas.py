@@ -37,25 +37,12 @@ def _knob_field(name: str, description: str) -> Any:
     return Field(None, description=f"{description} [{low}, {high}]")
 
 
-# Knobs a calibrated choice sets: a request that names target_fidelity leaves them out (422).
-CALIBRATED_KNOBS = (
-    "clusters", "topk", "bits", "iterations", "refine", "hash_rounds", "cluster_size", "band", "block", "sinks",
-    "far_blocks",
-)
-# The same rule in the OpenAPI document: no target_fidelity, or method auto (or unset) and
-# none of the calibrated knobs.
-_TARGET_RULE = {
-    "anyOf": [
-        {"properties": {"target_fidelity": {"type": "null"}}},
-        {"properties": {"method": {"enum": ["auto", None]}, **{name: {"type": "null"} for name in CALIBRATED_KNOBS}}},
-    ]
-}
-
-
 class AttentionRequest(BaseModel):
-    """The per-request `attention` object; every field is optional (defaults: GET /info)."""
+    """The per-request `attention` object; every field is optional (defaults: GET /info). The
+    rules between its fields (models.planning.rules) are in the OpenAPI document once the model
+    is loaded."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra=_TARGET_RULE)
+    model_config = ConfigDict(extra="forbid")
 
     method: Literal[METHODS] | None = Field(  # type: ignore[valid-type]
         None, description="full | clustered | i-clustered | smyrf | banded | auto"
@@ -91,8 +78,9 @@ CHUNK_TOKENS_MAX = 65536
 
 class ChunkingRequest(BaseModel):
     """The `chunking` extension: every field optional (defaults: GET /info `chunking`). Sizes
-    are in tokens. overlap must be below size and window_overlap below the window's room for
-    text (422 naming the field otherwise)."""
+    are in tokens. The rules between its fields (models.planning.rules: overlap below size,
+    window_overlap below the window's room for text, ...) are in the OpenAPI document once the
+    model is loaded; a body that breaks one is a 422 naming the field."""
 
     model_config = ConfigDict(extra="forbid")
 

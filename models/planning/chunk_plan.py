@@ -27,7 +27,15 @@ import torch
 from torch import Tensor
 
 from clusterserve.kernels import AttentionSpec, FieldError, resolve_auto
-from clusterserve.models.planning.chunking import CHUNKING, ChunkingSpec, chunk_spans, unit_starts, window_sizes, windows
+from clusterserve.models.planning.chunking import (
+    ChunkingSpec,
+    ChunkLimits,
+    chunk_spans,
+    naive_chunk_within_limit,
+    unit_starts,
+    window_sizes,
+    windows,
+)
 from clusterserve.models.planning.inputs import InputTooLong, NoTokens
 from clusterserve.models.planning.plan import Encoder, Plan, PlannedInput, check_attention, choose_prompt_and_adapter
 from clusterserve.models.pooling import POOLED, Output
@@ -94,6 +102,11 @@ class _Document:
     tokens: int
 
 
+def chunk_limits(encoder: Encoder, framing: int) -> ChunkLimits:
+    """The chunking rules' limits for this encoder, with `framing` special and prompt tokens."""
+    return ChunkLimits(framing=framing, max_tokens=encoder.max_input_tokens, native_positions=encoder.native_positions)
+
+
 def plan_chunks(
     encoder: Encoder, texts: Sequence[str], spec: AttentionSpec, chunking: ChunkingSpec, *,
     target_fidelity: float | None = None, truncate: bool = False, truncation_direction: str = "right",
@@ -116,13 +129,9 @@ def plan_chunks(
         encoder, texts, spec, target_fidelity, prompt_name, adapter, chunking.late
     )
     framing = len(encoder.tokenizer.prefix) + len(prompt_ids) + len(encoder.tokenizer.suffix)
-    if not chunking.late and chunking.size + framing > encoder.max_input_tokens:
-        raise FieldError(
-            "size",
-            f"a chunk's sequence adds {framing} special and prompt tokens; size must be at most "
-            f"{encoder.max_input_tokens - framing}, got {chunking.size}",
-            CHUNKING,
-        )
+    error = naive_chunk_within_limit(vars(chunking), chunk_limits(encoder, framing))
+    if error is not None:
+        raise error
     limit = encoder.max_input_tokens - framing
     documents = []
     for index, (text, tokens) in enumerate(zip(texts, encoder.tokenizer.encode_body(list(texts)))):
@@ -209,7 +218,7 @@ def _plan(
     inputs = []
     rows = 0
     if chunking.late:
-        room, overlap = window_sizes(chunking, encoder.native_positions, encoder.max_input_tokens, framing)
+        room, overlap = window_sizes(chunking, chunk_limits(encoder, framing))
     for document in documents:
         first_row, first_sequence = rows, len(sequences)
         if not document.body:  # its one chunk is the text's own embedding

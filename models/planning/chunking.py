@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from clusterserve.kernels import FieldError
 from clusterserve.models.planning.inputs import is_int
@@ -41,6 +42,25 @@ WINDOW_OVERLAP_SHARE = 0.25
 # blank line; a paragraph at a blank line. The next unit begins where the match ends.
 _SENTENCE_END = re.compile(r"[.!?][\"'\u2019\u201d)\]]*\s+|\n[ \t]*\n\s*")
 _PARAGRAPH_END = re.compile(r"\n[ \t]*\n\s*")
+
+
+# What `chunking` may set beside late_chunking (Jina's form), whose inputs are the chunks.
+LATE_INPUTS_FIELDS = ("window", "window_overlap")
+
+
+@dataclass(frozen=True)
+class ChunkLimits:
+    """What the chunking rules need of the model and the prompt: `framing`, the special and
+    prompt tokens a sequence adds; `max_tokens`, the model's length limit; `native_positions`,
+    its trained positions (the default window is the smaller of the two)."""
+
+    framing: int
+    max_tokens: int
+    native_positions: int
+
+    @property
+    def default_window(self) -> int:
+        return min(self.native_positions, self.max_tokens)
 
 
 @dataclass(frozen=True)
@@ -66,9 +86,9 @@ class ChunkingSpec:
     def __post_init__(self) -> None:
         if not (is_int(self.size) and self.size >= 1):
             raise FieldError("size", f"must be a positive integer, got {self.size!r}", CHUNKING)
-        if not (is_int(self.overlap) and 0 <= self.overlap < self.size):
-            detail = f"must be an integer in [0, size - 1] = [0, {self.size - 1}], got {self.overlap!r}"
-            raise FieldError("overlap", detail, CHUNKING)
+        if not (is_int(self.overlap) and self.overlap >= 0):
+            raise FieldError("overlap", f"must be a non-negative integer, got {self.overlap!r}", CHUNKING)
+        _raise(overlap_within_size(vars(self)))
         if self.boundaries not in BOUNDARIES:
             detail = f"must be one of {', '.join(BOUNDARIES)}, got {self.boundaries!r}"
             raise FieldError("boundaries", detail, CHUNKING)
@@ -81,26 +101,89 @@ class ChunkingSpec:
             raise FieldError("window_overlap", detail, CHUNKING)
 
 
-def window_sizes(chunking: ChunkingSpec, native_positions: int, max_tokens: int, framing: int) -> tuple[int, int]:
+# The chunking object's cross-field rules, each a function of its fields (given or resolved;
+# `late_chunking` is the request's flag beside it) and the model's ChunkLimits that returns the
+# FieldError a breaking object gets, else None. A missing field takes ChunkingSpec's default.
+# models.planning.rules lists them with the attention rules; the service's OpenAPI document
+# and the fuzz hooks read that list.
+def overlap_within_size(values: Mapping[str, Any], limits: ChunkLimits | None = None) -> FieldError | None:
+    """overlap below size."""
+    size, overlap = _field(values, "size"), _field(values, "overlap")
+    if size is None or overlap is None or overlap < size:
+        return None
+    return FieldError("overlap", f"must be an integer in [0, size - 1] = [0, {size - 1}], got {overlap}", CHUNKING)
+
+
+def naive_chunk_within_limit(values: Mapping[str, Any], limits: ChunkLimits) -> FieldError | None:
+    """With late false, a chunk and its special and prompt tokens within the model's limit."""
+    size = _field(values, "size")
+    if values.get("late", ChunkingSpec.late) is not False or size is None or size + limits.framing <= limits.max_tokens:
+        return None
+    detail = (f"a chunk's sequence adds {limits.framing} special and prompt tokens; size must be at most "
+              f"{limits.max_tokens - limits.framing}, got {size}")
+    return FieldError("size", detail, CHUNKING)
+
+
+def window_holds_framing(values: Mapping[str, Any], limits: ChunkLimits) -> FieldError | None:
+    """A window holds its special and prompt tokens and some text."""
+    window = _field(values, "window")
+    if window is None or window > limits.framing:
+        return None
+    return FieldError("window", f"must hold the {limits.framing} special and prompt tokens and some text, got {window}",
+                      CHUNKING)
+
+
+def window_overlap_within_room(values: Mapping[str, Any], limits: ChunkLimits) -> FieldError | None:
+    """window_overlap below the window's room for text: the window (default the model's trained
+    positions, at most its limit) less its special and prompt tokens."""
+    window = _field(values, "window")
+    window = limits.default_window if window is None else window
+    overlap, room = _field(values, "window_overlap"), window - limits.framing
+    if overlap is None or room < 1 or overlap < room:
+        return None
+    detail = (f"must be below the window's {room} tokens of text (window {window} less {limits.framing} special and "
+              f"prompt tokens), got {overlap}")
+    return FieldError("window_overlap", detail, CHUNKING)
+
+
+def fields_beside_late_inputs(values: Mapping[str, Any], limits: ChunkLimits | None = None) -> FieldError | None:
+    """With late_chunking (Jina's form: the inputs are the chunks), chunking sets only the
+    window fields."""
+    if values.get("late_chunking") is not True:
+        return None
+    named = [name for name, value in values.items() if value is not None and name != "late_chunking"
+             and name not in LATE_INPUTS_FIELDS]
+    if not named:
+        return None
+    detail = "does not apply with late_chunking, whose inputs are the chunks; set window and window_overlap only"
+    return FieldError(named[0], detail, CHUNKING)
+
+
+def _field(values: Mapping[str, Any], name: str) -> int | None:
+    """An integer field, or its ChunkingSpec default when absent; None when it is not an integer
+    (its own check answers that)."""
+    value = values.get(name)
+    value = getattr(ChunkingSpec, name, None) if value is None else value
+    return value if is_int(value) else None
+
+
+def _raise(error: FieldError | None) -> None:
+    if error is not None:
+        raise error
+
+
+def window_sizes(chunking: ChunkingSpec, limits: ChunkLimits) -> tuple[int, int]:
     """(room, overlap): the text tokens a context window runs and the ones it re-reads, for
-    windows of `chunking.window` tokens (None: `native_positions`, at most `max_tokens`) that
-    spend `framing` tokens on special tokens and the prompt. FieldError naming window or
+    windows of `chunking.window` tokens (None: the limits' default window) that spend
+    `limits.framing` tokens on special tokens and the prompt. FieldError naming window or
     window_overlap when they do not fit."""
-    window = chunking.window if chunking.window is not None else min(native_positions, max_tokens)
-    if window > max_tokens:
-        raise FieldError("window", f"must be at most the model's {max_tokens} tokens, got {window}", CHUNKING)
-    if window <= framing:
-        detail = f"must hold the {framing} special and prompt tokens and some text, got {window}"
-        raise FieldError("window", detail, CHUNKING)
-    room = window - framing
+    window = chunking.window if chunking.window is not None else limits.default_window
+    if window > limits.max_tokens:
+        raise FieldError("window", f"must be at most the model's {limits.max_tokens} tokens, got {window}", CHUNKING)
+    _raise(window_holds_framing(vars(chunking), limits))
+    _raise(window_overlap_within_room(vars(chunking), limits))
+    room = window - limits.framing
     overlap = chunking.window_overlap if chunking.window_overlap is not None else int(room * WINDOW_OVERLAP_SHARE)
-    if overlap >= room:
-        raise FieldError(
-            "window_overlap",
-            f"must be below the window's {room} tokens of text (window {window} "
-            f"less {framing} special and prompt tokens), got {overlap}",
-            CHUNKING,
-        )
     return room, overlap
 
 

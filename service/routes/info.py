@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from clusterserve.kernels import KNOB_RANGES, METHOD_KNOBS, METHODS
 from clusterserve.models import Encoder
+from clusterserve.models.planning.chunk_plan import chunk_limits
 from clusterserve.models.planning.chunking import BOUNDARIES, ChunkingSpec, window_sizes
 
 from .. import __version__, errors
@@ -85,7 +86,7 @@ def _chunking(encoder: Encoder) -> dict[str, Any]:
     without a prompt) and bounds."""
     defaults = ChunkingSpec()
     framing = len(encoder.tokenizer.prefix) + len(encoder.tokenizer.suffix)
-    room, overlap = window_sizes(defaults, encoder.native_positions, encoder.max_input_tokens, framing)
+    room, overlap = window_sizes(defaults, chunk_limits(encoder, framing))
     return {
         "defaults": {
             "size": defaults.size,

@@ -51,7 +51,18 @@ def test_every_body_the_hooks_keep_is_accepted(encoder):
 
 
 def test_the_hooks_drop_what_breaks_a_rule():
+    assert not keeps_cross_field_rules({"attention": {"bits": 0, "iterations": 99}})
+    assert not keeps_cross_field_rules({"attention": {"method": "clustered", "bits": 0, "iterations": 1}})
+    assert keeps_cross_field_rules({"attention": {"method": "smyrf", "bits": 0, "iterations": 1}})  # reads no bits
+    assert keeps_cross_field_rules({"attention": {"iterations": 5}})  # bits left out: 63
+    assert not keeps_cross_field_rules({"attention": {"method": "full", "target_fidelity": 0.9}})
+    assert not keeps_cross_field_rules({"attention": {"target_fidelity": 0.9, "clusters": 10}})
+    assert keeps_cross_field_rules({"attention": {"target_fidelity": 0.9, "seed": 3}})
+    assert not keeps_cross_field_rules({"late_chunking": True, "chunking": {"size": 10}})
+    assert keeps_cross_field_rules({"late_chunking": True, "chunking": {"window": 400}})
     assert not keeps_cross_field_rules({"chunking": {"size": 10, "overlap": 10}})
+    assert not keeps_cross_field_rules({"chunking": {"size": 10.0, "overlap": 10.0}})  # JSON's 10.0 is 10
+    assert not keeps_cross_field_rules({"attention": {"bits": 0.0, "iterations": 2.0}})
     assert not keeps_cross_field_rules({"chunking": {"overlap": 256}})  # the default size
     assert not keeps_cross_field_rules({"chunking": {"window": 16}})
     assert not keeps_cross_field_rules({"chunking": {"window": 100, "window_overlap": 90}})
