@@ -10,6 +10,8 @@ LONGEST_FIRST = (
     "tests/bench/test_gpu_model.py",
     "tests/models/test_default_model_llamacpp.py",
     "tests/service/test_load.py",
+    "tests/fuzz/test_schemathesis.py",
+    "tests/test_wheel.py",
     "tests/kernels/test_smyrf_triton.py",
     "tests/kernels/test_matrix.py",
     "tests/kernels/test_banded.py",
