@@ -121,7 +121,7 @@ def record_spec(spec, n: int, head_dim: int, dtype: torch.dtype, heads: int = HE
             return run_smyrf(smyrf_stages("triton"), *args)
         if spec.method == "banded":  # a local band plus a pooled far field (kernels/reference/banded.py)
             from clusterserve.kernels.dispatch import banded_stages
-            from clusterserve.kernels.reference.banded import run_banded
+            from clusterserve.kernels.stages import run_banded
 
             return run_banded(banded_stages("triton"), *args)
         return run_clustered(clustered_stages("triton"), *args)

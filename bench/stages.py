@@ -22,9 +22,8 @@ from torch import Tensor
 
 from clusterserve.kernels import AttentionSpec
 from clusterserve.kernels.dispatch import banded_stages, clustered_stages, smyrf_stages
-from clusterserve.kernels.reference.banded import run_banded
 from clusterserve.kernels.reference.full import full_attention
-from clusterserve.kernels.stages import run_clustered, run_smyrf
+from clusterserve.kernels.stages import run_banded, run_clustered, run_smyrf
 
 
 @dataclass

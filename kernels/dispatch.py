@@ -25,10 +25,18 @@ import torch
 from torch import Tensor
 
 from clusterserve.kernels import native
-from clusterserve.kernels.reference.banded import BandedStages, run_banded
 from clusterserve.kernels.reference.full import full_attention
 from clusterserve.kernels.spec import AttentionSpec, resolve_auto
-from clusterserve.kernels.stages import ClusteredStages, Observe, SmyrfStages, call, run_clustered, run_smyrf
+from clusterserve.kernels.stages import (
+    BandedStages,
+    ClusteredStages,
+    Observe,
+    SmyrfStages,
+    call,
+    run_banded,
+    run_clustered,
+    run_smyrf,
+)
 
 BACKENDS = ("auto", "reference", "native", "triton")
 # What the triton and native backends take; other dtypes (float64) need the reference.

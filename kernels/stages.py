@@ -1,4 +1,5 @@
-"""Each approximate method as a list of named stages, and the one driver that runs them.
+"""Each approximate method as a list of named stages, and the one driver per method that runs
+them (`run_clustered`, `run_smyrf`, `run_banded`), with the types the stages hand each other.
 
 Every backend (reference, native, triton) implements the same stages; the driver owns the
 order, the masking rule and the exact-case shortcut, so a backend only says how each stage
@@ -24,6 +25,12 @@ the rounds by softmax mass (eq. 15) into `cluster_attention`:
     hash                (q, k, key_padding_mask, spec) -> (R, B, H, N), (R, B, H, M) hashes
     sort                (q_hashes, k_hashes) -> positions sorted by hash, real tokens first
     cluster_attention   (q, k, v, q_orders, k_orders, key_padding_mask, spec, scale, dtype) -> out
+
+Banded attention (kernels/reference/banded.py defines the method; self-attention only):
+    pool                (k, v, key_mask, spec) -> Pooled: per block mean key, mean value, log count
+                        (float32; float64 for float64)
+    select              (q, pooled, key_mask, spec, scale) -> Pooled with `chosen` filled in
+    attend              (q, k, v, pooled, key_mask, spec, scale, dtype) -> (B, H, N, Dv), padded queries 0
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from clusterserve.kernels.spec import AttentionSpec
 
 CLUSTERED_STAGES = ("hash", "cluster", "seed", "refine", "centroids", "centroid_attention", "sparse", "broadcast")
 SMYRF_STAGES = ("hash", "sort", "cluster_attention")
+BANDED_STAGES = ("pool", "select", "attend")
 
 
 class CentroidAttention(NamedTuple):
@@ -87,6 +95,46 @@ class SmyrfStages:
     hash: Callable[..., tuple[Tensor, Tensor]]
     sort: Callable[..., tuple[Tensor, Tensor]]
     cluster_attention: Callable[..., Tensor]
+    # Whether its stages read q, k and v as contiguous rows: then they are laid out once.
+    contiguous: bool = False
+
+
+class Pooled(NamedTuple):
+    """What banded's pool and select hand on. keys (B, H, NB, D) and values (B, H, NB, Dv): means
+    over each block's real non-sink keys (0 where it has none); log_count (B, NB): log of how
+    many there are (-inf for none); sinks (B, S) int64 positions of the sink keys, sink_real
+    (B, S) bool; counted (B, N) bool: the keys a pooled block stands for (real, not sinks);
+    chosen (B, H, NB, R) int64: the far blocks each query block attends exactly, ascending, -1
+    for none (R = 0 before `select`); key_parts: a backend's own form of the mean keys (the
+    Triton pool's split into half parts, kernels/triton/helpers.py), None where it has none;
+    key_bias: a backend's additive masks, (2, B, N) float32 0 where a key is real (row 0) or
+    counted (row 1), else -inf (the Triton pool's), None where it has none; far_bias (B, H, NB,
+    NB) float32: a backend's pooled field per query block, each block's log count in its
+    logits' units where the query block pools it (outside the band, counted, not chosen), else
+    -inf (the Triton select's), None where it has none."""
+
+    keys: Tensor
+    values: Tensor
+    log_count: Tensor
+    sinks: Tensor
+    sink_real: Tensor
+    counted: Tensor
+    chosen: Tensor
+    key_parts: Tensor | None = None
+    key_bias: Tensor | None = None
+    far_bias: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class BandedStages:
+    """One backend's banded pipeline (see the module docstring); a backend without a select of
+    its own passes the reference's."""
+
+    name: str
+    compute: Callable[[torch.dtype], torch.dtype]
+    pool: Callable[..., Pooled]
+    select: Callable[..., Pooled]
+    attend: Callable[..., Tensor]
     # Whether its stages read q, k and v as contiguous rows: then they are laid out once.
     contiguous: bool = False
 
@@ -183,3 +231,23 @@ def sort_by_hash(q_hashes: Tensor, k_hashes: Tensor) -> tuple[Tensor, Tensor]:
         q_orders, k_orders = torch.stack([q_hashes, k_hashes]).argsort(dim=-1, stable=True)
         return q_orders, k_orders
     return q_hashes.argsort(dim=-1, stable=True), k_hashes.argsort(dim=-1, stable=True)
+
+
+def run_banded(
+    stages: BandedStages, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, key_padding_mask: Tensor | None,
+    scale: float, observe: Observe = call,
+) -> Tensor:
+    """Banded attention through `stages`: (B, H, N, D), (B, H, N, D), (B, H, N, Dv) ->
+    (B, H, N, Dv) in q's dtype. Self-attention only (positions are shared by queries and keys)."""
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"method 'banded' is self-attention: q and k need the same length, got {q.shape[2]} and {k.shape[2]}"
+        )
+    compute = stages.compute(q.dtype)
+    qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
+    if stages.contiguous:
+        qc, kc, vc = qc.contiguous(), kc.contiguous(), vc.contiguous()
+    key_mask, _ = token_masks(q, k, key_padding_mask)
+    pooled = observe("pool", stages.pool, kc, vc, key_mask, spec)
+    pooled = observe("select", stages.select, qc, pooled, key_mask, spec, scale)
+    return observe("attend", stages.attend, qc, kc, vc, pooled, key_mask, spec, scale, q.dtype)

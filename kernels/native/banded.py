@@ -22,8 +22,9 @@ import torch
 from torch import Tensor
 
 from clusterserve.kernels import native
-from clusterserve.kernels.reference.banded import BandedStages, Pooled, choice_scores, pool, select
+from clusterserve.kernels.reference.banded import choice_scores, pool, select
 from clusterserve.kernels.spec import AttentionSpec
+from clusterserve.kernels.stages import BandedStages, Pooled
 
 
 def block_means(k: Tensor, v: Tensor, counted: Tensor, size: int) -> tuple[Tensor, Tensor]:

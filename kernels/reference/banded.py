@@ -22,9 +22,11 @@ band + far_blocks >= blocks - 1 every key is attended exactly: exact attention.
 
 Cost per head: O(N (block (2 band + 1 + far_blocks) + N / block + sinks) D).
 
-This file holds the reference backend (PyTorch, the definition the native loops and the
-Triton kernel are tested against) and the two stages every backend shares: pooling (O(N D))
-and the choice of far blocks (O(N N/block D), as the pooled logits).
+This file holds the reference backend's stages (PyTorch, the definition the native loops and
+the Triton kernels are tested against), whose pool (O(N D)) and choice of far blocks (O(N
+N/block D), as the pooled logits) the native backend runs with its own loops inside. The
+stages' signatures, the `Pooled` they hand on and the driver, `run_banded`, are in
+kernels/stages.py:
 
     pool    (k, v, key_mask, spec) -> Pooled: per block mean key, mean value, log count
             (float32; float64 for float64)
@@ -34,45 +36,17 @@ and the choice of far blocks (O(N N/block D), as the pooled logits).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from clusterserve.kernels.reference.masks import token_masks
 from clusterserve.kernels.spec import AttentionSpec
-from clusterserve.kernels.stages import call, float32_or_64
+from clusterserve.kernels.stages import BandedStages, Pooled, float32_or_64
 
 # Query blocks per step of the reference's loop: bounds its (blocks, block, keys) logits.
 _BLOCKS_PER_STEP = 32
-
-
-class Pooled(NamedTuple):
-    """keys (B, H, NB, D) and values (B, H, NB, Dv): means over each block's real non-sink keys
-    (0 where it has none); log_count (B, NB): log of how many there are (-inf for none);
-    sinks (B, S) int64 positions of the sink keys, sink_real (B, S) bool; counted (B, N) bool:
-    the keys a pooled block stands for (real, not sinks); chosen (B, H, NB, R) int64: the far
-    blocks each query block attends exactly, ascending, -1 for none (R = 0 before `select`);
-    key_parts: a backend's own form of the mean keys (the Triton pool's split into half parts,
-    kernels/triton/helpers.py), None where it has none; key_bias: a backend's additive masks,
-    (2, B, N) float32 0 where a key is real (row 0) or counted (row 1), else -inf (the Triton
-    pool's), None where it has none; far_bias (B, H, NB, NB) float32: a backend's pooled field
-    per query block, each block's log count in its logits' units where the query block pools it
-    (outside the band, counted, not chosen), else -inf (the Triton select's), None where it has
-    none."""
-
-    keys: Tensor
-    values: Tensor
-    log_count: Tensor
-    sinks: Tensor
-    sink_real: Tensor
-    counted: Tensor
-    chosen: Tensor
-    key_parts: Tensor | None = None
-    key_bias: Tensor | None = None
-    far_bias: Tensor | None = None
 
 
 def sink_positions(key_mask: Tensor, sinks: int) -> tuple[Tensor, Tensor]:
@@ -204,6 +178,95 @@ def chosen_hits(chosen: Tensor, blocks: int) -> Tensor:
     return hit.scatter_(-1, torch.where(chosen < 0, blocks, chosen), True)[..., :blocks]
 
 
+class _AttendKeys(NamedTuple):
+    """The keys and values `attend` reads, laid out once a call. k_pad, v_pad (B, H, reach + N +
+    tail + reach, E), real_pad (B, same): k, v and the key mask padded by the band's reach on
+    both sides and to whole blocks, so that query block t's band is the run of `span` keys from
+    t * size; sink_k, sink_v (B, H, S, E) and sink_block (B, S): the sinks and their blocks;
+    k_blocks, v_blocks (B, H, NB, size, E) and counted_blocks (B, 1, NB, size): k, v and the
+    counted keys by block, where the chosen far blocks are gathered from."""
+
+    size: int
+    band: int
+    k_pad: Tensor
+    v_pad: Tensor
+    real_pad: Tensor
+    sink_k: Tensor
+    sink_v: Tensor
+    sink_block: Tensor
+    k_blocks: Tensor
+    v_blocks: Tensor
+    counted_blocks: Tensor
+
+
+def _attend_keys(k: Tensor, v: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec) -> _AttendKeys:
+    b, h, n, d = k.shape
+    size = spec.block
+    blocks = -(-n // size)
+    band = min(spec.band, blocks - 1)
+    tail = blocks * size - n
+    reach = band * size
+    sinks = pooled.sinks[:, None, :, None]  # (B, 1, S, 1)
+    return _AttendKeys(
+        size=size,
+        band=band,
+        k_pad=F.pad(k, (0, 0, reach, reach + tail)),
+        v_pad=F.pad(v, (0, 0, reach, reach + tail)),
+        real_pad=F.pad(key_mask, (reach, reach + tail), value=False),
+        sink_k=k.gather(2, sinks.expand(b, h, -1, d)),
+        sink_v=v.gather(2, sinks.expand(b, h, -1, v.shape[-1])),
+        sink_block=pooled.sinks // size,
+        k_blocks=_blocked(k, blocks, size),
+        v_blocks=_blocked(v, blocks, size),
+        counted_blocks=F.pad(pooled.counted, (0, tail)).view(b, 1, blocks, size),
+    )
+
+
+def _run_logits(qb: Tensor, keys: _AttendKeys, pooled: Pooled, first: int, scale: float) -> tuple[Tensor, Tensor]:
+    """The logits (B, H, c, size, L) of the c query blocks from `first` (qb: (B, H, c, size, D))
+    over all they attend, L keys: the band, the sinks outside it, the chosen far blocks'
+    counted keys and the other blocks' pooled keys (-inf where a key is not attended); and
+    those keys' values (B, H, c, L, Dv)."""
+    b, h, c, size, d = qb.shape
+    dv = keys.v_pad.shape[-1]
+    blocks, r = pooled.keys.shape[2], pooled.chosen.shape[-1]
+    reach, span = keys.band * size, (2 * keys.band + 1) * size
+    block_ids = torch.arange(blocks, device=qb.device)
+    t = block_ids[first : first + c]  # (c,)
+    window = slice(first * size, (first + c) * size + 2 * reach)
+    k_win = keys.k_pad[:, :, window].unfold(2, span, size).transpose(-1, -2)  # (B, H, c, span, D)
+    v_win = keys.v_pad[:, :, window].unfold(2, span, size).transpose(-1, -2)
+    near_real = keys.real_pad[:, window].unfold(1, span, size)  # (B, c, span)
+    far = (t[:, None] - block_ids[None, :]).abs() > keys.band  # (c, NB)
+    sink_far = (t[None, :, None] - keys.sink_block[:, None, :]).abs() > keys.band  # (B, c, S)
+    chosen = pooled.chosen[:, :, first : first + c]  # (B, H, c, R)
+    picked = chosen.clamp(min=0)
+    rows, heads = torch.arange(b, device=qb.device)[:, None, None, None], torch.arange(h, device=qb.device)[None, :, None, None]
+    k_far = keys.k_blocks[rows, heads, picked].view(b, h, c, r * size, d)
+    v_far = keys.v_blocks[rows, heads, picked].view(b, h, c, r * size, dv)
+    far_real = (keys.counted_blocks[rows, 0, picked] & (chosen >= 0)[..., None]).view(b, h, c, r * size)
+    pooled_ok = far[None, None] & ~chosen_hits(chosen, blocks)  # (B, H, c, NB)
+    logits = torch.cat(
+        [
+            (qb @ k_win.transpose(-1, -2)).masked_fill(~near_real[:, None, :, None, :], float("-inf")),
+            (qb @ keys.sink_k[:, :, None].transpose(-1, -2)).masked_fill(
+                ~(sink_far & pooled.sink_real[:, None, :])[:, None, :, None, :], float("-inf")
+            ),
+            (qb @ k_far.transpose(-1, -2)).masked_fill(~far_real[:, :, :, None, :], float("-inf")),
+            (qb @ pooled.keys[:, :, None].transpose(-1, -2)) + torch.where(
+                pooled_ok, pooled.log_count[:, None, None, :], float("-inf")
+            )[:, :, :, None, :] / scale,
+        ],
+        dim=-1,
+    ) * scale
+    values = torch.cat(
+        [v_win, keys.sink_v[:, :, None].expand(-1, -1, c, -1, -1), v_far,
+         pooled.values[:, :, None].expand(-1, -1, c, -1, -1)],
+        dim=-2,
+    )
+    return logits, values
+
+
 def attend(
     q: Tensor, k: Tensor, v: Tensor, pooled: Pooled, key_mask: Tensor, spec: AttentionSpec, scale: float,
     dtype: torch.dtype,
@@ -211,101 +274,21 @@ def attend(
     """The attend stage: per query block, one softmax over its band's keys, the sinks outside
     the band, the counted keys of its chosen far blocks and the pooled keys of the other
     blocks outside the band. (B, H, N, D) -> (B, H, N, Dv) in dtype, padded queries 0."""
-    b, h, n, d = q.shape
+    b, h, n, _ = q.shape
     dv = v.shape[-1]
-    size, band = spec.block, spec.band
+    size = spec.block
     blocks = -(-n // size)
-    band = min(band, blocks - 1)
-    tail = blocks * size - n
-    reach = band * size
-    span = (2 * band + 1) * size
-    k_pad = F.pad(k, (0, 0, reach, reach + tail))
-    v_pad = F.pad(v, (0, 0, reach, reach + tail))
-    real_pad = F.pad(key_mask, (reach, reach + tail), value=False)
+    keys = _attend_keys(k, v, pooled, key_mask, spec)
     q_pad = _blocked(q, blocks, size)
-    sink_k = k.gather(2, pooled.sinks[:, None, :, None].expand(b, h, -1, d))  # (B, H, S, D)
-    sink_v = v.gather(2, pooled.sinks[:, None, :, None].expand(b, h, -1, dv))
-    sink_block = pooled.sinks // size  # (B, S)
-    block_ids = torch.arange(blocks, device=q.device)
-    r = pooled.chosen.shape[-1]
-    k_blocks = _blocked(k, blocks, size)
-    v_blocks = _blocked(v, blocks, size)
-    counted_blocks = F.pad(pooled.counted, (0, tail)).view(b, 1, blocks, size)
-    rows, heads = torch.arange(b, device=q.device)[:, None, None, None], torch.arange(h, device=q.device)[None, :, None, None]
     out = q.new_empty(b, h, blocks, size, dv)
-    step = max(1, min(_BLOCKS_PER_STEP, 16384 // max(1, r * size)))  # bounds the gathered far keys
+    step = max(1, min(_BLOCKS_PER_STEP, 16384 // max(1, pooled.chosen.shape[-1] * size)))  # bounds the gathered far keys
     for first in range(0, blocks, step):
         last = min(blocks, first + step)
-        t = block_ids[first:last]  # (c,)
-        keys = slice(first * size, last * size + 2 * reach)
-        k_win = k_pad[:, :, keys].unfold(2, span, size).transpose(-1, -2)  # (B, H, c, span, D)
-        v_win = v_pad[:, :, keys].unfold(2, span, size).transpose(-1, -2)
-        near_real = real_pad[:, keys].unfold(1, span, size)  # (B, c, span)
-        far = (t[:, None] - block_ids[None, :]).abs() > band  # (c, NB)
-        sink_far = (t[None, :, None] - sink_block[:, None, :]).abs() > band  # (B, c, S)
-        qb = q_pad[:, :, first:last]  # (B, H, c, size, D)
-        chosen = pooled.chosen[:, :, first:last]  # (B, H, c, R)
-        picked = chosen.clamp(min=0)
-        c = last - first
-        k_far = k_blocks[rows, heads, picked].view(b, h, c, r * size, d)
-        v_far = v_blocks[rows, heads, picked].view(b, h, c, r * size, dv)
-        far_real = (counted_blocks[rows, 0, picked] & (chosen >= 0)[..., None]).view(b, h, c, r * size)
-        pooled_ok = far[None, None] & ~chosen_hits(chosen, blocks)  # (B, H, c, NB)
-        logits = torch.cat(
-            [
-                (qb @ k_win.transpose(-1, -2)).masked_fill(~near_real[:, None, :, None, :], float("-inf")),
-                (qb @ sink_k[:, :, None].transpose(-1, -2)).masked_fill(
-                    ~(sink_far & pooled.sink_real[:, None, :])[:, None, :, None, :], float("-inf")
-                ),
-                (qb @ k_far.transpose(-1, -2)).masked_fill(~far_real[:, :, :, None, :], float("-inf")),
-                (qb @ pooled.keys[:, :, None].transpose(-1, -2)) + torch.where(
-                    pooled_ok, pooled.log_count[:, None, None, :], float("-inf")
-                )[:, :, :, None, :] / scale,
-            ],
-            dim=-1,
-        ) * scale
+        logits, values = _run_logits(q_pad[:, :, first:last], keys, pooled, first, scale)
         probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
-        values = torch.cat(
-            [v_win, sink_v[:, :, None].expand(-1, -1, c, -1, -1), v_far,
-             pooled.values[:, :, None].expand(-1, -1, c, -1, -1)],
-            dim=-2,
-        )
         out[:, :, first:last] = probs @ values
     out = out.view(b, h, blocks * size, dv)[:, :, :n]
     return (out * key_mask[:, None, :, None]).to(dtype)
 
 
-def run_banded(
-    stages: "BandedStages", q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, key_padding_mask: Tensor | None,
-    scale: float, observe: Callable[..., Tensor] = call,
-) -> Tensor:
-    """Banded attention through `stages`: (B, H, N, D), (B, H, N, D), (B, H, N, Dv) ->
-    (B, H, N, Dv) in q's dtype. Self-attention only (positions are shared by queries and keys)."""
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(
-            f"method 'banded' is self-attention: q and k need the same length, got {q.shape[2]} and {k.shape[2]}"
-        )
-    compute = stages.compute(q.dtype)
-    qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
-    if stages.contiguous:
-        qc, kc, vc = qc.contiguous(), kc.contiguous(), vc.contiguous()
-    key_mask, _ = token_masks(q, k, key_padding_mask)
-    pooled = observe("pool", stages.pool, kc, vc, key_mask, spec)
-    pooled = observe("select", stages.select, qc, pooled, key_mask, spec, scale)
-    return observe("attend", stages.attend, qc, kc, vc, pooled, key_mask, spec, scale, q.dtype)
-
-
-@dataclass(frozen=True)
-class BandedStages:
-    """One backend's banded pipeline: pool, the choice of far blocks (the reference's `select`
-    unless the backend has its own) and attend."""
-
-    name: str
-    compute: Callable[[torch.dtype], torch.dtype]
-    pool: Callable[..., Pooled]
-    attend: Callable[..., Tensor]
-    contiguous: bool = False
-    select: Callable[..., Pooled] = select
-
-
-REFERENCE = BandedStages(name="reference", compute=float32_or_64, pool=pool, attend=attend)
+REFERENCE = BandedStages(name="reference", compute=float32_or_64, pool=pool, select=select, attend=attend)

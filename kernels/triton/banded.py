@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from clusterserve.kernels.reference.banded import BandedStages, Pooled
 from clusterserve.kernels.spec import AttentionSpec
+from clusterserve.kernels.stages import BandedStages, Pooled
 from clusterserve.kernels.triton.banded_pool import key_bias, mean_key_parts, pool
 from clusterserve.kernels.triton.banded_select import LOG2E, log_count_units, select
 from clusterserve.kernels.triton.helpers import (

@@ -18,8 +18,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from clusterserve.kernels.reference.banded import Pooled, sink_positions
+from clusterserve.kernels.reference.banded import sink_positions
 from clusterserve.kernels.spec import AttentionSpec
+from clusterserve.kernels.stages import Pooled
 from clusterserve.kernels.triton.helpers import head_start, pow2_block, rounded, split_parts, unit_rows
 
 

@@ -24,9 +24,10 @@ import triton.language as tl
 from torch import Tensor
 
 from clusterserve.kernels import fallbacks
-from clusterserve.kernels.reference.banded import Pooled, far_count
+from clusterserve.kernels.reference.banded import far_count
 from clusterserve.kernels.reference.banded import select as reference_select
 from clusterserve.kernels.spec import AttentionSpec
+from clusterserve.kernels.stages import Pooled
 from clusterserve.kernels.triton.banded_pool import mean_key_parts
 from clusterserve.kernels.triton.helpers import (
     chunking,
