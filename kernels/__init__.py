@@ -1,12 +1,13 @@
 """Attention algorithms: exact, clustered, improved clustered (Vyas et al. 2020) and SMYRF
 (Daras et al. 2020), with three backends: the PyTorch reference, native C loops for
-the CPU and Triton kernels for the GPU (dispatch.py says which runs where).
+the CPU and Triton kernels for the GPU (dispatch.py says which runs where); and the encoders'
+rotary positions (`apply_rotary`) on the same backends.
 
     from clusterserve.kernels import AttentionSpec, attention
     out = attention(q, k, v, AttentionSpec(method="i-clustered"))   # (B, H, N, D) in and out
 """
 
-from clusterserve.kernels.dispatch import BACKENDS, attention, backend_for
+from clusterserve.kernels.dispatch import BACKENDS, apply_rotary, attention, backend_for
 from clusterserve.kernels.spec import (
     APPROXIMATE_METHODS,
     KNOB_RANGES,
@@ -27,6 +28,7 @@ __all__ = [
     "METHODS",
     "METHOD_KNOBS",
     "Resolved",
+    "apply_rotary",
     "attention",
     "backend_for",
     "resolve_auto",

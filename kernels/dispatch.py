@@ -12,6 +12,17 @@
                 otherwise; float64 always runs the reference (the kernels and loops accumulate in float32)
 
 Every backend returns the output in q's dtype.
+
+`apply_rotary(x, cos, sin, interleaved, backend)`, the encoders' rotary positions, takes its
+backend from the same `backend_for`; each backend rotates only the tensors its kernel takes and
+leaves the rest to the PyTorch definition (kernels/reference/rotary.py), which every kernel
+gives bit for bit:
+
+    backend     rotates                                              by
+    triton      packed (T, H, D) CUDA tensors                        kernels/triton/rotary.py
+    native      packed (T, H, D) contiguous CPU float32 / bfloat16   kernels.native.rotary (C)
+                rows of even D, where the loops are built
+    reference   everything, and what the two above do not take       apply_rotary_torch
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from torch import Tensor
 
 from clusterserve.kernels import native
 from clusterserve.kernels.reference.full import full_attention
+from clusterserve.kernels.reference.rotary import apply_rotary_torch
 from clusterserve.kernels.spec import AttentionSpec, resolve_auto
 from clusterserve.kernels.stages import (
     BandedStages,
@@ -141,6 +153,31 @@ def attention(
     if spec.method == "smyrf":
         return run_smyrf(smyrf_stages(chosen), q, k, v, spec, key_padding_mask, scale, observe)
     return run_clustered(clustered_stages(chosen), q, k, v, spec, key_padding_mask, scale, observe)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, backend: str = "auto") -> Tensor:
+    """Rotate x: (..., N, D) by the angles of its N positions (RoPE), cos and sin float32
+    broadcasting to x's shape: (N, D) for (B, H, N, D), or (T, 1, D) for packed (T, H, D)
+    (models.networks.rotary builds them). Pairs are (i, i + D/2), or (2i, 2i + 1) when
+    `interleaved`. Computed in float32, returned in x's dtype, bit for bit `apply_rotary_torch`
+    whichever backend runs.
+
+    backend: "auto" | "reference" | "native" | "triton", chosen by `backend_for` from x's device
+    and dtype as for `attention` (a named backend that cannot run there raises its ValueError).
+    Triton then rotates packed 3-D CUDA tensors in one launch, the native loop packed contiguous
+    CPU rows in float32 or bfloat16 of even D in one pass; a tensor the chosen backend does not
+    take (a (B, H, N, D) one, float16 or strided rows on native, a CPU tensor under Triton's
+    interpreter) and every tensor on the reference run `apply_rotary_torch`."""
+    chosen = backend_for(x.device, x.dtype, backend)
+    if chosen == "triton" and x.is_cuda and x.dim() == 3 and cos.dim() == 3:
+        from clusterserve.kernels.triton.rotary import rotary_triton
+
+        return rotary_triton(x, cos, sin, interleaved)
+    if chosen == "native":
+        rotated = native.rotary(x, cos, sin, interleaved)
+        if rotated is not None:
+            return rotated
+    return apply_rotary_torch(x, cos, sin, interleaved)
 
 
 def checking(check: Callable[[], None]) -> Observe:

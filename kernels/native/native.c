@@ -1665,7 +1665,7 @@ void banded_block_max(const void *q, int64_t dtype, const float *keys_t, const u
 
 /* ---- Rotary positions ------------------------------------------------------------------ */
 
-/* models.networks.rotary.apply_rotary_torch for tokens [t0, t1): x and out (T, H, D) in dtype,
+/* kernels.reference.rotary.apply_rotary_torch for tokens [t0, t1): x and out (T, H, D) in dtype,
  * cos and sin float32, token t's row at t * cs_stride (shared by its heads). Each element is
  * x * cos + rotated * sin in float32, each product and the sum rounded as PyTorch's separate
  * multiplies and add round them, then rounded once to dtype; rotated is (-x[D/2:], x[:D/2]),

@@ -1,11 +1,12 @@
-"""Rotary position embeddings as one Triton kernel: what models.networks.rotary.apply_rotary
+"""Rotary position embeddings as one Triton kernel: what kernels.reference.rotary.apply_rotary_torch
 computes in PyTorch (seven element-wise kernels a tensor: an upcast, a negation, a concat,
-two products, a sum and a downcast), in one pass over the tensor.
+two products, a sum and a downcast), in one pass over the tensor; kernels.apply_rotary launches
+it for packed CUDA tensors.
 
     _rotary_kernel  (token blocks,)   for BLOCK_T tokens, their cos / sin rows loaded once, each
                                       head's (BLOCK_T, D) rows and their partners rotated
 
-The arithmetic is apply_rotary's, operation for operation, in float32: x * cos, then the
+The arithmetic is apply_rotary_torch's, operation for operation, in float32: x * cos, then the
 partner (negated for the first of each pair) * sin, their sum, rounded to x's dtype to
 nearest even. The launch turns off the compiler's fusion of the product and the sum into
 one multiply-add, so the result is bit for bit PyTorch's.
@@ -57,7 +58,7 @@ def _rotary_kernel(
 
 
 def rotary_triton(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
-    """apply_rotary on packed tokens: x (T, H, D) float32, float16 or bfloat16, any strides;
+    """apply_rotary_torch on packed tokens: x (T, H, D) float32, float16 or bfloat16, any strides;
     cos, sin (T, 1, D) float32 -> (T, H, D) contiguous in x's dtype. One launch."""
     t, h, d = x.shape
     if cos.shape != (t, 1, d) or sin.shape != (t, 1, d):

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from clusterserve.kernels import AttentionSpec, attention
+from clusterserve.kernels import AttentionSpec, apply_rotary, attention
 from clusterserve.models.config import ACTIVATIONS, EncoderConfig
 from clusterserve.models.networks.linear import Linear
-from clusterserve.models.networks.rotary import apply_rotary, packed_rotary
+from clusterserve.models.networks.rotary import packed_rotary
 from clusterserve.models.networks.rows import by_rows
 from clusterserve.models.runtime.forward import Pass
 from clusterserve.models.runtime.packing import Packed
@@ -49,7 +49,7 @@ class EuroBertAttention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, -1)  # (T, H, D)
         k = self.k_proj(x).view(t, self.num_kv_heads, -1)  # (T, Hkv, D)
         v = self.v_proj(x).view(t, self.num_kv_heads, -1)
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        q, k = apply_rotary(q, *rotary, backend=backend), apply_rotary(k, *rotary, backend=backend)
         # Query head h reads key / value head h // group: repeat to one layout, (T, H, D).
         group = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

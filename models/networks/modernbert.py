@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from clusterserve.kernels import AttentionSpec, attention
+from clusterserve.kernels import AttentionSpec, apply_rotary, attention
 from clusterserve.kernels.reference.local import local_attention
 from clusterserve.models.config import ACTIVATIONS, EncoderConfig
 from clusterserve.models.networks.linear import Linear
-from clusterserve.models.networks.rotary import apply_rotary, packed_rotary
+from clusterserve.models.networks.rotary import packed_rotary
 from clusterserve.models.networks.rows import by_rows
 from clusterserve.models.runtime.forward import Pass
 from clusterserve.models.runtime.packing import Packed
@@ -45,7 +45,7 @@ class ModernBertAttention(nn.Module):
         """x: (T, C) packed; rotary: cos, sin (T, 1, D) per token -> (T, C)."""
         t, c = x.shape
         q, k, v = self.Wqkv(x).view(t, 3, self.num_heads, -1).unbind(1)  # (T, H, D) each
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        q, k = apply_rotary(q, *rotary, backend=backend), apply_rotary(k, *rotary, backend=backend)
 
         def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, mask: Tensor | None) -> Tensor:
             if self.window is None:

@@ -1,8 +1,9 @@
 """Rotary position embeddings (RoPE, Su et al. 2021, arXiv:2104.09864) for every rotary encoder.
 
-`rotary_tables` builds the (N, D) cos / sin angles for positions 0..n-1 and `apply_rotary`
-rotates (B, H, N, D) queries or keys by them (packed tokens: on a GPU in one Triton kernel, on a
-CPU in one pass of the native loops).
+`rotary_tables` builds the (N, D) cos / sin angles for positions 0..n-1 and `packed_rotary`
+the (T, 1, D) angles of a packed batch; `kernels.apply_rotary` rotates queries or keys by them
+on the backend the pass runs with (packed tokens: on a GPU in one Triton kernel, on a CPU in
+one pass of the native loops; kernels/dispatch.py).
 The frequency schedules checkpoints ship:
 
 - "default": theta^(-2i/D);
@@ -21,7 +22,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from clusterserve.kernels import native
 from clusterserve.models.config import ROPE_TYPES
 from clusterserve.models.runtime.packing import Packed
 
@@ -54,7 +54,7 @@ def rotary_tables(
     n: int, head_dim: int, theta: float, device: torch.device, rope_type: str = "default", factor: float = 1.0,
     original: int = 0, interleaved: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """cos, sin: (N, D) float32 for positions 0..n-1 in the layout `apply_rotary` expects."""
+    """cos, sin: (N, D) float32 for positions 0..n-1 in the layout `kernels.apply_rotary` expects."""
     inv_freq = inverse_frequencies(n, head_dim, theta, device, rope_type, factor, original)
     freqs = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv_freq  # (N, D/2)
     if interleaved:
@@ -80,33 +80,3 @@ def packed_rotary(
     else:
         both = table(packed.longest)[packed.positions]
     return both[:, :1], both[:, 1:]
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
-    """Rotate x: (..., N, D) by the angles of its N positions, cos and sin broadcasting to x's
-    shape: (N, D) for (B, H, N, D), or (T, 1, D) for packed (T, H, D). Computed in float32,
-    returned in x's dtype. Packed CUDA tensors take one Triton kernel (kernels.triton.rotary),
-    bit for bit `apply_rotary_torch`'s result; packed CPU tensors in float32 or bfloat16 one pass
-    of the native loops (kernels.native.rotary), bit for bit the same, without the five
-    float32 temporaries of the element-wise ops; everything else takes `apply_rotary_torch`."""
-    if x.is_cuda and x.dim() == 3 and cos.dim() == 3:
-        from clusterserve.kernels.triton.rotary import rotary_triton
-
-        return rotary_triton(x, cos, sin, interleaved)
-    if x.device.type == "cpu":
-        rotated = native.rotary(x, cos, sin, interleaved)
-        if rotated is not None:
-            return rotated
-    return apply_rotary_torch(x, cos, sin, interleaved)
-
-
-def apply_rotary_torch(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
-    """`apply_rotary` in PyTorch element-wise ops: the definition the kernel matches."""
-    xf = x.float()
-    if interleaved:
-        even, odd = xf[..., 0::2], xf[..., 1::2]
-        rotated = torch.stack((-odd, even), dim=-1).flatten(-2)
-    else:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)

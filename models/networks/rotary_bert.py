@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from clusterserve.kernels import AttentionSpec, attention
+from clusterserve.kernels import AttentionSpec, apply_rotary, attention
 from clusterserve.models.config import ACTIVATIONS, EncoderConfig
 from clusterserve.models.networks.lora import AdaptedEmbedding, AdaptedLinear
-from clusterserve.models.networks.rotary import apply_rotary, packed_rotary
+from clusterserve.models.networks.rotary import packed_rotary
 from clusterserve.models.networks.rows import by_rows
 from clusterserve.models.runtime.forward import Pass
 from clusterserve.models.runtime.packing import Packed
@@ -67,8 +67,8 @@ class RotaryBertAttention(nn.Module):
         def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, mask: Tensor | None) -> Tensor:
             return attention(q, k, v, spec, key_padding_mask=mask, backend=backend, check=packed.check)
 
-        q = apply_rotary(heads(self.q(x, adapter)), *rotary, interleaved=self.interleaved)
-        k = apply_rotary(heads(self.k(x, adapter)), *rotary, interleaved=self.interleaved)
+        q = apply_rotary(heads(self.q(x, adapter)), *rotary, interleaved=self.interleaved, backend=backend)
+        k = apply_rotary(heads(self.k(x, adapter)), *rotary, interleaved=self.interleaved, backend=backend)
         o = packed.attend(q, k, heads(self.v(x, adapter)), attend)
         return self.out(o.reshape(t, c), adapter)
 

@@ -1,5 +1,5 @@
 """The rotary Triton kernel on a GPU: bit for bit PyTorch's element-wise definition
-(models.networks.rotary.apply_rotary_torch) at the default model's shape, with fast math on
+(kernels.reference.rotary.apply_rotary_torch) at the default model's shape, with fast math on
 the device (the launch keeps the product and the sum apart, as PyTorch computes them).
 
     python -m pytest -m gpu tests/gpu/test_rotary.py -rA     # on a CUDA machine
@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clusterserve.kernels import AttentionSpec
-from clusterserve.models.networks.rotary import apply_rotary, apply_rotary_torch, packed_rotary
+from clusterserve.kernels import AttentionSpec, apply_rotary
+from clusterserve.kernels.reference.rotary import apply_rotary_torch
+from clusterserve.models.networks.rotary import packed_rotary
 from clusterserve.models.runtime.packing import pack
 
 pytestmark = pytest.mark.gpu

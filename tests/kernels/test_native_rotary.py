@@ -1,4 +1,4 @@
-"""The native rotary loop (kernels.native.rotary) against models.networks.rotary.apply_rotary_torch,
+"""The native rotary loop (kernels.native.rotary) against kernels.reference.rotary.apply_rotary_torch,
 the definition: bit for bit, in float32 and bfloat16, both layouts, on every x86-64 level this
 CPU runs. The loop must round each product and the sum as PyTorch's separate ops do; a fused
 multiply-add (which -ffast-math allows where the CPU has FMA) moves about half the elements by
@@ -8,8 +8,8 @@ import pytest
 import torch
 from kernel_inputs import packed_rotary_tables
 
-from clusterserve.kernels import native
-from clusterserve.models.networks.rotary import apply_rotary, apply_rotary_torch
+from clusterserve.kernels import apply_rotary, native
+from clusterserve.kernels.reference.rotary import apply_rotary_torch
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native loops were not built (no C compiler)")
 
@@ -62,3 +62,25 @@ def test_apply_rotary_takes_the_loop_for_packed_cpu_rows_only(monkeypatch):
     batched = rows(2, 4, 40, torch.float32).view(2, 4, 40, 1).expand(2, 4, 40, 64).contiguous()
     assert native.rotary(batched, cos[:, 0], sin[:, 0], False) is None
     assert torch.equal(apply_rotary(batched, cos[:, 0], sin[:, 0]), apply_rotary_torch(batched, cos[:, 0], sin[:, 0]))
+
+
+@pytest.mark.parametrize("backend, loop", [("auto", True), ("native", True), ("reference", False)])
+def test_apply_rotary_runs_the_backend_it_is_given(backend, loop, monkeypatch):
+    """The backend comes from kernels.backend_for, as attention's does: the reference rotates by
+    PyTorch's ops even where the loop would take the tensor; the bits are the same."""
+    taken = []
+    original = native.rotary
+    monkeypatch.setattr(native, "rotary", lambda *args: taken.append(args[0].shape) or original(*args))
+    cos, sin = packed_rotary_tables(40, 64, True)
+    x = rows(40, 4, 64, torch.float32)
+    assert torch.equal(apply_rotary(x, cos, sin, True, backend=backend), apply_rotary_torch(x, cos, sin, True))
+    assert taken == ([(40, 4, 64)] if loop else [])
+
+
+def test_apply_rotary_refuses_a_backend_that_cannot_run_as_attention_does(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cos, sin = packed_rotary_tables(8, 16, False)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        apply_rotary(torch.zeros(8, 2, 16), cos, sin, backend="triton")
+    with pytest.raises(ValueError, match="backend: must be one of"):
+        apply_rotary(torch.zeros(8, 2, 16), cos, sin, backend="cuda")

@@ -1,4 +1,4 @@
-"""The rotary Triton kernel against models.networks.rotary.apply_rotary_torch (PyTorch, the
+"""The rotary Triton kernel against kernels.reference.rotary.apply_rotary_torch (PyTorch, the
 definition), on CPU through Triton's interpreter: bit for bit, in every dtype and layout."""
 
 import os
@@ -9,8 +9,8 @@ import pytest
 import torch
 from kernel_inputs import packed_rotary_tables, poison_empty
 
+from clusterserve.kernels.reference.rotary import apply_rotary_torch
 from clusterserve.kernels.triton.rotary import BLOCK_T, rotary_triton
-from clusterserve.models.networks.rotary import apply_rotary_torch
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -50,3 +50,20 @@ def test_no_tokens():
 def test_bad_shapes_raise(table, d, message):
     with pytest.raises(ValueError, match=message):
         rotary_triton(torch.zeros(8, 2, d), torch.zeros(table), torch.zeros(table))
+
+
+def test_apply_rotary_leaves_cpu_tensors_to_the_definition(monkeypatch):
+    """backend="triton" runs (under the interpreter) on CPU tensors, but the rotary kernel is
+    launched for CUDA tensors only: a CPU tensor takes PyTorch's ops, neither the kernel nor the
+    native loop."""
+    from clusterserve.kernels import apply_rotary, native
+    from clusterserve.kernels.triton import rotary as rotary_module
+
+    def refuse(*args):
+        raise AssertionError("not for CPU tensors")
+
+    monkeypatch.setattr(rotary_module, "rotary_triton", refuse)
+    monkeypatch.setattr(native, "rotary", refuse)
+    x = torch.randn(40, 2, 32, generator=torch.Generator().manual_seed(2))
+    cos, sin = packed_rotary_tables(40, 32, False)
+    assert torch.equal(apply_rotary(x, cos, sin, backend="triton"), apply_rotary_torch(x, cos, sin))

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from clusterserve.kernels import AttentionSpec
+from clusterserve.kernels import AttentionSpec, apply_rotary
 from clusterserve.models import load_encoder
 from clusterserve.models.networks import rows as network_rows
-from clusterserve.models.networks.rotary import apply_rotary, rotary_tables
+from clusterserve.models.networks.rotary import rotary_tables
 
 transformers = pytest.importorskip("transformers")
 
