@@ -319,8 +319,10 @@ def significant_digits(x: float) -> int:
 def test_the_openapi_document_states_what_the_loaded_model_allows(client):
     schemas = client.get("/openapi.json").json()["components"]["schemas"]
     request = schemas["EmbeddingRequest"]
-    # The default model has no prompts and no task adapters: only null is allowed.
-    assert request["properties"]["prompt_name"]["type"] == "null"
+    # The default model has no prompts and no task adapters: only null (and "", no prompt) is allowed.
+    prompt = request["properties"]["prompt_name"]["anyOf"]
+    assert prompt == [{"type": "string", "enum": [""]}, {"type": "null"}]
+    assert client.post("/v1/embeddings", json={"input": "x", "prompt_name": "query"}).status_code == 422
     assert schemas["EmbedRequest"]["properties"]["adapter"]["type"] == "null"
     dimensions = [arm for arm in request["properties"]["dimensions"]["anyOf"] if arm.get("type") == "integer"]
     assert dimensions == [{"type": "integer", "minimum": 1, "maximum": 384}]
