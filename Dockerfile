@@ -39,6 +39,7 @@ COPY setup.py ./
 COPY clusterserve ./clusterserve
 COPY kernels ./kernels
 COPY models ./models
+COPY engine ./engine
 COPY service ./service
 # Installed under the one import name clusterserve, not run from the sources: the checks below
 # run from / to load what was installed. clusterserve.kernels.toolchain fails the build unless

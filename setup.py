@@ -1,6 +1,6 @@
 """The one import name and the native CPU loops; everything else is declared in pyproject.toml.
 
-The repository's top-level folders (kernels/, models/, service/, bench/) install as sub-packages of
+The repository's top-level folders (kernels/, models/, engine/, service/, bench/) install as sub-packages of
 `clusterserve` (clusterserve/ holds the package itself and its command), so that nothing this
 project installs is a generic top-level module that shadows another distribution's (Hugging
 Face's `kernels`, an application's `models`). A folder that is absent (bench/ in the image) is
@@ -27,7 +27,7 @@ COMPILE = ["-O3", "-ffast-math", "-fPIC", "-std=gnu11", "-Wno-psabi"]
 # x86-64 micro-architecture levels: baseline (SSE2), v3 (AVX2 + FMA), v4 (AVX-512).
 X86_LEVELS = {"x86_64": "x86-64", "x86_64_v3": "x86-64-v3", "x86_64_v4": "x86-64-v4"}
 NAME = "clusterserve"
-SUBPACKAGES = ("kernels", "models", "service", "bench")
+SUBPACKAGES = ("kernels", "models", "engine", "service", "bench")
 
 
 def package_layout() -> tuple[list[str], dict[str, str]]:

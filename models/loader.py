@@ -24,17 +24,20 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from clusterserve.kernels import backend_for
+from clusterserve.models.checkpoint import Checkpoint, position_scaling
 from clusterserve.models.config import EncoderConfig
 from clusterserve.models.gguf_checkpoint import read_gguf
 from clusterserve.models.networks import NETWORKS
 from clusterserve.models.networks.linear import float32_packed_rows, pack_small_batches, small_batches_supported
 from clusterserve.models.networks.network import Network
-from clusterserve.models.planning.calibration import CalibrationError, find_calibration, load_calibration
+from clusterserve.models.planning.calibration import Calibration, CalibrationError, find_calibration, load_calibration
+from clusterserve.models.planning.cost import CostModel
 from clusterserve.models.pooling import PoolingConfig, read_pooling
 from clusterserve.models.prompts import Prompts, read_prompts
 from clusterserve.models.runtime.encoder import Encoder
 from clusterserve.models.runtime.graphs import CudaGraphs, LayerGraphs
 from clusterserve.models.runtime.precision import dtype_name, resolve_dtype
+from clusterserve.models.runtime.runner import Runner
 from clusterserve.models.tokenization import TextTokenizer
 
 log = logging.getLogger("clusterserve")
@@ -105,67 +108,98 @@ def load_encoder(
     name, config, tokenizer, state, pooling, prompts = _read_checkpoint(source)
     native = config.native_positions
     limit = native if max_input_tokens is None else max_input_tokens
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= tokenizer.num_special_tokens:
-        raise ValueError(
-            f"max_input_tokens: must be an integer above the {tokenizer.num_special_tokens} "
-            f"special tokens, got {max_input_tokens!r}"
-        )
     dtype = torch.float32 if dtype is None else resolve_dtype(dtype, device)
-    if not dtype.is_floating_point:
-        raise ValueError(f"dtype: must be a floating-point torch dtype, got {dtype}")
-    if isinstance(cuda_graphs, bool) or not isinstance(cuda_graphs, int) or cuda_graphs < 0:
-        raise ValueError(f"cuda_graphs: must be a non-negative integer (0 = off), got {cuda_graphs!r}")
-    if isinstance(cuda_graph_max_length, bool) or not isinstance(cuda_graph_max_length, int) or cuda_graph_max_length < 1:
-        raise ValueError(f"cuda_graph_max_length: must be a positive integer, got {cuda_graph_max_length!r}")
-
-    extension = None
-    if limit > native:
-        if config.uses_rope:
-            extension = "rope"  # no table to extend: rotary angles continue past training
-        else:
-            key = "embeddings.position.weight"
-            state[key] = extend_positions(state[key], config.position_offset, native, limit)
-            config = dataclasses.replace(config, max_position_embeddings=config.position_offset + limit)
-            extension = "copied"
-
+    _check_options(limit, max_input_tokens, tokenizer.num_special_tokens, dtype, cuda_graphs, cuda_graph_max_length)
+    config, extension = _extend_positions(config, state, native, limit)
     model = _build_model(config, state, torch.device(device), dtype)
     if small_batch_weights and small_batches_supported(device, dtype):
-        rows = float32_packed_rows(model) if dtype == torch.float32 else None
-        size = pack_small_batches(model, rows)
-        if rows is not None:
-            scope = f"batches of up to {rows} tokens"
-        else:
-            scope = "every batch" if dtype == torch.bfloat16 else "every batch, as oneDNN led MKL on long products here"
-        log.info("%s: linear layers packed by oneDNN for %s (%.0f MB more)", name, scope, size / 1e6)
-    device_kind = torch.device(device).type
-    folder = source.folder
-    table_path = calibration if calibration is not None else find_calibration(name, folder, device_kind, dtype_name(dtype))
-    table = None if table_path is None else load_calibration(table_path)
-    if table is not None and table.model != name:
-        raise CalibrationError(f"calibration table {table_path} is for model {table.model!r}, not {name!r}")
-    return Encoder(
-        model,
+        _pack_small_batches(model, name, dtype)
+    table = _calibration(name, source.folder, calibration, torch.device(device).type, dtype)
+    checkpoint = _checkpoint(name, config, model, tokenizer, pooling, prompts, source.folder, (native, limit), extension, table)
+    runner = Runner(
+        model, pooling.mode, config.pad_token_id, config.vocab_size, backend=backend,
+        graphs=_graphs(torch.device(device), dtype, backend, cuda_graphs, cuda_graph_max_length),
+    )
+    reload = functools.partial(
+        load_encoder, path, max_input_tokens=limit, device=torch.device(device), backend=backend,
+        cuda_graphs=cuda_graphs, cuda_graph_max_length=cuda_graph_max_length, small_batch_weights=small_batch_weights,
+    )
+    return Encoder(checkpoint, runner, reload)
+
+
+def _checkpoint(
+    name: str, config: EncoderConfig, model: nn.Module, tokenizer: TextTokenizer, pooling: PoolingConfig,
+    prompts: Prompts, folder: Path, positions: tuple[int, int], extension: str | None, table: Calibration | None,
+) -> Checkpoint:
+    """positions: the checkpoint's own and the longest input served."""
+    native, limit = positions
+    return Checkpoint(
         tokenizer,
         pooling,
         name=name,
         architecture=config.model_type,
+        dim=model.config.hidden_size,
         native_positions=native,
         max_input_tokens=limit,
         position_extension=extension,
+        position_scaling=position_scaling(model.config),
         pad_token_id=config.pad_token_id,
         vocab_size=config.vocab_size,
+        cost=CostModel.of(model.config, model),
         folder=folder,
         adapters=config.adapters,
         prompts=prompts,
-        backend=backend,
         calibration=table,
-        reload=functools.partial(
-            load_encoder, path, max_input_tokens=limit, device=torch.device(device), backend=backend,
-            cuda_graphs=cuda_graphs, cuda_graph_max_length=cuda_graph_max_length,
-            small_batch_weights=small_batch_weights,
-        ),
-        graphs=_graphs(torch.device(device), dtype, backend, cuda_graphs, cuda_graph_max_length),
     )
+
+
+def _check_options(
+    limit: object, asked: object, special_tokens: int, dtype: torch.dtype, cuda_graphs: object, graph_length: object,
+) -> None:
+    """ValueError naming the load_encoder argument that is out of range."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= special_tokens:
+        raise ValueError(f"max_input_tokens: must be an integer above the {special_tokens} special tokens, got {asked!r}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype: must be a floating-point torch dtype, got {dtype}")
+    if isinstance(cuda_graphs, bool) or not isinstance(cuda_graphs, int) or cuda_graphs < 0:
+        raise ValueError(f"cuda_graphs: must be a non-negative integer (0 = off), got {cuda_graphs!r}")
+    if isinstance(graph_length, bool) or not isinstance(graph_length, int) or graph_length < 1:
+        raise ValueError(f"cuda_graph_max_length: must be a positive integer, got {graph_length!r}")
+
+
+def _extend_positions(
+    config: EncoderConfig, state: dict[str, Tensor], native: int, limit: int,
+) -> tuple[EncoderConfig, str | None]:
+    """Positions past the checkpoint's own: rotary angles continue ("rope"), a learned table
+    is extended by copying ("copied", in `state`); None within the checkpoint's positions."""
+    if limit <= native:
+        return config, None
+    if config.uses_rope:
+        return config, "rope"
+    key = "embeddings.position.weight"
+    state[key] = extend_positions(state[key], config.position_offset, native, limit)
+    return dataclasses.replace(config, max_position_embeddings=config.position_offset + limit), "copied"
+
+
+def _pack_small_batches(model: nn.Module, name: str, dtype: torch.dtype) -> None:
+    rows = float32_packed_rows(model) if dtype == torch.float32 else None
+    size = pack_small_batches(model, rows)
+    if rows is not None:
+        scope = f"batches of up to {rows} tokens"
+    else:
+        scope = "every batch" if dtype == torch.bfloat16 else "every batch, as oneDNN led MKL on long products here"
+    log.info("%s: linear layers packed by oneDNN for %s (%.0f MB more)", name, scope, size / 1e6)
+
+
+def _calibration(
+    name: str, folder: Path, asked: str | Path | None, device_kind: str, dtype: torch.dtype,
+) -> Calibration | None:
+    """The table auto chooses from: the one asked for, else the folder's or the shipped one."""
+    path = asked if asked is not None else find_calibration(name, folder, device_kind, dtype_name(dtype))
+    table = None if path is None else load_calibration(path)
+    if table is not None and table.model != name:
+        raise CalibrationError(f"calibration table {path} is for model {table.model!r}, not {name!r}")
+    return table
 
 
 @dataclass(frozen=True)

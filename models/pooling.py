@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from clusterserve.kernels import FieldError
+from clusterserve.models.batch.packing import Packed
 from clusterserve.models.config import UnsupportedArchitecture
-from clusterserve.models.runtime.packing import Packed
 
 POOLING_MODES = ("mean", "cls", "lasttoken", "max")
 _LEGACY_FLAGS = {

@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from clusterserve import kernels
+from clusterserve.engine import Scheduler
 from clusterserve.kernels import APPROXIMATE_METHODS, AttentionSpec
 from clusterserve.models import Encoder
 from clusterserve.models.planning.calibration import EXACT
@@ -27,9 +28,8 @@ from clusterserve.models.planning.cost import Throughput, default_budget
 from clusterserve.models.runtime.precision import dtype_name, resolve_dtype
 
 from . import __version__, openapi
-from .batching import Batcher
 from .errors import install_error_handlers
-from .metrics import Metrics
+from .metrics import Metrics, MetricsObserver
 from .middleware import RequestMiddleware
 from .routes import health, info, metrics, ollama, openai, tei, tokenize
 from .settings import Settings
@@ -113,8 +113,8 @@ def create_app(settings: Settings | None = None, load: Callable[[Settings], Enco
         yield
         with state.lock:
             state.draining, state.ready = True, False
-        if state.batcher is not None:
-            await asyncio.to_thread(state.batcher.stop, settings.drain_timeout_s)
+        if state.scheduler is not None:
+            await asyncio.to_thread(state.scheduler.stop, settings.drain_timeout_s)
 
     app = FastAPI(
         title="clusterserve",
@@ -154,8 +154,9 @@ def _load_and_start(state: ServiceState, load: Callable[[Settings], Encoder]) ->
             _warm_up(encoder, state)
         throughput = measure_throughput(encoder)
         budget = work_budget(encoder, settings, state.default_spec, throughput)
-        batcher = Batcher(
-            encoder, state.metrics, settings.max_batch_tokens, settings.max_concurrent_requests, throughput=throughput
+        scheduler = Scheduler(
+            encoder, settings.max_batch_tokens, settings.max_concurrent_requests, throughput=throughput,
+            observer=MetricsObserver(state.metrics),
         )
     except Exception as exc:  # reported by /health/* and /info; the process stays up to say so
         log.exception("loading the model failed")
@@ -164,9 +165,9 @@ def _load_and_start(state: ServiceState, load: Callable[[Settings], Encoder]) ->
     with state.lock:
         if state.draining:
             return
-        state.encoder, state.batcher = encoder, batcher
+        state.encoder, state.scheduler = encoder, scheduler
         state.throughput, state.work_budget = throughput, budget
-        batcher.start()
+        scheduler.start()
         state.ready, state.ready_since = True, int(time.time())
     dtype = dtype_name(encoder.dtype)
     state.metrics.set_build_info(__version__, encoder.name, str(encoder.device), encoder.backend, dtype)

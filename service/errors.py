@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from clusterserve.engine.errors import Cancelled, DeadlineExceeded, EngineError, OutOfMemory, Overloaded, ShuttingDown
 from clusterserve.kernels import FieldError
 from clusterserve.models.planning.inputs import EmptyInput, InputError, InputTooLong, NoTokens
 
@@ -164,6 +165,21 @@ FIELD_ERRORS: tuple[tuple[type[FieldError], Callable[[Any, str], ServiceError]],
     (EmptyInput, lambda exc, param: empty_input(param)),
     (FieldError, lambda exc, param: invalid_field(param, exc.detail)),
 )
+
+
+# The scheduler's typed errors as answers: the first row whose type the error is.
+ENGINE_ERRORS: tuple[tuple[type[EngineError], Callable[[Any], ServiceError]], ...] = (
+    (ShuttingDown, lambda exc: not_ready("the server is shutting down")),
+    (Overloaded, lambda exc: overloaded(exc.limit)),
+    (DeadlineExceeded, lambda exc: deadline_exceeded(exc.timeout_s)),
+    (OutOfMemory, lambda exc: out_of_memory(exc.tokens)),
+    (Cancelled, lambda exc: client_disconnected()),
+)
+
+
+def from_engine_error(exc: EngineError) -> ServiceError:
+    """`exc` answered by ENGINE_ERRORS."""
+    return next(answer(exc) for kind, answer in ENGINE_ERRORS if isinstance(exc, kind))
 
 
 def from_field_error(exc: FieldError, inputs_param: str, params: list[str], renames: dict[str, str]) -> ServiceError:

@@ -5,25 +5,16 @@ before the first request already lists each name (dashboards and alerts need no
 `absent()` guards). Labels stay low-cardinality: endpoints are route templates ("other"
 for anything unrouted), methods are attention methods, reasons a fixed set.
 
-Peak memory per batch (`clusterserve_peak_memory_bytes`, header `x-peak-memory-bytes`):
-- CUDA: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`: the allocator's
-  exact peak of live tensors during the batch, model weights included.
-- CPU (Linux): the process's peak resident set size during the batch. The kernel's
-  high-water mark (VmHWM in /proc/self/status) is reset to the current RSS by writing "5"
-  to /proc/self/clear_refs before the batch and read after it. It includes the weights and
-  the Python runtime, and it under-counts memory the allocator reuses without growing RSS
-  (small freed blocks glibc keeps); large tensors are mmap'd and show in full. Where the
-  reset is not allowed, nothing is reported rather than a stale process-lifetime peak.
+Peak memory per batch is measured by the engine (engine.memory).
 """
 
 from __future__ import annotations
-
-from typing import Iterable
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
+from clusterserve.engine.memory import read_proc_status
 from clusterserve.kernels import APPROXIMATE_METHODS, METHODS, fallbacks
 from clusterserve.models.runtime.graphs import EVENTS, LayerGraphs
 
@@ -198,47 +189,6 @@ class Metrics:
             self.device_memory.labels(kind="rss").set(rss)
 
 
-def read_proc_status(field: str) -> int | None:
-    """A memory line of /proc/self/status in bytes (e.g. "VmRSS"), None off Linux."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024  # the kernel reports kB
-    except OSError:
-        pass
-    return None
-
-
-class PeakMemory:
-    """Measures the peak memory of one batch (see the module docstring for what it means)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.available = device.type == "cuda" or self._reset_rss_peak()
-
-    def reset(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        elif self.available:
-            self._reset_rss_peak()
-
-    def read(self) -> int | None:
-        """Peak bytes since the last `reset`, or None where it cannot be measured."""
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return read_proc_status("VmHWM") if self.available else None
-
-    @staticmethod
-    def _reset_rss_peak() -> bool:
-        try:
-            with open("/proc/self/clear_refs", "w") as clear_refs:
-                clear_refs.write("5")  # "5": reset the peak RSS to the current RSS
-            return True
-        except OSError:
-            return False
-
-
 class _KernelFallbacks:
     """clusterserve_kernel_fallbacks_total, read at scrape time from kernels.fallbacks (the
     counts are process-wide: kernels know nothing of the service)."""
@@ -257,10 +207,34 @@ class _KernelFallbacks:
         yield family
 
 
-def dominant_method(runs: Iterable[tuple[str, int]]) -> str:
-    """The label of work that mixes methods, from (method, tokens) pairs: the method that runs
-    the most tokens."""
-    tokens: dict[str, int] = {}
-    for method, count in runs:
-        tokens[method] = tokens.get(method, 0) + count
-    return max(tokens, key=lambda method: tokens[method])
+class MetricsObserver:
+    """The engine's Observer (engine.observer) as the service's Prometheus series."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def admitted(self, jobs: int) -> None:
+        self.metrics.inflight.set(jobs)
+
+    def waiting(self, jobs: int) -> None:
+        self.metrics.queue_depth.set(jobs)
+
+    def running(self, batches: int) -> None:
+        self.metrics.running_batches.set(batches)
+
+    def layer(self) -> None:
+        self.metrics.layers.inc()
+
+    def started(self, method: str, queue_s: float, tokens: int) -> None:
+        self.metrics.queue_duration.labels(method=method).observe(queue_s)
+        self.metrics.input_tokens.labels(method=method).observe(tokens)
+
+    def finished(self, method: str, seconds: float, inputs: int, tokens: int, peak_memory: int | None) -> None:
+        self.metrics.inference_duration.labels(method=method).observe(seconds)
+        self.metrics.batch_size.labels(method=method).observe(inputs)
+        self.metrics.batch_tokens.labels(method=method).observe(tokens)
+        if peak_memory is not None:
+            self.metrics.peak_memory.labels(method=method).observe(peak_memory)
+
+    def stopped(self, reason: str, inputs: int) -> None:
+        self.metrics.stopped_inputs.labels(reason=reason).inc(inputs)

@@ -7,19 +7,19 @@
       -> request_plan               service.planning, off the loop: each sequence's ids, attention,
                                     output and work as the job's runs, how its rows become the
                                     inputs' rows; 413 over a per-request bound, 422 over the budget
-      -> submit_unless_disconnected one Job on the scheduler (service.batching), which batches and runs it
+      -> Scheduler.submit_unless    one Job on the scheduler (engine), which batches and runs it,
+                                    withdrawn if the client disconnects first
       -> answer                     per input its rows (cut and normalised), timings, and with
                                     "fidelity": true each row's cosine to its exact twin
     Embedded.headers is the response's `x-*` headers, built from that one result.
 
 Pooled vectors, chunks, late-chunking windows and token states differ only in the plan; a
-failure anywhere is a ServiceError with its status (service.errors), the planners' typed
-errors answered by one table there.
+failure anywhere is a ServiceError with its status (service.errors), the planners' and the
+scheduler's typed errors answered by the tables there.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import math
@@ -33,13 +33,14 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from torch import Tensor
 
+from clusterserve.engine import EngineError, Job, JobResult, dominant_method
+from clusterserve.engine.fidelity import exact_rows
 from clusterserve.kernels import FieldError
 from clusterserve.models.planning.chunk_plan import Chunk
 from clusterserve.models.runtime.encoder import finish
 
 from . import errors
-from .batching import Batcher, Job, JobResult
-from .metrics import Metrics, dominant_method
+from .metrics import Metrics
 from .middleware import ARRIVAL_KEY, METHOD_KEY, REQUEST_ID_KEY
 from .planning import EmbedOptions, RequestPlan, parse_inputs, request_plan, resolve_request_attention
 from .state import get_state
@@ -99,7 +100,7 @@ def _header_safe(name: str) -> str:
 async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Embedded:
     """Serve one request (see the module docstring); raises ServiceError with the documented status."""
     state = get_state(request)
-    encoder, batcher = state.require_ready()
+    encoder, scheduler = state.require_ready()
     params: list[str] = []
     try:
         spec, target = resolve_request_attention(state.default_spec, options.attention, state.settings.target_fidelity)
@@ -117,7 +118,10 @@ async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Emb
         deadline=request.scope.get(ARRIVAL_KEY, time.monotonic()) + timeout,
         timeout_s=timeout,
     )
-    result = await submit_unless_disconnected(request, batcher, job)
+    try:
+        result = await scheduler.submit_unless(job, _client_gone(request))
+    except EngineError as exc:
+        raise errors.from_engine_error(exc) from None
     return answer(planned, result, options, state.metrics, encoder.name)
 
 
@@ -165,20 +169,6 @@ def answer(planned: RequestPlan, result: JobResult, options: EmbedOptions, metri
     return dataclasses.replace(embedded, fidelity=cosines, exact_s=exact_s)
 
 
-def exact_rows(vectors: Tensor, rows: list[int], rerun: tuple[int, ...]) -> Tensor:
-    """The rows every sequence gives with exact attention: its own where it ran exact, its
-    re-run's (after the first sum(rows) rows of `vectors`, in `rerun` order) where it did not."""
-    starts = [0]
-    for count in rows:
-        starts.append(starts[-1] + count)
-    exact = vectors[: starts[-1]].clone()
-    at = starts[-1]
-    for i in rerun:
-        exact[starts[i] : starts[i + 1]] = vectors[at : at + rows[i]]
-        at += rows[i]
-    return exact
-
-
 def request_timeout_s(request: Request, server_timeout_s: float) -> float:
     """The request's deadline in seconds from arrival: the server's, or a shorter one the client
     sends as `x-request-timeout-ms` (a longer one is capped: a client cannot extend it)."""
@@ -192,24 +182,6 @@ def request_timeout_s(request: Request, server_timeout_s: float) -> float:
     if not (math.isfinite(milliseconds) and milliseconds > 0):
         raise errors.invalid_field(TIMEOUT_HEADER, f"must be a positive number of milliseconds, got {sent!r}")
     return min(server_timeout_s, milliseconds / 1e3)
-
-
-async def submit_unless_disconnected(request: Request, batcher: Batcher, job: Job) -> JobResult:
-    """`batcher.submit(job)`, withdrawn if the client disconnects first: its queued inputs are
-    dropped unrun, and the request ends as 499 (counted as reason="disconnected")."""
-    submitted = asyncio.ensure_future(batcher.submit(job))
-    gone = asyncio.ensure_future(_client_gone(request))
-    done: set[asyncio.Future[Any]] = set()
-    try:
-        done, _ = await asyncio.wait({submitted, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not submitted.done():
-            submitted.cancel()  # submit's own clean-up marks the job cancelled for the worker
-            await asyncio.wait({submitted})
-    if submitted in done:
-        return submitted.result()
-    raise errors.client_disconnected()
 
 
 async def _client_gone(request: Request) -> None:

@@ -25,12 +25,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from pydantic import BaseModel
 from torch import Tensor
 
+from clusterserve.engine import Run
+from clusterserve.engine.fidelity import with_exact_reruns
 from clusterserve.kernels import AttentionSpec, FieldError
 from clusterserve.kernels.spec import CALIBRATED_KNOBS, knobs_beside_target
 from clusterserve.models import Encoder
-from clusterserve.models.planning.calibration import EXACT
 from clusterserve.models.planning.chunk_plan import Chunk, plan_chunks, plan_late_inputs
 from clusterserve.models.planning.chunking import ChunkingSpec, fields_beside_late_inputs
 from clusterserve.models.planning.cost import over_budget
@@ -38,7 +40,6 @@ from clusterserve.models.planning.plan import Plan, plan
 from clusterserve.models.pooling import EVERY_TOKEN, POOLED, Output
 
 from . import errors
-from .batching import Run
 from .schemas import AttentionRequest, ChunkingRequest
 from .settings import Settings
 from .state import ServiceState
@@ -66,11 +67,21 @@ class EmbedOptions:
     every_token: bool = False  # /embed_all: every token's state, not normalised
 
     @classmethod
-    def of(cls, body: Any, param: str, **overrides: Any) -> EmbedOptions:
+    def of(cls, body: BaseModel, param: str, **overrides: Any) -> EmbedOptions:
         """A route's options: every field of these that the request body has, by name, then
-        the route's `overrides`."""
-        fields = {f.name: getattr(body, f.name) for f in dataclasses.fields(cls) if hasattr(body, f.name)}
+        the route's `overrides`. Every other field of the body must be one NOT_OPTIONS names
+        (TypeError otherwise), so that a schema field renamed away from its option's name fails
+        loudly instead of being dropped."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        stray = set(type(body).model_fields) - names - NOT_OPTIONS
+        if stray:
+            raise TypeError(f"{type(body).__name__}: {sorted(stray)} are neither EmbedOptions fields nor NOT_OPTIONS")
+        fields = {name: getattr(body, name) for name in type(body).model_fields if name in names}
         return cls(**{**fields, "param": param, **overrides})
+
+
+# Request fields that are not options: the inputs, and what a route accepts and ignores.
+NOT_OPTIONS = frozenset({"input", "inputs", "prompt", "model", "user", "encoding_format", "options", "keep_alive"})
 
 
 @dataclass(frozen=True)
@@ -137,7 +148,7 @@ def _inputs_plan(
 ) -> RequestPlan:
     """One sequence per input: its pooled vector, or every token's state (/embed_all)."""
     call = plan(
-        encoder, inputs, spec, target_fidelity=target, prompt_name=options.prompt_name, adapter=options.adapter,
+        encoder.checkpoint, inputs, spec, target_fidelity=target, prompt_name=options.prompt_name, adapter=options.adapter,
         truncate=options.truncate, truncation_direction=options.truncation_direction.lower(),
     )
     tokens = tuple(planned.tokens for planned in call.inputs)
@@ -164,10 +175,11 @@ def _chunked_plan(
     asked = chunking_spec(options.chunking, options.late_chunking)
     common = dict(target_fidelity=target, prompt_name=options.prompt_name, adapter=options.adapter)
     if options.late_chunking:
-        chunked = plan_late_inputs(encoder, inputs, spec, window=asked.window, window_overlap=asked.window_overlap, **common)
+        chunked = plan_late_inputs(encoder.checkpoint, inputs, spec, window=asked.window,
+                                   window_overlap=asked.window_overlap, **common)
     else:
         chunked = plan_chunks(
-            encoder, inputs, spec, asked, truncate=options.truncate,
+            encoder.checkpoint, inputs, spec, asked, truncate=options.truncate,
             truncation_direction=options.truncation_direction.lower(), **common,
         )  # fmt: skip
     tokens = sum(planned.tokens for planned in chunked.plan.inputs)
@@ -197,18 +209,14 @@ def _request_plan(
     time, with exact attention in float32, in the same job (one admission, one deadline; the
     scheduler never batches the two together), except in float32 those that ran exact
     attention (their own reference)."""
-    in_float32 = encoder.dtype == torch.float32
-    rerun = tuple(
-        i for i, planned in enumerate(sequences.inputs) if fidelity and (planned.spec.method != "full" or not in_float32)
-    )
     own = [
         Run(planned.ids, planned.spec, output, encoder.cost.work(planned.tokens, planned.spec))
         for planned, output in zip(sequences.inputs, outputs)
     ]
-    exact = [Run(own[i].ids, EXACT, own[i].output, encoder.cost.work(len(own[i].ids), EXACT), True) for i in rerun]
+    runs, rerun = with_exact_reruns(own, encoder.dtype == torch.float32, encoder.cost.work) if fidelity else (own, ())
     return RequestPlan(
         sequences=sequences,
-        runs=tuple(own + exact),
+        runs=tuple(runs),
         rerun=rerun,
         rows=tuple(output.rows(planned.tokens) for output, planned in zip(outputs, sequences.inputs)),
         attention=sequences.echo(),

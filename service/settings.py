@@ -91,7 +91,7 @@ class Settings(BaseSettings):
     )
     calibration: Path | None = Field(
         None,
-        description="calibration table for auto's target_fidelity (python -m clusterserve.bench.calibrate); unset = "
+        description="calibration table for auto's target_fidelity (python -m clusterserve.bench.calibration.build); unset = "
         "<model folder>/calibration.<cpu|cuda>.json or the table shipped for the model, if any; "
         "a table that is named but missing, or found but malformed, fails start-up",
     )

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "clusterserve"
-PACKAGES = (NAME, "kernels", "models", "service", "bench")  # folders; all but the first install as NAME.<folder>
+PACKAGES = (NAME, "kernels", "models", "engine", "service", "bench")  # folders; all but the first install as NAME.<folder>
 
 
 def module_name(path: Path) -> str:
@@ -99,7 +99,11 @@ def test_no_import_cycles():
 
 @pytest.mark.parametrize(
     "package, forbidden",
-    [("kernels", ("models", "service", "fastapi", "starlette")), ("models", ("service", "fastapi", "starlette"))],
+    [
+        ("kernels", ("models", "engine", "service", "fastapi", "starlette", "prometheus_client")),
+        ("models", ("engine", "service", "fastapi", "starlette", "prometheus_client")),
+        ("engine", ("service", "fastapi", "starlette", "prometheus_client")),
+    ],
 )
 def test_layers_import_downward_only(package, forbidden):
     for path in (ROOT / package).rglob("*.py"):

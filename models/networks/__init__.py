@@ -1,5 +1,5 @@
 """The encoder networks: BERT, ModernBERT, the rotary BERTs (NomicBERT, GTE, Jina v3) and
-EuroBERT, each run a layer at a time over a packed batch (models.runtime.forward), and their
+EuroBERT, each run a layer at a time over a packed batch (models.batch.passes), and their
 parts: rotary embeddings, LoRA task adapters, feed-forward blocks by rows.
 
 `NETWORKS` is what the loader builds from: per network (the name models.config.ARCHITECTURES

@@ -11,11 +11,11 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from clusterserve.kernels import AttentionSpec, attention
+from clusterserve.models.batch.packing import Packed
+from clusterserve.models.batch.passes import Pass
 from clusterserve.models.config import ACTIVATIONS, EncoderConfig
 from clusterserve.models.networks.linear import Linear
 from clusterserve.models.networks.rows import by_rows
-from clusterserve.models.runtime.forward import Pass
-from clusterserve.models.runtime.packing import Packed
 
 
 class BertEmbeddings(nn.Module):

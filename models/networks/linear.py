@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from clusterserve.models.runtime.timing import alternated_seconds
+from clusterserve.models.timing import alternated_seconds
 
 # float32 rows (tokens of a batch) up to which a product runs on the packed copy: where
 # oneDNN's lead over MKL is clear on every CPU measured (an input of up to 64 tokens is exact

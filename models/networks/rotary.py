@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from clusterserve.models.batch.packing import Packed
 from clusterserve.models.config import ROPE_TYPES
-from clusterserve.models.runtime.packing import Packed
 
 
 def rotary_base(n: int, head_dim: int, theta: float, rope_type: str = "default", factor: float = 1.0, original: int = 0) -> float:

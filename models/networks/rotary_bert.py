@@ -19,12 +19,12 @@ import torch
 from torch import Tensor, nn
 
 from clusterserve.kernels import AttentionSpec, apply_rotary, attention
+from clusterserve.models.batch.packing import Packed
+from clusterserve.models.batch.passes import Pass
 from clusterserve.models.config import ACTIVATIONS, EncoderConfig
 from clusterserve.models.networks.lora import AdaptedEmbedding, AdaptedLinear
 from clusterserve.models.networks.rotary import packed_rotary
 from clusterserve.models.networks.rows import by_rows
-from clusterserve.models.runtime.forward import Pass
-from clusterserve.models.runtime.packing import Packed
 
 
 class RotaryBertEmbeddings(nn.Module):

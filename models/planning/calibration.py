@@ -1,6 +1,6 @@
 """Calibration tables: measured fidelity and time of attention configurations per input length.
 
-`python -m clusterserve.bench.calibrate` embeds real long text with exact attention and with a grid of
+`python -m clusterserve.bench.calibration.build` embeds real long text with exact attention and with a grid of
 approximate configurations, per length bucket, on one device, and writes a table:
 
     {"format": "clusterserve-calibration/1", "model": "all-MiniLM-L6-v2", "device": "cpu",
@@ -237,68 +237,20 @@ def load_calibration(path: str | Path) -> Calibration:
 
 def parse_calibration(raw: Any, source: str) -> Calibration:
     """A table's JSON (already decoded) -> Calibration; CalibrationError on any defect."""
-
-    def fail(field: str, message: str) -> CalibrationError:
-        return CalibrationError(f"calibration table {source}: {field}: {message}")
-
-    def number(value: Any, field: str, low: float, high: float = math.inf) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            raise fail(field, f"must be a number in [{low}, {high}], got {value!r}")
-        return float(value)
-
-    def optional(entry: dict, name: str, where: str) -> float | None:
-        return None if entry.get(name) is None else number(entry[name], f"{where}.{name}", -1.0, 1.0)
-
+    read = _Fields(source)
     if not isinstance(raw, dict):
-        raise fail("(top level)", "must be a JSON object")
+        raise read.fail("(top level)", "must be a JSON object")
     if raw.get("format") != FORMAT:
-        raise fail("format", f"must be {FORMAT!r}, got {raw.get('format')!r}")
+        raise read.fail("format", f"must be {FORMAT!r}, got {raw.get('format')!r}")
     for name in ("model", "device"):
         if not isinstance(raw.get(name), str) or not raw[name]:
-            raise fail(name, "must be a non-empty string")
+            raise read.fail(name, "must be a non-empty string")
     buckets_raw = raw.get("buckets")
     if not isinstance(buckets_raw, list) or not buckets_raw:
-        raise fail("buckets", "must be a non-empty list")
-    buckets = []
-    for i, b in enumerate(buckets_raw):
-        where = f"buckets[{i}]"
-        if not isinstance(b, dict) or not isinstance(b.get("configs"), list):
-            raise fail(where, "must be an object with tokens, exact_ms and a list of configs")
-        tokens = b.get("tokens")
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-            raise fail(f"{where}.tokens", f"must be a positive integer, got {tokens!r}")
-        configs = []
-        for j, c in enumerate(b["configs"]):
-            at = f"{where}.configs[{j}]"
-            if not isinstance(c, dict) or not isinstance(c.get("attention"), dict):
-                raise fail(at, "must be an object with an attention object")
-            try:
-                spec = AttentionSpec(**c["attention"])
-            except (TypeError, ValueError) as exc:
-                raise fail(f"{at}.attention", str(exc)) from None
-            if spec.method not in APPROXIMATE_METHODS:
-                raise fail(f"{at}.attention.method", f"must be one of {', '.join(APPROXIMATE_METHODS)}")
-            configs.append(
-                Measured(
-                    spec,
-                    number(c.get("fidelity_min"), f"{at}.fidelity_min", -1.0, 1.0),
-                    number(c.get("fidelity_mean"), f"{at}.fidelity_mean", -1.0, 1.0),
-                    number(c.get("ms"), f"{at}.ms", 1e-9),
-                    optional(c, "chunk_fidelity_min", at),
-                )
-            )
-        exact_fidelity = number(b.get("exact_fidelity_min", 1.0), f"{where}.exact_fidelity_min", -1.0, 1.0)
-        exact_chunk_fidelity = optional(b, "exact_chunk_fidelity_min", where)
-        if exact_chunk_fidelity is None and all(m.chunk_fidelity_min is not None for m in configs):
-            exact_chunk_fidelity = exact_fidelity  # float32 tables: exact attention is its own reference
-        buckets.append(
-            Bucket(
-                tokens, number(b.get("exact_ms"), f"{where}.exact_ms", 1e-9), tuple(configs), exact_fidelity,
-                exact_chunk_fidelity,
-            )
-        )
+        raise read.fail("buckets", "must be a non-empty list")
+    buckets = [read.bucket(b, f"buckets[{i}]") for i, b in enumerate(buckets_raw)]
     if len({b.tokens for b in buckets}) != len(buckets):
-        raise fail("buckets", "two buckets have the same tokens")
+        raise read.fail("buckets", "two buckets have the same tokens")
     meta = {k: v for k, v in raw.items() if k not in ("buckets", "format")}
     return Calibration(
         model=raw["model"],
@@ -308,6 +260,55 @@ def parse_calibration(raw: Any, source: str) -> Calibration:
         meta=meta,
         buckets=tuple(sorted(buckets, key=lambda b: b.tokens)),
     )
+
+
+@dataclass(frozen=True)
+class _Fields:
+    """Reads a table's fields, each error naming the file and the field's path."""
+
+    source: str
+
+    def fail(self, field: str, message: str) -> CalibrationError:
+        return CalibrationError(f"calibration table {self.source}: {field}: {message}")
+
+    def number(self, value: Any, field: str, low: float, high: float = math.inf) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise self.fail(field, f"must be a number in [{low}, {high}], got {value!r}")
+        return float(value)
+
+    def optional(self, entry: dict, name: str, where: str) -> float | None:
+        return None if entry.get(name) is None else self.number(entry[name], f"{where}.{name}", -1.0, 1.0)
+
+    def bucket(self, b: Any, where: str) -> Bucket:
+        if not isinstance(b, dict) or not isinstance(b.get("configs"), list):
+            raise self.fail(where, "must be an object with tokens, exact_ms and a list of configs")
+        tokens = b.get("tokens")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise self.fail(f"{where}.tokens", f"must be a positive integer, got {tokens!r}")
+        configs = tuple(self.measured(c, f"{where}.configs[{j}]") for j, c in enumerate(b["configs"]))
+        exact_fidelity = self.number(b.get("exact_fidelity_min", 1.0), f"{where}.exact_fidelity_min", -1.0, 1.0)
+        exact_chunk_fidelity = self.optional(b, "exact_chunk_fidelity_min", where)
+        if exact_chunk_fidelity is None and all(m.chunk_fidelity_min is not None for m in configs):
+            exact_chunk_fidelity = exact_fidelity  # float32 tables: exact attention is its own reference
+        exact_ms = self.number(b.get("exact_ms"), f"{where}.exact_ms", 1e-9)
+        return Bucket(tokens, exact_ms, configs, exact_fidelity, exact_chunk_fidelity)
+
+    def measured(self, c: Any, at: str) -> Measured:
+        if not isinstance(c, dict) or not isinstance(c.get("attention"), dict):
+            raise self.fail(at, "must be an object with an attention object")
+        try:
+            spec = AttentionSpec(**c["attention"])
+        except (TypeError, ValueError) as exc:
+            raise self.fail(f"{at}.attention", str(exc)) from None
+        if spec.method not in APPROXIMATE_METHODS:
+            raise self.fail(f"{at}.attention.method", f"must be one of {', '.join(APPROXIMATE_METHODS)}")
+        return Measured(
+            spec,
+            self.number(c.get("fidelity_min"), f"{at}.fidelity_min", -1.0, 1.0),
+            self.number(c.get("fidelity_mean"), f"{at}.fidelity_mean", -1.0, 1.0),
+            self.number(c.get("ms"), f"{at}.ms", 1e-9),
+            self.optional(c, "chunk_fidelity_min", at),
+        )
 
 
 # A table is measured in one dtype: float32 tables have no suffix.

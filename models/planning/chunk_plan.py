@@ -1,8 +1,8 @@
 """The plan of a chunked call: which sequences run, what each returns, and how the returned
 rows become chunk vectors.
 
-    plan_chunks(encoder, texts, spec, chunking)    each text cut into chunks (models.planning.chunking)
-    plan_late_inputs(encoder, texts, spec)         the texts are the consecutive chunks of one
+    plan_chunks(checkpoint, texts, spec, chunking)    each text cut into chunks (models.planning.chunking)
+    plan_late_inputs(checkpoint, texts, spec)         the texts are the consecutive chunks of one
                                                    text (Jina's `late_chunking` form)
 
 Every sequence is framed as a text is: the tokenizer's prefix ([CLS]), the prompt's tokens,
@@ -21,7 +21,7 @@ scheduler's or `Encoder.run_chunks`' result) and returns each input's (chunks, d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import Tensor
@@ -37,16 +37,19 @@ from clusterserve.models.planning.chunking import (
     windows,
 )
 from clusterserve.models.planning.inputs import InputTooLong, NoTokens
-from clusterserve.models.planning.plan import Encoder, Plan, PlannedInput, check_attention, choose_prompt_and_adapter
+from clusterserve.models.planning.plan import Plan, PlannedInput, check_attention, choose_prompt_and_adapter
 from clusterserve.models.pooling import POOLED, Output
 from clusterserve.models.tokenization import TRUNCATION_DIRECTIONS, Tokens
+
+if TYPE_CHECKING:  # planning reads a checkpoint's data; the checkpoint module imports planning
+    from clusterserve.models.checkpoint import Checkpoint
 
 
 @dataclass(frozen=True)
 class Chunk:
     """One chunk of an input. text_span: its [start, stop) characters in the input text
     (from its first token's first character to its last token's last). token_span: its
-    [start, stop) tokens, indices into the text's tokens as `Encoder.tokenize` (POST
+    [start, stop) tokens, indices into the text's tokens as `Checkpoint.tokenize` (POST
     /tokenize) lists them, special tokens included ([CLS] is 0)."""
 
     text_span: tuple[int, int]
@@ -102,20 +105,20 @@ class _Document:
     tokens: int
 
 
-def chunk_limits(encoder: Encoder, framing: int) -> ChunkLimits:
-    """The chunking rules' limits for this encoder, with `framing` special and prompt tokens."""
-    return ChunkLimits(framing=framing, max_tokens=encoder.max_input_tokens, native_positions=encoder.native_positions)
+def chunk_limits(checkpoint: Checkpoint, framing: int) -> ChunkLimits:
+    """The chunking rules' limits for this checkpoint, with `framing` special and prompt tokens."""
+    return ChunkLimits(framing=framing, max_tokens=checkpoint.max_input_tokens, native_positions=checkpoint.native_positions)
 
 
 def plan_chunks(
-    encoder: Encoder, texts: Sequence[str], spec: AttentionSpec, chunking: ChunkingSpec, *,
+    checkpoint: Checkpoint, texts: Sequence[str], spec: AttentionSpec, chunking: ChunkingSpec, *,
     target_fidelity: float | None = None, truncate: bool = False, truncation_direction: str = "right",
     prompt_name: str | None = None, adapter: str | None = None,
 ) -> ChunkPlan:
     """Plan chunking each text (see the module docstring). A text may be longer than
-    `encoder.max_input_tokens`: no pass is (each chunk, or late chunking's window, is within
+    `checkpoint.max_input_tokens`: no pass is (each chunk, or late chunking's window, is within
     it), so a caller limits the passes' tokens instead. `truncate` cuts a text longer than
-    `encoder.max_input_tokens` (prompt and special tokens included) to it first ("right" keeps
+    `checkpoint.max_input_tokens` (prompt and special tokens included) to it first ("right" keeps
     its start, "left" its end). Raises
     kernels.FieldError naming a ChunkingSpec field that does not fit the model (`within`
     "chunking") or "chunking" for token-id inputs, and models.planning.plan's errors."""
@@ -126,28 +129,28 @@ def plan_chunks(
             "truncation_direction", f"must be one of {', '.join(TRUNCATION_DIRECTIONS)}, got {truncation_direction!r}"
         )
     prompt_ids, chosen_prompt, chosen_adapter = _prompt(
-        encoder, texts, spec, target_fidelity, prompt_name, adapter, chunking.late
+        checkpoint, texts, spec, target_fidelity, prompt_name, adapter, chunking.late
     )
-    framing = len(encoder.tokenizer.prefix) + len(prompt_ids) + len(encoder.tokenizer.suffix)
-    error = naive_chunk_within_limit(vars(chunking), chunk_limits(encoder, framing))
+    framing = len(checkpoint.tokenizer.prefix) + len(prompt_ids) + len(checkpoint.tokenizer.suffix)
+    error = naive_chunk_within_limit(vars(chunking), chunk_limits(checkpoint, framing))
     if error is not None:
         raise error
-    limit = encoder.max_input_tokens - framing
+    limit = checkpoint.max_input_tokens - framing
     documents = []
-    for index, (text, tokens) in enumerate(zip(texts, encoder.tokenizer.encode_body(list(texts)))):
+    for index, (text, tokens) in enumerate(zip(texts, checkpoint.tokenizer.encode_body(list(texts)))):
         if len(tokens.ids) > limit and truncate:
             if limit < 1:
-                raise InputTooLong(index, len(tokens.ids) + framing, encoder.max_input_tokens)
+                raise InputTooLong(index, len(tokens.ids) + framing, checkpoint.max_input_tokens)
             keep = slice(None, limit) if truncation_direction == "right" else slice(-limit, None)
             tokens = Tokens(tokens.ids[keep], tokens.offsets[keep])
         starts = unit_starts(text, tokens.offsets, chunking.boundaries) if tokens.ids else []
         spans = chunk_spans(starts, len(tokens.ids), chunking.size, chunking.overlap)
-        documents.append(_document(encoder, text, tokens, spans, framing))
-    return _plan(encoder, documents, prompt_ids, spec, chunking, target_fidelity, chosen_prompt, chosen_adapter)
+        documents.append(_document(checkpoint, text, tokens, spans, framing))
+    return _plan(checkpoint, documents, prompt_ids, spec, chunking, target_fidelity, chosen_prompt, chosen_adapter)
 
 
 def plan_late_inputs(
-    encoder: Encoder, texts: Sequence[str], spec: AttentionSpec, *, window: int | None = None,
+    checkpoint: Checkpoint, texts: Sequence[str], spec: AttentionSpec, *, window: int | None = None,
     window_overlap: int | None = None, target_fidelity: float | None = None,
     prompt_name: str | None = None, adapter: str | None = None,
 ) -> ChunkPlan:
@@ -157,10 +160,10 @@ def plan_late_inputs(
     one input's (InputTooLong with index None: no truncation, a chunk cannot be cut)."""
     chunking = ChunkingSpec(window=window, window_overlap=window_overlap)  # validates the two
     prompt_ids, chosen_prompt, chosen_adapter = _prompt(
-        encoder, texts, spec, target_fidelity, prompt_name, adapter, True
+        checkpoint, texts, spec, target_fidelity, prompt_name, adapter, True
     )
-    framing = len(encoder.tokenizer.prefix) + len(prompt_ids) + len(encoder.tokenizer.suffix)
-    pieces = encoder.tokenizer.encode_body(list(texts))
+    framing = len(checkpoint.tokenizer.prefix) + len(prompt_ids) + len(checkpoint.tokenizer.suffix)
+    pieces = checkpoint.tokenizer.encode_body(list(texts))
     body: list[int] = []
     spans, chunks = [], []
     for index, tokens in enumerate(pieces):
@@ -168,17 +171,17 @@ def plan_late_inputs(
             raise NoTokens(index, "has no tokens: every chunk needs at least one")
         span = (len(body), len(body) + len(tokens.ids))
         spans.append(span)
-        first = len(encoder.tokenizer.prefix)  # token_span counts from the joined text's own [CLS]
+        first = len(checkpoint.tokenizer.prefix)  # token_span counts from the joined text's own [CLS]
         chunks.append(Chunk((tokens.offsets[0][0], tokens.offsets[-1][1]), (span[0] + first, span[1] + first)))
         body += tokens.ids
-    if len(body) + framing > encoder.max_input_tokens:
-        raise InputTooLong(None, len(body) + framing, encoder.max_input_tokens)  # type: ignore[arg-type]
+    if len(body) + framing > checkpoint.max_input_tokens:
+        raise InputTooLong(None, len(body) + framing, checkpoint.max_input_tokens)  # type: ignore[arg-type]
     document = _Document(body, spans, tuple(chunks), len(body) + framing)
-    return _plan(encoder, [document], prompt_ids, spec, chunking, target_fidelity, chosen_prompt, chosen_adapter)
+    return _plan(checkpoint, [document], prompt_ids, spec, chunking, target_fidelity, chosen_prompt, chosen_adapter)
 
 
 def _prompt(
-    encoder: Encoder, texts: Sequence[str], spec: AttentionSpec, target_fidelity: float | None,
+    checkpoint: Checkpoint, texts: Sequence[str], spec: AttentionSpec, target_fidelity: float | None,
     prompt_name: str | None, adapter: str | None, late: bool,
 ) -> tuple[list[int], str | None, str | None]:
     """The prompt's tokens (no special tokens), the prompt's name and the adapter (models.planning.plan),
@@ -186,18 +189,18 @@ def _prompt(
     check_attention(spec, target_fidelity)
     if isinstance(texts, str) or not texts or not all(isinstance(text, str) for text in texts):
         raise FieldError("chunking", "applies to a list of texts; token-id inputs cannot be chunked")
-    chosen_prompt, chosen_adapter = choose_prompt_and_adapter(encoder, texts, prompt_name, adapter)
-    prompt = encoder.prompts.text(chosen_prompt) if chosen_prompt is not None else ""
+    chosen_prompt, chosen_adapter = choose_prompt_and_adapter(checkpoint, texts, prompt_name, adapter)
+    prompt = checkpoint.prompts.text(chosen_prompt) if chosen_prompt is not None else ""
     if not late:  # late chunking pools spans of the text, never the prompt
-        encoder.pooling.check_prompt(prompt)
-    prompt_ids = encoder.tokenizer.encode_body([prompt])[0].ids if prompt else []
+        checkpoint.pooling.check_prompt(prompt)
+    prompt_ids = checkpoint.tokenizer.encode_body([prompt])[0].ids if prompt else []
     return prompt_ids, chosen_prompt, chosen_adapter
 
 
-def _document(encoder: Encoder, text: str, tokens: Tokens, spans: list[tuple[int, int]], framing: int) -> _Document:
+def _document(checkpoint: Checkpoint, text: str, tokens: Tokens, spans: list[tuple[int, int]], framing: int) -> _Document:
     if not tokens.ids:  # no token of its own (private-use characters only, say): one chunk, the whole framed text
         return _Document([], [], (Chunk((0, len(text)), (0, framing)),), framing)
-    first = len(encoder.tokenizer.prefix)  # token_span counts from the text's own [CLS]
+    first = len(checkpoint.tokenizer.prefix)  # token_span counts from the text's own [CLS]
     chunks = tuple(
         Chunk((tokens.offsets[start][0], tokens.offsets[stop - 1][1]), (start + first, stop + first))
         for start, stop in spans
@@ -206,11 +209,11 @@ def _document(encoder: Encoder, text: str, tokens: Tokens, spans: list[tuple[int
 
 
 def _plan(
-    encoder: Encoder, documents: list[_Document], prompt_ids: list[int], spec: AttentionSpec, chunking: ChunkingSpec,
+    checkpoint: Checkpoint, documents: list[_Document], prompt_ids: list[int], spec: AttentionSpec, chunking: ChunkingSpec,
     target_fidelity: float | None, prompt_name: str | None, adapter: str | None,
 ) -> ChunkPlan:
     """The sequences of every document, with their outputs, attention and assembly."""
-    prefix, suffix = list(encoder.tokenizer.prefix), list(encoder.tokenizer.suffix)
+    prefix, suffix = list(checkpoint.tokenizer.prefix), list(checkpoint.tokenizer.suffix)
     head = prefix + prompt_ids  # where a sequence's text tokens begin
     framing = len(head) + len(suffix)
     sequences: list[list[int]] = []
@@ -218,7 +221,7 @@ def _plan(
     inputs = []
     rows = 0
     if chunking.late:
-        room, overlap = window_sizes(chunking, chunk_limits(encoder, framing))
+        room, overlap = window_sizes(chunking, chunk_limits(checkpoint, framing))
     for document in documents:
         first_row, first_sequence = rows, len(sequences)
         if not document.body:  # its one chunk is the text's own embedding
@@ -246,7 +249,7 @@ def _plan(
         inputs.append(
             ChunkedInput(document.chunks, document.tokens, range(first_sequence, len(sequences)), range(first_row, rows), combine)
         )
-    table = encoder.calibration if target_fidelity is not None else None
+    table = checkpoint.calibration if target_fidelity is not None else None
     planned = tuple(
         PlannedInput(ids, resolve_auto(spec, len(ids), table, target_fidelity, chunks=chunking.late)) for ids in sequences
     )

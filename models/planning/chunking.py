@@ -33,7 +33,7 @@ CHUNKING = "chunking"  # FieldError.within for a ChunkingSpec field
 BOUNDARIES = ("tokens", "sentences", "paragraphs")
 # The default window_overlap, as a share of a window's text tokens: each later window's kept
 # tokens see at least this much left context, for 1 / (1 - share) times the tokens run. A
-# quarter (127 tokens of a 512-token window): on bench.retrieval the least share at which late
+# quarter (127 tokens of a 512-token window): on bench.quality.retrieval the least share at which late
 # chunks retrieve at least as well as naive chunks on both its query sets, for ~1.4x naive
 # chunking's CPU time (docs/benchmarks.md has the sweep).
 WINDOW_OVERLAP_SHARE = 0.25

@@ -20,7 +20,7 @@ C clusters, top-k k, SMYRF cluster size S:
 
 and outside attention, dense x 2 x the layers' parameters per token. The weights (WEIGHTS)
 were fitted to the measured times of the shipped CPU calibration tables, all at once
-(`python -m clusterserve.bench.cost_check --fit`: least squares of every configuration's time on a log
+(`python -m clusterserve.bench.costmodel.cost_check --fit`: least squares of every configuration's time on a log
 scale, each table at its own device speed), with one weight per step for every dtype except
 the four steps whose code depends on it: the dense layers (bfloat16 GEMMs run ~3.5x faster
 than float32's on a CPU with AVX512-BF16), exact attention (SDPA keeps float32's pace in
@@ -30,7 +30,7 @@ the other native loops read bfloat16 and compute in float32 at about float32's p
 is why the dtype matters: in bfloat16 the dense layers are a smaller part of every input,
 so exact attention costs relatively more and the approximate methods save relatively more,
 and their fixed costs (clustering, gathers) weigh more at short lengths.
-`python -m clusterserve.bench.cost_check` compares the estimate with every table, as estimated over
+`python -m clusterserve.bench.costmodel.cost_check` compares the estimate with every table, as estimated over
 measured cost relative to exact attention in the same bucket (1.0 is exact):
 
     all-MiniLM-L6-v2        float32    1k-32k tokens    72 configurations   0.43-1.12
@@ -59,10 +59,11 @@ from torch import nn
 
 from clusterserve.kernels import KNOB_RANGES, METHOD_KNOBS, AttentionSpec
 from clusterserve.models.config import EncoderConfig
-from clusterserve.models.runtime.timing import alternated_seconds
+from clusterserve.models.timing import alternated_seconds
 
 # Work units per operation of each step, by the dtype an encoder computes in on a CPU (see the
 # module docstring); one unit is one operation of float32 dense layers.
+# Written by `python -m clusterserve.bench.costmodel.cost_check --fit --write`, which replaces this assignment.
 WEIGHTS: dict[str, dict[str, float]] = {
     "float32": {
         "dense": 1.0, "exact": 0.85, "centroid": 1.7, "banded": 1.0,

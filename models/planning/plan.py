@@ -1,12 +1,12 @@
 """The plan of one embedding call: what each input runs, decided once, before anything runs.
 
-    plan(encoder, inputs, spec, ...)
+    plan(checkpoint, inputs, spec, ...)
       -> prompt and task adapter    the one named, else the checkpoint's default (UnknownPrompt,
                                     UnknownAdapter)
       -> tokens                     prompt prepended, tokenized, checked, truncated or refused
                                     (models.planning.inputs' typed errors)
       -> attention per input        `kernels.resolve_auto` by the input's own length, with the
-                                    encoder's calibration table for a target fidelity, and the
+                                    checkpoint's calibration table for a target fidelity, and the
                                     exact-by-knobs shortcut
     Plan.batches(max_batch_tokens)  the inputs in packed batches, by the one rule `fits`
 
@@ -20,31 +20,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from clusterserve.kernels import AttentionSpec, FieldError, Resolved, resolve_auto
-from clusterserve.models.planning.calibration import Calibration
-from clusterserve.models.pooling import PoolingConfig
-from clusterserve.models.prompts import NO_PROMPT, Prompts, UnknownPrompt
-from clusterserve.models.tokenization import TextTokenizer
+from clusterserve.models.prompts import NO_PROMPT, UnknownPrompt
 
-
-class Encoder(Protocol):
-    """What planning reads of an encoder (models.runtime.encoder.Encoder is one); a protocol, so that
-    planning does not import the runtime that calls it."""
-
-    tokenizer: TextTokenizer
-    prompts: Prompts
-    pooling: PoolingConfig
-    adapters: tuple[str, ...]
-    calibration: Calibration | None
-    max_input_tokens: int
-    native_positions: int
-
-    def prepare(
-        self, inputs: Sequence[Any], truncate: bool = False, truncation_direction: str = "right",
-        prompt_name: str | None = None,
-    ) -> list[list[int]]: ...
+if TYPE_CHECKING:  # planning reads a checkpoint's data; the checkpoint module imports this one
+    from clusterserve.models.checkpoint import Checkpoint
 
 
 class UnknownAdapter(FieldError):
@@ -122,7 +104,7 @@ def fits(batch_tokens: int, tokens: int, max_batch_tokens: int) -> bool:
 
 
 def choose_prompt_and_adapter(
-    encoder: Encoder, inputs: Sequence[Any], prompt_name: str | None = None, adapter: str | None = None
+    checkpoint: Checkpoint, inputs: Sequence[Any], prompt_name: str | None = None, adapter: str | None = None
 ) -> tuple[str | None, str | None]:
     """The prompt the texts get and the task adapter that runs (None: none, the base weights).
 
@@ -131,7 +113,7 @@ def choose_prompt_and_adapter(
     none. The adapter is the one named, else the adapter named like the prompt in effect: Jina
     v3 names its prompts after its tasks, so `prompt_name="retrieval.query"` selects both.
     Raises UnknownPrompt or UnknownAdapter naming the ones the checkpoint has."""
-    prompts, adapters = encoder.prompts, tuple(encoder.adapters)
+    prompts, adapters = checkpoint.prompts, tuple(checkpoint.adapters)
     if prompt_name not in (None, NO_PROMPT) and prompt_name not in prompts.prompts:
         raise UnknownPrompt(prompt_name, tuple(prompts.prompts))
     if adapter is not None and adapter not in adapters:
@@ -154,18 +136,18 @@ def check_attention(spec: AttentionSpec, target_fidelity: float | None) -> None:
 
 
 def plan(
-    encoder: Encoder, inputs: Sequence[str] | Sequence[Sequence[int]], spec: AttentionSpec, *,
+    checkpoint: Checkpoint, inputs: Sequence[str] | Sequence[Sequence[int]], spec: AttentionSpec, *,
     target_fidelity: float | None = None, truncate: bool = False, truncation_direction: str = "right",
     prompt_name: str | None = None, adapter: str | None = None,
 ) -> Plan:
     """Plan a call (see the module docstring). `spec` may be "auto": with `target_fidelity` it
-    picks from `encoder.calibration` (the length threshold where the encoder has no table),
+    picks from `checkpoint.calibration` (the length threshold where the checkpoint has no table),
     without one by `spec.auto_threshold`. Raises the typed errors of models.planning.inputs,
     UnknownPrompt, UnknownAdapter, or ValueError naming a bad argument."""
     check_attention(spec, target_fidelity)
-    chosen_prompt, chosen_adapter = choose_prompt_and_adapter(encoder, inputs, prompt_name, adapter)
-    sequences = encoder.prepare(inputs, truncate, truncation_direction, prompt_name)
-    table = encoder.calibration if target_fidelity is not None else None
+    chosen_prompt, chosen_adapter = choose_prompt_and_adapter(checkpoint, inputs, prompt_name, adapter)
+    sequences = checkpoint.prepare(inputs, truncate, truncation_direction, prompt_name)
+    table = checkpoint.calibration if target_fidelity is not None else None
     planned = tuple(
         PlannedInput(ids, resolve_auto(spec, len(ids), table, target_fidelity)) for ids in sequences
     )

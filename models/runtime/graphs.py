@@ -4,7 +4,7 @@ On a GPU a layer of a short batch is launch-bound: its projections, norms and fe
 block and the attention pipeline's Triton kernels are dozens of launches, each paid for in
 Python and in the driver, while the GPU waits. A CUDA graph records a layer's launches once
 and replays them as one. A graph replays fixed shapes and addresses, so `Encoder.start` pads
-each sequence to its length bucket (models.runtime.packing.bucket_length, under 1/16 padding) and a
+each sequence to its length bucket (models.batch.packing.bucket_length, under 1/16 padding) and a
 layer's graph is kept per batch *signature*: each attention group's sequence count, slot
 length and spec in packed order, and the task adapter. Batches of similar lengths share one.
 
@@ -40,8 +40,8 @@ from torch import Tensor
 
 from clusterserve.kernels import AttentionSpec
 from clusterserve.kernels.reference.hashing import holding_device_constants
-from clusterserve.models.runtime.forward import LayeredModel, Pass
-from clusterserve.models.runtime.packing import Packed
+from clusterserve.models.batch.packing import Packed
+from clusterserve.models.batch.passes import LayeredModel, Pass
 
 log = logging.getLogger("clusterserve")
 

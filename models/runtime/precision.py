@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from clusterserve.models.runtime.timing import alternated_seconds
+from clusterserve.models.timing import alternated_seconds
 
 log = logging.getLogger("clusterserve")
 

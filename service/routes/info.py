@@ -86,7 +86,7 @@ def _chunking(encoder: Encoder) -> dict[str, Any]:
     without a prompt) and bounds."""
     defaults = ChunkingSpec()
     framing = len(encoder.tokenizer.prefix) + len(encoder.tokenizer.suffix)
-    room, overlap = window_sizes(defaults, chunk_limits(encoder, framing))
+    room, overlap = window_sizes(defaults, chunk_limits(encoder.checkpoint, framing))
     return {
         "defaults": {
             "size": defaults.size,

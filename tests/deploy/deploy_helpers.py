@@ -209,14 +209,14 @@ def drain_seconds(request_timeout_s: float) -> float:
     """The longest a SIGTERM'd server can take to exit, past any preStop hook.
 
     uvicorn first waits for open requests, which the request deadline bounds, then the lifespan
-    stops the scheduler, which waits for its worker (`Batcher.stop`'s timeout, or a
+    stops the scheduler, which waits for its worker (`Scheduler.stop`'s timeout, or a
     `drain_timeout_s` setting if the service has one).
     """
     import inspect
 
-    from clusterserve.service.batching import Batcher
+    from clusterserve.engine import Scheduler
     from clusterserve.service.settings import Settings
 
     field = Settings.model_fields.get("drain_timeout_s")
-    scheduler = field.default if field is not None else inspect.signature(Batcher.stop).parameters["timeout_s"].default
+    scheduler = field.default if field is not None else inspect.signature(Scheduler.stop).parameters["timeout_s"].default
     return request_timeout_s + float(scheduler)

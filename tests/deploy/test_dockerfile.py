@@ -61,10 +61,11 @@ def test_copied_sources_exist_and_are_not_dockerignored(commands):
             relative = file.relative_to(ROOT).as_posix()
             assert "__pycache__" in relative or not dockerignored(relative), f"{relative} is dockerignored"
     # What `pip install .` needs: the metadata, the readme it names, and every runtime package.
-    assert {"pyproject.toml", "setup.py", PYPROJECT["project"]["readme"], "kernels", "models", "service"} <= set(sources)
+    assert {"pyproject.toml", "setup.py", PYPROJECT["project"]["readme"], "clusterserve", "kernels", "models", "engine",
+            "service"} <= set(sources)
 
 
-@pytest.mark.parametrize("path", [".venv/bin/python", ".git/HEAD", "tests/deploy/conftest.py", "bench/cpu.py",
+@pytest.mark.parametrize("path", [".venv/bin/python", ".git/HEAD", "tests/deploy/conftest.py", "bench/cpu/speed.py",
                                   "service/__pycache__/app.cpython-311.pyc",
                                   "kernels/native/_native_x86_64.cpython-311-x86_64-linux-gnu.so"])
 def test_dockerignore_keeps_the_build_context_small(path):

@@ -14,7 +14,7 @@ layout, the capture, a replay) and once with every layer launched eagerly, unpad
 Also: a packed batch of mixed lengths and specs, two passes of one batch shape interleaved
 layer by layer, a pass that drops an input part-way, and a capture that fails (a host sync in
 the layer) running eagerly with the device still usable. Launch counts and times are
-bench/gpu.py's (`graph_ms` of the embed rows); nothing here is timed.
+bench/gpu/speed.py's (`graph_ms` of the embed rows); nothing here is timed.
 
 all-MiniLM-L6-v2 unless GPU_TEST_MODEL names a checkpoint folder. Without CUDA the module skips.
 """
@@ -28,8 +28,7 @@ import os
 import pytest
 import torch
 
-from clusterserve.bench.common import eager_layers, long_text_ids
-from clusterserve.bench.cpu import SPECS
+from clusterserve.bench.common import SPECS, eager_layers, long_text_ids
 from clusterserve.models.runtime.graphs import CudaGraphs, LayerGraphs
 
 pytestmark = pytest.mark.gpu

@@ -43,9 +43,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from clusterserve.bench.common import exact_attention, long_text_ids, real_qkv, rel_err
-from clusterserve.bench.cpu import SPECS
-from clusterserve.bench.gpu import dry_run_spec
+from clusterserve.bench.common import SPECS, exact_attention, long_text_ids, real_qkv, rel_err
+from clusterserve.bench.gpu.settings import dry_run_spec
 from clusterserve.kernels import AttentionSpec, attention
 from clusterserve.kernels.reference.clustered import REFERENCE
 from clusterserve.kernels.reference.masks import token_masks

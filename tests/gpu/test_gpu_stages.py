@@ -8,7 +8,7 @@ the refinement agrees up to ties within float rounding (tests/kernels/ties.py); 
 centroid pass and the sparse part agree within float32 rounding. Each stage runs with
 torch.empty poisoned (NaN, the most negative integer), so an element a kernel fails to write
 shows up. Also: the calibration settings (200 to 1600 clusters, top-k 64), a batch of three
-ragged sequences, and two calls giving the same bits. Nothing here is timed: bench.gpu
+ragged sequences, and two calls giving the same bits. Nothing here is timed: bench.gpu.speed
 measures each method against exact attention (SDPA), eagerly and from CUDA graphs.
 
 Without CUDA the module skips; with GPU_TEST_DRY_RUN=1 and TRITON_INTERPRET=1 it runs on CPU

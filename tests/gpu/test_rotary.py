@@ -15,8 +15,8 @@ import torch
 
 from clusterserve.kernels import AttentionSpec, apply_rotary
 from clusterserve.kernels.reference.rotary import apply_rotary_torch
+from clusterserve.models.batch.packing import pack
 from clusterserve.models.networks.rotary import packed_rotary
-from clusterserve.models.runtime.packing import pack
 
 pytestmark = pytest.mark.gpu
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clusterserve.bench.calibrate import pooled_and_chunks
+from clusterserve.bench.calibration.build import pooled_and_chunks
 from clusterserve.bench.common import HELD_BACK_TEXTS, LICENSE_DIR, long_text_ids
 from clusterserve.models import load_encoder
 from clusterserve.models.planning.calibration import SHIPPED_DIR, load_calibration, table_name

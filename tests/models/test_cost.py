@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from clusterserve.bench.cost_check import as_run, ratios, table_cost
+from clusterserve.bench.costmodel.cost_check import as_run, ratios, table_cost
 from clusterserve.kernels import APPROXIMATE_METHODS, AttentionSpec
 from clusterserve.models.loader import DEFAULT_MODEL_NAME, MINILM_NAME
 from clusterserve.models.planning.calibration import SHIPPED_DIR, Calibration, load_calibration

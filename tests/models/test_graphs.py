@@ -16,13 +16,13 @@ import torch
 
 from clusterserve.kernels import AttentionSpec
 from clusterserve.kernels.reference.hashing import hash_planes, holding_device_constants, on_device
+from clusterserve.models.batch.packing import BUCKET_STEPS, bucket_length, pack
+from clusterserve.models.batch.passes import run_pass
 from clusterserve.models.config import EncoderConfig
 from clusterserve.models.networks import bert, eurobert, modernbert, rotary_bert
 from clusterserve.models.pooling import POOLING_MODES, pool
 from clusterserve.models.runtime.encoder import Forward
-from clusterserve.models.runtime.forward import run_pass
 from clusterserve.models.runtime.graphs import LayerGraphs, Signature
-from clusterserve.models.runtime.packing import BUCKET_STEPS, bucket_length, pack
 
 CPU = torch.device("cpu")
 SPECS = {

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from clusterserve.kernels import AttentionSpec
+from clusterserve.models.batch.packing import pack
 from clusterserve.models.planning.calibration import parse_calibration
 from clusterserve.models.planning.chunk_plan import plan_chunks
 from clusterserve.models.planning.chunking import ChunkingSpec
 from clusterserve.models.planning.plan import UnknownAdapter, fits, plan
-from clusterserve.models.runtime.packing import pack
 
 SMALL = dict(clusters=16, topk=16, iterations=5, refine=1, hash_rounds=2, cluster_size=32, seed=3)
 

@@ -7,8 +7,8 @@ import torch
 
 from clusterserve.kernels import AttentionSpec
 from clusterserve.models import UnsupportedArchitecture
+from clusterserve.models.batch.packing import pack
 from clusterserve.models.pooling import PoolingConfig, pool, read_pooling
-from clusterserve.models.runtime.packing import pack
 
 HIDDEN = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3)  # (B, N, C); sequence 1 has 2 tokens
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import clusterserve.models.runtime.precision as precision
-import clusterserve.models.runtime.timing as timing
+import clusterserve.models.timing as timing
 from clusterserve.kernels import AttentionSpec
 from clusterserve.models import load_encoder
 from clusterserve.models.networks.linear import Linear

@@ -26,7 +26,7 @@ async def hold_worker(http, encoder, tasks, responses):
 
 async def wait_queued(app, items: int) -> None:
     with anyio.fail_after(120):
-        while app.state.service.batcher.snapshot()["pending_items"] < items:
+        while app.state.service.scheduler.snapshot()["pending_items"] < items:
             await anyio.sleep(0.005)
 
 

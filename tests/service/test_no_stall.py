@@ -39,15 +39,15 @@ async def test_a_heavy_request_past_its_deadline_stops_and_small_ones_are_served
     gate = threading.Semaphore(0)
     app, encoder = fake_app(FakeEncoder(layers=6, layer_gate=gate))
     async with running(app) as http:
-        batcher = app.state.service.batcher
+        scheduler = app.state.service.scheduler
         clock = ManualClock(time.monotonic())
-        batcher.clock = clock
+        scheduler.clock = clock
         body = {"input": "heavy " * 200, "truncate": True}
         heavy = asyncio.ensure_future(http.post("/v1/embeddings", json=body, headers={"x-request-timeout-ms": "60000"}))
         gate.release(2)
         await until(lambda: len(encoder.layers_run) == 2)
         small = asyncio.ensure_future(http.post("/v1/embeddings", json={"input": "hello world"}))
-        await until(lambda: batcher.snapshot()["pending_items"] == 1)
+        await until(lambda: scheduler.snapshot()["pending_items"] == 1)
         gate.release(7)  # the heavy one's third layer (under way), then the small one's 6
         during = await small
         clock.now += 120  # past the heavy request's deadline, while its fourth layer waits

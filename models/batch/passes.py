@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 
 from torch import Tensor
 
-from clusterserve.models.runtime.packing import Packed
+from clusterserve.models.batch.packing import Packed
 
 
 @dataclass

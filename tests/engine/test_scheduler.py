@@ -9,22 +9,32 @@ import threading
 
 import pytest
 import torch
-from service_helpers import FakeEncoder, ManualClock, until
+from fake_encoder import FakeEncoder, ManualClock, until
 
+from clusterserve.engine import Job, Run, Scheduler
+from clusterserve.engine.observer import Unobserved
 from clusterserve.kernels import AttentionSpec
 from clusterserve.models.planning.cost import Throughput
-from clusterserve.service.batching import Batcher, Job, Run
-from clusterserve.service.metrics import Metrics
 
 pytestmark = pytest.mark.anyio
+
+
+class Stops(Unobserved):
+    """An observer that counts stopped inputs by reason."""
+
+    def __init__(self) -> None:
+        self.inputs: dict[str, int] = {}
+
+    def stopped(self, reason: str, inputs: int) -> None:
+        self.inputs[reason] = self.inputs.get(reason, 0) + inputs
 FULL = AttentionSpec(method="full")
 
 
-def make_batcher(encoder: FakeEncoder, clock: ManualClock | None = None) -> Batcher:
+def make_batcher(encoder: FakeEncoder, clock: ManualClock | None = None) -> Scheduler:
     # One work unit a second: the jobs' `work` is their estimated seconds.
-    batcher = Batcher(
-        encoder, Metrics(), max_batch_tokens=1000, max_concurrent_requests=8, throughput=Throughput(1.0),
-        clock=clock or ManualClock(),
+    batcher = Scheduler(
+        encoder, max_batch_tokens=1000, max_concurrent_requests=8, throughput=Throughput(1.0),
+        observer=Stops(), clock=clock or ManualClock(),
     )  # fmt: skip
     batcher.start()
     return batcher
@@ -98,7 +108,7 @@ async def test_a_cancelled_request_stops_within_one_layer_and_the_next_is_unchan
     finally:
         batcher.stop()
     torch.testing.assert_close(again.vectors, alone.vectors)
-    sample = batcher.metrics.stopped_inputs.labels(reason="disconnected")._value.get()
+    sample = batcher.observer.inputs.get("disconnected", 0)
     assert sample == 1.0
 
 
@@ -130,10 +140,10 @@ async def test_a_request_past_its_deadline_leaves_its_batch_and_the_others_go_on
         batcher.stop()
     assert layers_of(encoder)[4:] == [(7, 3), (7, 3), 3, 3]  # request 7 left within one layer
     assert result.vectors[0, 0].item() == 6.0
-    assert batcher.metrics.stopped_inputs.labels(reason="deadline")._value.get() == 1.0
+    assert batcher.observer.inputs.get("deadline", 0) == 1
 
 
-async def _run_released(batcher: Batcher, gate: threading.Semaphore, one: Job):
+async def _run_released(batcher: Scheduler, gate: threading.Semaphore, one: Job):
     task = asyncio.ensure_future(batcher.submit(one))
     gate.release(100)
     result = await task
