@@ -3,7 +3,7 @@ them (`run_clustered`, `run_smyrf`, `run_banded`), with the types the stages han
 
 Every backend (reference, native, triton) implements the same stages; the driver owns the
 order, the masking rule and the exact-case shortcut, so a backend only says how each stage
-runs on its hardware. Tests compare backends stage by stage and bench/stages.py times the
+runs on its hardware. Tests compare backends stage by stage and bench/gpu/stages.py times the
 stages of the backend it measures by passing an `observe` hook.
 
 Clustered and improved clustered attention (Vyas et al. 2020):

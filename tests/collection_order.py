@@ -4,10 +4,12 @@ files then fill in around them instead of one long file running alone at the end
 
 LONGEST_FIRST = (
     "tests/kernels/test_clustered_triton.py",
+    "tests/kernels/test_clustering_triton.py",
+    "tests/kernels/test_centroid_triton.py",
     "tests/models/test_calibration_holdout.py",
-    "tests/bench/test_gpu_bench.py",
+    "tests/bench/gpu/test_gpu_speed.py",
     "tests/service/test_default_server.py",
-    "tests/bench/test_gpu_model.py",
+    "tests/bench/costmodel/test_gpu_model.py",
     "tests/models/test_default_model_llamacpp.py",
     "tests/service/test_load.py",
     "tests/fuzz/test_schemathesis.py",

@@ -19,6 +19,10 @@ tests can run the loops under another instruction set than the machine's best. W
 library was built (no C compiler at install time), `library()` is None and `backend_for`
 picks the reference. ctypes releases the GIL during a call; work is split by (batch, head)
 over torch.get_num_threads() threads.
+
+This module loads the library and wraps each loop (shapes in, tensors out); levels.py says
+which levels this CPU runs, calls.py holds the exports' argument types and the marshalling the
+wrappers share (pointers, aligned buffers, the split over threads).
 """
 
 from __future__ import annotations
@@ -26,48 +30,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import math
 import os
-import platform
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from .calls import DTYPES, LANES, _aligned_zeros, _dtype, _ptr, _split, bind
+from .calls import compute_dtype as compute_dtype
+from .levels import ISA_VARIABLE, runnable_levels
+from .levels import X86_LEVELS as X86_LEVELS
+
 log = logging.getLogger(__name__)
 
 FOLDER = Path(__file__).parent
-# x86-64 levels from the lowest; each names the CPU flags it needs beyond the one before.
-X86_LEVELS = {
-    "x86_64": frozenset(),
-    "x86_64_v3": frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}),
-    "x86_64_v4": frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
-}
-ISA_VARIABLE = "CLUSTERSERVE_NATIVE_ISA"
-# The dtypes the loops read q, k and v in, and their codes in native.c (F32, BF16).
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# Floats per vector of native.c (its LANES): the blocks of keys its centroid pass reads.
-LANES = 16
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-# Argument types of the exported functions, in order (pointers are tensors' data_ptr()).
-_SIGNATURES = {
-    "hash_codes": (_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64),
-    "hamming_kmeans": (_PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64),
-    "cluster_means": (_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64),
-    "refine_clusters": (_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64),
-    "centroid_attention": (_PTR,) * 3 + (_I64, _PTR) + (_I64,) * 6 + (ctypes.c_float, _I64) + (_PTR,) * 4 + (_I64, _I64),
-    "centroid_values_bf16": (_PTR,) * 4 + (_I64,) * 11 + (_PTR, _I64, _I64),
-    "improved_sparse": (_PTR, _I64) + (_PTR,) * 6 + (_I64,) * 5 + (ctypes.c_float, _PTR, _I64, _I64),
-    "smyrf_attention": (_PTR,) * 3 + (_I64,) + (_PTR,) * 5 + (_I64,) * 7 + (ctypes.c_float,) + (_PTR,) * 3 + (_I64, _I64),
-    "smyrf_hashes": (_PTR, _PTR, _I64) + (_PTR,) * 3 + (_I64,) * 6 + (_PTR, _PTR, _I64, _I64),
-    "argsort_rows": (_PTR, _I64, _PTR, _I64, _I64),
-    "banded_attention": (_PTR,) * 3 + (_I64,) + (_PTR,) * 9 + (_I64,) * 8 + (ctypes.c_float, _PTR, _I64, _I64),
-    "banded_block_max": (_PTR, _I64, _PTR, _PTR) + (_I64,) * 6 + (_PTR, _I64, _I64),
-    "rotary": (_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64),
-    "bf16_dot": (),
-}
-_RESULTS = {"bf16_dot": ctypes.c_int}  # the others return nothing
 
 
 def available() -> bool:
@@ -97,10 +73,7 @@ def library() -> ctypes.CDLL | None:
         path = next(iter(sorted(FOLDER.glob(f"_native_{name}.*so"))), None)
         if path is None:
             continue
-        lib = ctypes.CDLL(str(path))
-        for function, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, function)
-            fn.argtypes, fn.restype = argtypes, _RESULTS.get(function)
+        lib = bind(ctypes.CDLL(str(path)))
         lib.level = name
         return lib
     log.warning(
@@ -108,77 +81,6 @@ def library() -> ctypes.CDLL | None:
         "the clustered methods run the slower PyTorch reference on CPU"
     )
     return None
-
-
-def runnable_levels(cap: str | None = None) -> list[str]:
-    """Library levels this CPU runs, best first, up to `cap` ("generic" off x86-64)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return ["generic"]
-    names = list(X86_LEVELS)
-    if cap is not None:
-        if cap not in X86_LEVELS:
-            raise ValueError(f"{ISA_VARIABLE}: must be one of {', '.join(X86_LEVELS)}, got {cap!r}")
-        names = names[: names.index(cap) + 1]
-    flags = _cpu_flags()
-    runnable, needed = [], set()
-    for name in names:
-        needed |= X86_LEVELS[name]
-        if needed <= flags:
-            runnable.append(name)
-    return runnable[::-1]
-
-
-def _cpu_flags() -> frozenset[str]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return frozenset()
-    for line in lines:
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
-
-
-@functools.lru_cache(maxsize=1)
-def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="clusterserve-native")
-
-
-def _split(fn, total: int, *args) -> None:
-    """fn(*args, start, end) over [0, total) in torch.get_num_threads() contiguous parts."""
-    parts = max(1, min(torch.get_num_threads(), total))
-    bounds = [total * i // parts for i in range(parts + 1)]
-    if parts == 1:
-        fn(*args, 0, total)
-        return
-    list(_pool().map(lambda i: fn(*args, bounds[i], bounds[i + 1]), range(parts)))
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the native stages take q, k and v in: float32 and bfloat16 as they are,
-    anything else (float16) converted to float32."""
-    return dtype if dtype in DTYPES else torch.float32
-
-
-def _dtype(*tensors: Tensor) -> int:
-    """native.c's code of the tensors' shared dtype (float32 or bfloat16)."""
-    dtype = tensors[0].dtype
-    if dtype not in DTYPES or any(t.dtype != dtype for t in tensors):
-        raise ValueError(f"the native loops read float32 or bfloat16 q, k, v of one dtype, got {[t.dtype for t in tensors]}")
-    return DTYPES[dtype]
-
-
-def _aligned_zeros(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """A contiguous tensor of zeros whose data starts on a 64-byte boundary."""
-    count, size = math.prod(shape), torch.empty((), dtype=dtype).element_size()
-    flat = torch.zeros(count + 64 // size, dtype=dtype)
-    start = (-flat.data_ptr() % 64) // size
-    return flat[start : start + count].view(shape)
-
-
-def _ptr(t: Tensor) -> int:
-    assert t.is_contiguous() and t.device.type == "cpu"
-    return t.data_ptr()
 
 
 def hash_codes(x: Tensor, planes: Tensor) -> Tensor:

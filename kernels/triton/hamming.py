@@ -248,12 +248,49 @@ def hamming_kmeans_triton(
     writes them. Launches, each of at least chunks x B x H programs: 1 + 1 per iteration + 1
     for C <= BLOCK_C, else 1 + 2 per iteration + 1.
     """
+    if sums is not None and clusters > BLOCK_C:
+        raise ValueError(f"the vector sums ride on the one-launch iteration: at most {BLOCK_C} clusters")
+    run = _kmeans_buffers(codes, query_mask, clusters, bits, signs)
+    _initial_launch(run, offsets, write_signs=signs is None, exact_case=exact_case)
+    if run.one_block:
+        _one_launch_iterations(run, iterations, exact_case, sums)
+    else:
+        _two_launch_iterations(run, iterations, exact_case)
+    return run.assign
+
+
+class _KMeansRun(NamedTuple):
+    """One hamming_kmeans_triton call: its inputs, how it cuts the work (chunks of `chunk`
+    queries a head; `blocks` cluster blocks of `per_program` clusters, 1 when one_block, i.e.
+    C <= BLOCK_C; `grid` (chunks, B * H)) and the buffers its launches share (shapes in
+    _kmeans_buffers)."""
+
+    codes: Tensor
+    mask: Tensor
+    clusters: int
+    bits: int
+    chunk: int
+    chunks: int
+    blocks: int
+    per_program: int
+    one_block: bool
+    centroids: Tensor
+    centroid_signs: Tensor
+    flags: Tensor
+    level: Tensor
+    signs: Tensor
+    part_levels: Tensor
+    assign: Tensor
+    totals: Tensor | None
+    grid: tuple[int, int]
+
+
+def _kmeans_buffers(codes: Tensor, query_mask: Tensor, clusters: int, bits: int, signs: Tensor | None) -> _KMeansRun:
+    """The grid of a call and the buffers every launch of it reads or writes."""
     b, h, n = codes.shape
     device = codes.device
     chunks, chunk = chunking(n, h, BLOCK_N)
     one_block = clusters <= BLOCK_C
-    if sums is not None and not one_block:
-        raise ValueError(f"the vector sums ride on the one-launch iteration: at most {BLOCK_C} clusters")
     per_program = cluster_block(clusters)
     blocks = 1 if one_block else triton.cdiv(clusters, per_program)
     mask = query_mask.contiguous()
@@ -262,70 +299,91 @@ def hamming_kmeans_triton(
     centroid_signs = torch.empty(pairs, b * h, clusters, BLOCK_BITS, dtype=torch.int8, device=device)
     flags = torch.empty(2, b * h, blocks, dtype=torch.int32, device=device)
     level = torch.empty(pairs, b * h, n, dtype=torch.int8, device=device)
-    write_signs = signs is None
-    if write_signs:
+    if signs is None:
         signs = torch.empty(b * h, n, BLOCK_BITS, dtype=torch.int8, device=device)
     part_levels = torch.empty(pairs, b * h, chunks, LEVELS, dtype=torch.int32, device=device)
     assign = torch.empty(b, h, n, dtype=torch.int64, device=device)
-    grid = (chunks, b * h)
-    flag_block = pow2_block(blocks, 1)
     # One launch an iteration: launch s reads what launch s - 1 wrote: pairs of centroids,
     # flags, levels and histograms (s - 1 at (s + 1) % 2), and three vote totals (it adds to
     # s % 3, reads (s - 1) % 3, clears (s + 1) % 3 for the next); the initial launch clears the
     # first launch's.
     totals = torch.empty(3, b * h, clusters, BLOCK_BITS, dtype=torch.int32, device=device) if one_block else None
-    _hamming_initial_kernel[grid](  # without the totals nothing is cleared: the codes stand in
-        codes, mask, offsets, centroids, centroid_signs[-1], flags[1], signs, totals[0] if one_block else codes,
-        h, n, clusters, chunk, chunks, blocks,
+    return _KMeansRun(codes, mask, clusters, bits, chunk, chunks, blocks, per_program, one_block, centroids,
+                      centroid_signs, flags, level, signs, part_levels, assign, totals, grid=(chunks, b * h))
+
+
+def _initial_launch(run: _KMeansRun, offsets: Tensor, write_signs: bool, exact_case: bool) -> None:
+    """The initial centroids, their flags and (write_signs) the codes' signs."""
+    h, n = run.codes.shape[1:]
+    _hamming_initial_kernel[run.grid](  # without the totals nothing is cleared: the codes stand in
+        run.codes, run.mask, offsets, run.centroids, run.centroid_signs[-1], run.flags[1], run.signs,
+        run.totals[0] if run.one_block else run.codes,
+        h, n, run.clusters, run.chunk, run.chunks, run.blocks,
         BLOCK_N=min(BLOCK_N, INITIAL_BLOCK_N), BLOCK_C=INITIAL_BLOCK_C, BLOCK_BITS=BLOCK_BITS, COUNT_BLOCK=COUNT_BLOCK,
-        FLAG_BLOCK=flag_block, SIGNS=write_signs, EXACT_CASE=exact_case, CLEAR=one_block, CLEAR_BLOCK=CLEAR_BLOCK,
+        FLAG_BLOCK=pow2_block(run.blocks, 1), SIGNS=write_signs, EXACT_CASE=exact_case, CLEAR=run.one_block,
+        CLEAR_BLOCK=CLEAR_BLOCK,
     )
-    if one_block:
-        block_c = pow2_block(clusters, 16, BLOCK_C)
-        scratch = torch.empty(b * h, chunks, block_c, BLOCK_BITS, dtype=torch.int8, device=device)
-        d = sums.x.shape[-1] if sums is not None else 1
-        # Launches that sum nothing get stand-ins, never read.
-        no_sums = (codes, totals, totals, totals, 0, 0, 0, 0)
-        summed = (sums.x, sums.buffers.part_sums, sums.buffers.part_counts, sums.buffers.moved[1],
-                  *sums.x.stride()) if sums is not None else no_sums
-        step = dict(BLOCK_N=BLOCK_N, BLOCK_C=block_c, BLOCK_BITS=BLOCK_BITS, LEVELS=LEVELS,
-                    CHUNK_BLOCK=pow2_block(chunks, 1), CHUNK_GROUP=chunk_group(chunks), SCAN=SCAN,
-                    COUNT_BLOCK=COUNT_BLOCK, CLEAR_BLOCK=CLEAR_BLOCK, SUMS_BLOCK_N=means.BLOCK_N,
-                    SUMS_BLOCK_C=means.sums_block(clusters), HEAD_DIM=pow2_block(d),
-                    ALL_MOVED=sums is not None and sums.all_moved, UPCAST=upcast(codes), num_warps=NUM_WARPS)
-        for s in range(iterations + 1):
-            before, now = (s + 1) % 2, s % 2
-            final = s == iterations
-            _hamming_step_kernel[grid](
-                codes, signs, mask, flags[before], flags[now], centroid_signs[before], centroid_signs[now],
-                totals[(s + 2) % 3], totals[s % 3], totals[(s + 1) % 3], level[before], level[now],
-                part_levels[before], part_levels[now], assign, scratch, *(summed if final else no_sums),
-                h, n, clusters, bits, chunk, chunks, d,
-                FIRST=s == 0, FINAL=final, EXACT_CASE=exact_case, SUMS=final and sums is not None, **step,
-            )
-        return assign
+
+
+def _one_launch_iterations(run: _KMeansRun, iterations: int, exact_case: bool, sums: VectorSums | None) -> None:
+    """C <= BLOCK_C: one _hamming_step_kernel launch an iteration, then the final one, which
+    writes the assignments (and with `sums` the vector sums under them)."""
+    b, h, n = run.codes.shape
+    clusters, chunks, totals = run.clusters, run.chunks, run.totals
+    block_c = pow2_block(clusters, 16, BLOCK_C)
+    scratch = torch.empty(b * h, chunks, block_c, BLOCK_BITS, dtype=torch.int8, device=run.codes.device)
+    d = sums.x.shape[-1] if sums is not None else 1
+    # Launches that sum nothing get stand-ins, never read.
+    no_sums = (run.codes, totals, totals, totals, 0, 0, 0, 0)
+    summed = (sums.x, sums.buffers.part_sums, sums.buffers.part_counts, sums.buffers.moved[1],
+              *sums.x.stride()) if sums is not None else no_sums
+    step = dict(BLOCK_N=BLOCK_N, BLOCK_C=block_c, BLOCK_BITS=BLOCK_BITS, LEVELS=LEVELS,
+                CHUNK_BLOCK=pow2_block(chunks, 1), CHUNK_GROUP=chunk_group(chunks), SCAN=SCAN,
+                COUNT_BLOCK=COUNT_BLOCK, CLEAR_BLOCK=CLEAR_BLOCK, SUMS_BLOCK_N=means.BLOCK_N,
+                SUMS_BLOCK_C=means.sums_block(clusters), HEAD_DIM=pow2_block(d),
+                ALL_MOVED=sums is not None and sums.all_moved, UPCAST=upcast(run.codes), num_warps=NUM_WARPS)
+    for s in range(iterations + 1):
+        before, now = (s + 1) % 2, s % 2
+        final = s == iterations
+        _hamming_step_kernel[run.grid](
+            run.codes, run.signs, run.mask, run.flags[before], run.flags[now], run.centroid_signs[before],
+            run.centroid_signs[now], totals[(s + 2) % 3], totals[s % 3], totals[(s + 1) % 3],
+            run.level[before], run.level[now], run.part_levels[before], run.part_levels[now], run.assign, scratch,
+            *(summed if final else no_sums),
+            h, n, clusters, run.bits, run.chunk, chunks, d,
+            FIRST=s == 0, FINAL=final, EXACT_CASE=exact_case, SUMS=final and sums is not None, **step,
+        )
+
+
+def _two_launch_iterations(run: _KMeansRun, iterations: int, exact_case: bool) -> None:
+    """C > BLOCK_C: an assignment and an update launch an iteration, then the final
+    assignment."""
+    b, h, n = run.codes.shape
+    clusters, chunks, blocks, per_program = run.clusters, run.chunks, run.blocks, run.per_program
+    device = run.codes.device
     part_votes = torch.empty(b * h, chunks, clusters, BLOCK_BITS, dtype=torch.int32, device=device)
     part_counts = torch.empty(b * h, chunks, clusters, dtype=torch.int32, device=device)
-    common = dict(BLOCK_BITS=BLOCK_BITS, LEVELS=LEVELS, FLAG_BLOCK=flag_block)
-    assign_blocks = dict(BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, COUNT_BLOCK=COUNT_BLOCK, UPCAST=upcast(codes),
+    common = dict(BLOCK_BITS=BLOCK_BITS, LEVELS=LEVELS, FLAG_BLOCK=pow2_block(blocks, 1))
+    assign_blocks = dict(BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, COUNT_BLOCK=COUNT_BLOCK, UPCAST=upcast(run.codes),
                          num_warps=NUM_WARPS)
+    signs, mask = run.signs, run.mask
+    centroid_signs, level, part_levels = run.centroid_signs[-1], run.level[0], run.part_levels[0]  # one copy each
     for it in range(iterations):
-        flags_in, flags_out = flags[(it + 1) % 2], flags[it % 2]
-        _hamming_assign_kernel[grid](
-            signs, mask, centroid_signs[-1], flags_in, level[0], part_votes, part_counts, part_levels[0], assign,
-            h, n, clusters, chunk, chunks, blocks,
+        flags_in, flags_out = run.flags[(it + 1) % 2], run.flags[it % 2]
+        _hamming_assign_kernel[run.grid](
+            signs, mask, centroid_signs, flags_in, level, part_votes, part_counts, part_levels, run.assign,
+            h, n, clusters, run.chunk, chunks, blocks,
             FINAL=False, EXACT_CASE=False, **assign_blocks, **common,
         )
         _hamming_update_kernel[(blocks, b * h)](
-            codes, centroids, centroid_signs[-1], flags_in, flags_out, level[0], part_votes, part_counts, part_levels[0],
-            n, clusters, bits, chunk, chunks, blocks, per_program,
+            run.codes, run.centroids, centroid_signs, flags_in, flags_out, level, part_votes, part_counts, part_levels,
+            n, clusters, run.bits, run.chunk, chunks, blocks, per_program,
             BLOCK_C=min(per_program, 16), COUNT_C=pow2_block(clusters, 16, 256), CHUNK_BLOCK=pow2_block(chunks, 1),
             CHUNK_GROUP=chunk_group(chunks), VOTE_GROUP=max(1, 4096 // (min(per_program, 16) * BLOCK_BITS)), SCAN=SCAN,
             **common,
         )
-    _hamming_assign_kernel[grid](
-        signs, mask, centroid_signs[-1], flags, level[0], part_votes, part_counts, part_levels[0], assign,
-        h, n, clusters, chunk, chunks, blocks,
+    _hamming_assign_kernel[run.grid](
+        signs, mask, centroid_signs, run.flags, level, part_votes, part_counts, part_levels, run.assign,
+        h, n, clusters, run.chunk, chunks, blocks,
         FINAL=True, EXACT_CASE=exact_case, **assign_blocks, **common,
     )
-    return assign

@@ -46,7 +46,7 @@ COUNT_BLOCK = 4096
 # Its time is the chain of loads of one program: on an H100, 100 clusters at 4 a program and 16
 # chunks a load made a clustered call 3-6% faster than 8 and 8, and within 2% of 2 and 32,
 # which read every cluster's count twice as often (bench/results/2026-11-27-h100-3-shapes.json).
-# PER_PROGRAM and SUMS_GROUP, when set, override the rule (bench.gpu_shapes' variants).
+# PER_PROGRAM and SUMS_GROUP, when set, override the rule (bench.gpu.shapes' variants).
 MEANS_PROGRAMS = 25
 SUMS_TILE = 64
 PER_PROGRAM = None

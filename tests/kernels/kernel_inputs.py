@@ -88,8 +88,8 @@ def packed_rotary_tables(t: int, d: int, interleaved: bool) -> tuple[torch.Tenso
     """cos, sin (T, 1, D) of one sequence of t tokens, as the encoders get them (packed_rotary:
     strided views of one table)."""
     from clusterserve.kernels import AttentionSpec
+    from clusterserve.models.batch.packing import pack
     from clusterserve.models.networks.rotary import packed_rotary
-    from clusterserve.models.runtime.packing import pack
 
     cpu = torch.device("cpu")
     _, packed = pack([[1] * t], [AttentionSpec()], cpu)
