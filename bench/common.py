@@ -41,6 +41,25 @@ def nomic_default() -> AttentionSpec:
     return table.choose(8192, DEFAULT_TARGET_FIDELITY).spec
 
 
+# The benchmarks' methods: the paper's 10 Hamming iterations, SMYRF 4 x 64, and banded as auto
+# serves the default model at 8k.
+SPECS = {
+    "full": AttentionSpec(method="full"),
+    "clustered": AttentionSpec(method="clustered", clusters=100, bits=63, iterations=10),
+    "i-clustered (paper)": AttentionSpec(method="i-clustered", clusters=100, topk=32, bits=63, iterations=10, refine=0),
+    "i-clustered": AttentionSpec(method="i-clustered", clusters=100, topk=32, bits=63, iterations=10, refine=3),
+    "smyrf": AttentionSpec(method="smyrf", hash_rounds=4, cluster_size=64),
+    "banded": nomic_default(),  # what auto serves the default model at 8k
+}
+# What bench.cpu.speed and bench.gpu.speed measure: SPECS (which every benchmark of the methods
+# shares), and the clustered methods at the knobs a request that names only the method gets.
+MEASURED = {
+    **SPECS,
+    "clustered (default)": AttentionSpec(method="clustered"),
+    "i-clustered (default)": AttentionSpec(method="i-clustered"),
+}
+
+
 def long_text_ids(encoder, tokens: int, offset: int = 0, texts: tuple[str, ...] | None = None) -> list[int]:
     """Token ids of `tokens` tokens of real English prose (Debian's license texts, all of them
     or the named ones, repeated when more is asked than they hold), starting `offset` tokens
@@ -226,6 +245,41 @@ def write_report(name: str, report: dict) -> Path:
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
     return path
+
+
+def rows_json(tree, width: int = 150, indent: int = 0) -> str:
+    """JSON of `tree` with a row a line: a dict or list of scalars (and of containers of
+    scalars), or one whose one-line form fits in `width` characters, is written on one line, a
+    larger one an item a line (small to commit, readable in a diff)."""
+    flat = json.dumps(tree)
+    if not isinstance(tree, (dict, list)) or len(flat) + indent <= width or _is_row(tree):
+        return flat
+    pad = " " * (indent + 1)
+    if isinstance(tree, dict):
+        items = [f"{pad}{json.dumps(key)}: {rows_json(value, width, indent + 1)}" for key, value in tree.items()]
+        return "{\n" + ",\n".join(items) + "\n" + " " * indent + "}"
+    items = [pad + rows_json(value, width, indent + 1) for value in tree]
+    return "[\n" + ",\n".join(items) + "\n" + " " * indent + "]"
+
+
+def _is_row(tree, depth: int = 2) -> bool:
+    """A container of scalars, to `depth` levels of containers."""
+    if not isinstance(tree, (dict, list)):
+        return True
+    values = tree.values() if isinstance(tree, dict) else tree
+    return depth > 0 and all(_is_row(value, depth - 1) for value in values)
+
+
+def rounded(tree, digits: int = 4):
+    """Every float of `tree` to `digits` significant digits: what a measurement or an estimate
+    is worth, and no more to commit."""
+    if isinstance(tree, float):
+        return float(f"{tree:.{digits}g}")
+    if isinstance(tree, dict):
+        return {k: rounded(v, digits) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [rounded(v, digits) for v in tree]
+    return tree
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
