@@ -1,6 +1,7 @@
 """The layout's rules, read from the source: one import name (`clusterserve`, over the
 repository's top-level folders), no import cycles among the project's modules, `kernels` free of
-HTTP and of the models, `models` free of FastAPI and of the service."""
+HTTP and of the models, `models` free of FastAPI and of the service, and models' sub-packages
+layered (runtime, networks, planning, batch)."""
 
 from __future__ import annotations
 
@@ -113,6 +114,39 @@ def test_layers_import_downward_only(package, forbidden):
             for name in names:
                 layer = name.removeprefix(f"{NAME}.").split(".")[0]
                 assert layer not in forbidden, f"{path.relative_to(ROOT)} imports {name}"
+
+
+# models' sub-packages, each importing only those listed after it: the runtime runs batches
+# (models.batch) through the networks and reads the plan; planning reads the checkpoint's data
+# and no model; a batch's layout knows no network.
+MODELS_ORDER = ("runtime", "networks", "planning", "batch")
+
+
+def models_subpackage(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[1] == "models" and parts[2] in MODELS_ORDER else None
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from one of models' sub-packages to one listed before it, or beside it."""
+    found = []
+    for module, targets in graph.items():
+        source = models_subpackage(module)
+        for target in targets:
+            into = models_subpackage(target)
+            if source and into and into != source and MODELS_ORDER.index(into) <= MODELS_ORDER.index(source):
+                found.append(f"{module} -> {target}")
+    return sorted(found)
+
+
+def test_upward_arrows_are_found():
+    graph = {"clusterserve.models.batch.packing": {"clusterserve.models.runtime.runner"},
+             "clusterserve.models.runtime.runner": {"clusterserve.models.batch.packing"}}
+    assert upward_arrows(graph) == ["clusterserve.models.batch.packing -> clusterserve.models.runtime.runner"]
+
+
+def test_models_sub_packages_import_downward_only():
+    assert upward_arrows(import_graph()) == []
 
 
 def python_files() -> list[Path]:
