@@ -22,7 +22,7 @@ from .launch_cost import HBM_BYTES_PER_S
 
 SESSION = RESULTS_DIR / "h100-2026-11-27-2.json"
 ATTENTION_ESTIMATES = RESULTS_DIR / "gpu_model.json"
-# Dense bf16 GEMM and cuDNN's flash SDPA on that H100, measured (the 609 TF/s; the
+# Dense bf16 GEMM and cuDNN's flash SDPA on that H100, measured (609 TF/s in that session; the
 # session's exact 16k profile: 12 aten::_cudnn_attention_forward calls, 20.05 ms, 4 H N^2 d each).
 DENSE_FLOPS_PER_S = 609e12
 SDPA_FLOPS_PER_S = 493e12
