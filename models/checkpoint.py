@@ -13,9 +13,8 @@ from clusterserve.kernels import FieldError
 from clusterserve.models.planning.calibration import Calibration
 from clusterserve.models.planning.cost import CostModel
 from clusterserve.models.planning.inputs import is_int, prepare_inputs
-from clusterserve.models.planning.plan import UnknownAdapter
 from clusterserve.models.pooling import PoolingConfig
-from clusterserve.models.prompts import NO_PROMPT, Prompts
+from clusterserve.models.prompts import NO_PROMPT, Prompts, UnknownAdapter
 from clusterserve.models.tokenization import TextTokenizer, Tokens
 
 

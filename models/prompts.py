@@ -26,6 +26,16 @@ class UnknownPrompt(FieldError):
         self.name = name
 
 
+class UnknownAdapter(FieldError):
+    """`name` is not one of the checkpoint's task adapters (which a prompt's name may also
+    select: Jina v3 names its prompts after its tasks)."""
+
+    def __init__(self, name: str, known: tuple[str, ...]):
+        listed = ", ".join(known) if known else "none: this checkpoint has no task adapters"
+        super().__init__("adapter", f"unknown adapter {name!r}; known: {listed}")
+        self.name = name
+
+
 @dataclass(frozen=True)
 class Prompts:
     prompts: dict[str, str] = field(default_factory=dict)

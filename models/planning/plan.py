@@ -23,19 +23,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from clusterserve.kernels import AttentionSpec, FieldError, Resolved, resolve_auto
-from clusterserve.models.prompts import NO_PROMPT, UnknownPrompt
+from clusterserve.models.prompts import NO_PROMPT, UnknownAdapter, UnknownPrompt
 
-if TYPE_CHECKING:  # planning reads a checkpoint's data; the checkpoint module imports this one
+if TYPE_CHECKING:  # for annotations: planning reads a checkpoint's data, never the reverse
     from clusterserve.models.checkpoint import Checkpoint
-
-
-class UnknownAdapter(FieldError):
-    """`name` is not one of the checkpoint's task adapters."""
-
-    def __init__(self, name: str, known: tuple[str, ...]):
-        listed = ", ".join(known) if known else "none: this checkpoint has no task adapters"
-        super().__init__("adapter", f"unknown adapter {name!r}; known: {listed}")
-        self.name = name
 
 
 @dataclass(frozen=True)
