@@ -16,6 +16,7 @@ Build one with `models.load_encoder`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -34,14 +35,15 @@ from clusterserve.models.runtime.runner import Forward, Runner
 
 __all__ = ["Chunked", "Encoder", "finish"]
 
-# What an Encoder answers of its checkpoint and of its runner, by attribute.
-CHECKPOINT_FIELDS = frozenset({
-    "tokenizer", "pooling", "name", "architecture", "dim", "native_positions", "max_input_tokens",
-    "position_extension", "pad_token_id", "vocab_size", "cost", "folder", "adapters", "prompts", "calibration",
-    "tokenize", "count_tokens", "prepare", "check_dimensions",
-})
-RUNNER_FIELDS = frozenset({"model", "device", "dtype", "backend", "graphs"})
+def _attributes(cls: type) -> frozenset[str]:
+    """A dataclass's public fields and methods: what an Encoder answers of it, by attribute."""
+    return frozenset({f.name for f in dataclasses.fields(cls)} | {n for n in vars(cls) if not n.startswith("_")})
 
+
+# The checkpoint answers first (both hold the pooling and the pad id); the encoder's own
+# methods (info, run, start, ...) are found before either.
+CHECKPOINT_FIELDS = _attributes(Checkpoint)
+RUNNER_FIELDS = _attributes(Runner) - CHECKPOINT_FIELDS
 
 class Chunked(NamedTuple):
     """One input's chunks: vectors (chunks, dimensions or dim) float32 on the CPU, and each
@@ -71,7 +73,9 @@ class Encoder:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        owner = self.checkpoint if name in CHECKPOINT_FIELDS else self.runner if name in RUNNER_FIELDS else None
+        delegated = not hasattr(type(self), name)  # the encoder's own methods and fields stay its own
+        owner = None if not delegated else self.checkpoint if name in CHECKPOINT_FIELDS else \
+            self.runner if name in RUNNER_FIELDS else None
         object.__setattr__(self if owner is None else owner, name, value)
 
     def info(self) -> dict[str, Any]:
