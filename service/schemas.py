@@ -98,12 +98,14 @@ class ChunkingRequest(BaseModel):
     late: StrictBool | None = Field(
         None,
         description="true: one pass per context window, token states mean-pooled over each chunk (late chunking); "
-        f"false: each chunk embedded alone; default {str(_CHUNKING.late).lower()}",
+        "false: each chunk embedded alone; default the model's (GET /info chunking.defaults.late: false for "
+        "nomic-embed-text-v1.5, whose late chunks retrieve worse than naive ones, true otherwise)",
     )
     window: json_int(ge=1, le=CHUNK_TOKENS_MAX) | None = Field(
         None,
         description="late chunking's context window in tokens, special tokens and prompt included; default the "
-        "checkpoint's trained positions (GET /info native_positions); longer documents run overlapping windows",
+        "model's (GET /info chunking.defaults.window: the checkpoint's trained positions, or the window measured "
+        "best for it); longer documents run overlapping windows",
     )
     window_overlap: json_int(ge=0, le=CHUNK_TOKENS_MAX - 1) | None = Field(
         None,
@@ -115,7 +117,7 @@ class ChunkingRequest(BaseModel):
 
 CHUNKING_DESCRIPTION = (
     "split each text into chunks and return one vector per chunk with its character and token spans "
-    "(late chunking by default); see GET /info chunking for the defaults and limits"
+    "(late or naive chunking by the model's default); see GET /info chunking for the defaults and limits"
 )
 LATE_CHUNKING_DESCRIPTION = (
     "Jina's form: the inputs are the consecutive chunks of one text; late chunking over it returns one "

@@ -8,6 +8,8 @@ text: Debian's manual pages, rendered with `man` (plain text, no hyphenation).
         document (between 10% and 90% of it) that occur in no other document
     questions(documents, path)                          -> [Query]: questions written by hand
         about the default corpus's pages (QUESTIONS), for the pages in `documents`
+    split_sets(encoder, min_tokens, max_tokens, held_out) -> (dev, held_out) [Document]: every
+        distinct page of min..max tokens, a quarter to tune on and `held_out` of the rest
 
 The same machine and seed give the same corpus; another machine's man pages give another.
 """
@@ -94,6 +96,28 @@ def documents(encoder, count: int, min_tokens: int, max_tokens: int) -> list[Doc
     if len(chosen) < count:
         raise RuntimeError(f"only {len(chosen)} man pages of {min_tokens}-{max_tokens} tokens, asked for {count}")
     return chosen
+
+
+def split_sets(encoder, min_tokens: int, max_tokens: int, held_out: int) -> tuple[list[Document], list[Document]]:
+    """Every distinct page of min_tokens..max_tokens tokens, sorted by name: every fourth is
+    the development set (to choose defaults on), and `held_out` pages spread evenly over the
+    others the held-out set (to report on). Deterministic for a machine's man pages."""
+    pages, seen = [], set()
+    for page in candidates():
+        if _is_gzip_junk(page):
+            continue
+        text = render(page)
+        title = _title(text)
+        tokens = encoder.count_tokens([text])[0]
+        if title and title not in seen and min_tokens <= tokens <= max_tokens:
+            seen.add(title)
+            pages.append(Document(page.name.removesuffix(".gz"), text, tokens))
+    dev = pages[0::4]
+    rest = [page for i, page in enumerate(pages) if i % 4]
+    if len(rest) < held_out:
+        raise RuntimeError(f"only {len(rest)} man pages of {min_tokens}-{max_tokens} tokens to hold out, asked for {held_out}")
+    step = (len(rest) - 1) / max(held_out - 1, 1)
+    return dev, [rest[round(i * step)] for i in range(held_out)]
 
 
 def passages(docs: list[Document], per_document: int, words: int, seed: int = 0) -> list[Query]:

@@ -20,6 +20,7 @@ into the sequences a forward pass runs.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from bisect import bisect_left
 from collections.abc import Mapping
@@ -52,15 +53,24 @@ LATE_INPUTS_FIELDS = ("window", "window_overlap")
 class ChunkLimits:
     """What the chunking rules need of the model and the prompt: `framing`, the special and
     prompt tokens a sequence adds; `max_tokens`, the model's length limit; `native_positions`,
-    its trained positions (the default window is the smaller of the two)."""
+    its trained positions; `late`, its default for ChunkingSpec.late; `window`, its default
+    window where one was measured for it (models.planning.chunk_defaults; None: the trained
+    positions). The default window is at most the length limit."""
 
     framing: int
     max_tokens: int
     native_positions: int
+    late: bool = True
+    window: int | None = None
 
     @property
     def default_window(self) -> int:
-        return min(self.native_positions, self.max_tokens)
+        return min(self.window or self.native_positions, self.max_tokens)
+
+    def is_late(self, values: Mapping[str, Any]) -> bool:
+        """Whether a chunking object (its fields) runs late chunking: its `late`, else the model's."""
+        late = values.get("late")
+        return self.late if late is None else late is True
 
 
 @dataclass(frozen=True)
@@ -70,7 +80,8 @@ class ChunkingSpec:
     window counts every token it runs (positions).
 
     size: tokens per chunk (at most). overlap: tokens a chunk shares with the one before
-    (below size). boundaries: one of BOUNDARIES. late: late chunking (else naive). window:
+    (below size). boundaries: one of BOUNDARIES. late: late chunking, else naive (None: the
+    model's default, models.planning.chunk_defaults; `resolved` sets it). window:
     late chunking's context window in tokens, special tokens and prompt included (None: the
     checkpoint's trained positions). window_overlap: tokens each later window re-reads from
     the one before, as context only (None: WINDOW_OVERLAP_SHARE of the window's text tokens).
@@ -79,9 +90,13 @@ class ChunkingSpec:
     size: int = 256
     overlap: int = 0
     boundaries: str = "sentences"
-    late: bool = True
+    late: bool | None = None
     window: int | None = None
     window_overlap: int | None = None
+
+    def resolved(self, limits: ChunkLimits) -> ChunkingSpec:
+        """This spec with `late` decided: its own, else the model's (limits.late)."""
+        return self if self.late is not None else dataclasses.replace(self, late=limits.late)
 
     def __post_init__(self) -> None:
         if not (is_int(self.size) and self.size >= 1):
@@ -92,7 +107,7 @@ class ChunkingSpec:
         if self.boundaries not in BOUNDARIES:
             detail = f"must be one of {', '.join(BOUNDARIES)}, got {self.boundaries!r}"
             raise FieldError("boundaries", detail, CHUNKING)
-        if not isinstance(self.late, bool):
+        if self.late is not None and not isinstance(self.late, bool):
             raise FieldError("late", f"must be true or false, got {self.late!r}", CHUNKING)
         if self.window is not None and not (is_int(self.window) and self.window >= 1):
             raise FieldError("window", f"must be a positive integer, got {self.window!r}", CHUNKING)
@@ -117,7 +132,7 @@ def overlap_within_size(values: Mapping[str, Any], limits: ChunkLimits | None = 
 def naive_chunk_within_limit(values: Mapping[str, Any], limits: ChunkLimits) -> FieldError | None:
     """With late false, a chunk and its special and prompt tokens within the model's limit."""
     size = _field(values, "size")
-    if values.get("late", ChunkingSpec.late) is not False or size is None or size + limits.framing <= limits.max_tokens:
+    if limits.is_late(values) or size is None or size + limits.framing <= limits.max_tokens:
         return None
     detail = (f"a chunk's sequence adds {limits.framing} special and prompt tokens; size must be at most "
               f"{limits.max_tokens - limits.framing}, got {size}")

@@ -37,9 +37,10 @@ from clusterserve.models.planning.chunking import (
 )
 
 # Limits that keep every served model's rules: the shortest length limit and trained positions
-# of a shipped model (all-MiniLM-L6-v2: 512), and more special and prompt tokens than the
-# longest shipped prompt adds. A body that keeps the rules at these keeps them on any model.
-STRICTEST_LIMITS = ChunkLimits(framing=16, max_tokens=512, native_positions=512)
+# of a shipped model (all-MiniLM-L6-v2: 512), more special and prompt tokens than the longest
+# shipped prompt adds, and naive chunking where a body does not say (a shipped model's default:
+# nomic-embed-text-v1.5's). A body that keeps the rules at these keeps them on any model.
+STRICTEST_LIMITS = ChunkLimits(framing=16, max_tokens=512, native_positions=512, late=False)
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,8 @@ CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
     CrossFieldRule(CHUNKING, ("overlap", "size"), "overlap below size", overlap_within_size),
     CrossFieldRule(
         CHUNKING, ("size", "late"),
-        "with late false, size plus the special and prompt tokens within the model's length limit",
+        "with late false (or absent where the model's default is naive chunking), size plus the special and "
+        "prompt tokens within the model's length limit",
         naive_chunk_within_limit,
     ),
     CrossFieldRule(CHUNKING, ("window",), "window above its special and prompt tokens", window_holds_framing),

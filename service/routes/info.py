@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from clusterserve.kernels import KNOB_RANGES, METHOD_KNOBS, METHODS
 from clusterserve.models import Encoder
+from clusterserve.models.planning.chunk_defaults import chunk_defaults
 from clusterserve.models.planning.chunk_plan import chunk_limits
 from clusterserve.models.planning.chunking import BOUNDARIES, ChunkingSpec, window_sizes
 
@@ -84,9 +85,10 @@ def _limits(state: ServiceState, encoder: Encoder) -> dict[str, Any]:
 def _chunking(encoder: Encoder) -> dict[str, Any]:
     """The `chunking` extension's defaults (window and window_overlap as they resolve for a text
     without a prompt) and bounds."""
-    defaults = ChunkingSpec()
     framing = len(encoder.tokenizer.prefix) + len(encoder.tokenizer.suffix)
-    room, overlap = window_sizes(defaults, chunk_limits(encoder.checkpoint, framing))
+    limits = chunk_limits(encoder.checkpoint, framing)
+    defaults = ChunkingSpec().resolved(limits)
+    room, overlap = window_sizes(defaults, limits)
     return {
         "defaults": {
             "size": defaults.size,
@@ -96,6 +98,7 @@ def _chunking(encoder: Encoder) -> dict[str, Any]:
             "window": room + framing,
             "window_overlap": overlap,
         },
+        "measured": chunk_defaults(encoder.name).finding or None,
         "boundaries": list(BOUNDARIES),
         "max_size": CHUNK_TOKENS_MAX,
         "max_window": encoder.max_input_tokens,

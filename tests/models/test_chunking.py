@@ -180,12 +180,14 @@ def test_a_document_longer_than_one_pass_is_chunked_and_truncate_cuts_it_first(f
     assert left.inputs[0].chunks[-1].text_span[1] == len(text.rstrip())
 
 
-def test_each_window_resolves_its_own_attention(default_encoder, text):
+def test_each_chunk_resolves_its_own_attention_and_auto_runs_windows_exact(default_encoder, text):
     auto = AttentionSpec(method="auto", auto_threshold=100, auto_method="clustered")
-    call = plan_chunks(default_encoder, [text], auto, ChunkingSpec(window=128, window_overlap=16))
+    call = plan_chunks(default_encoder, [text], auto, ChunkingSpec(size=120, late=False, boundaries="tokens"))
     methods = [planned.spec.method for planned in call.plan.inputs]
     lengths = [planned.tokens for planned in call.plan.inputs]
     assert methods == ["clustered" if n >= 100 else "full" for n in lengths] and "full" in methods
+    windows = plan_chunks(default_encoder, [text], auto, ChunkingSpec(window=128, window_overlap=16)).plan.inputs
+    assert max(w.tokens for w in windows) >= 100 and {w.spec.method for w in windows} == {"full"}
 
 
 def test_encode_gives_each_sequence_its_output_in_one_batch(default_encoder, full_spec, text):

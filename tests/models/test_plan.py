@@ -91,7 +91,7 @@ def test_auto_is_resolved_by_each_inputs_own_length(default_encoder, long_text):
     assert torch.nn.functional.cosine_similarity(together[:1], by_itself).item() >= 1 - 1e-6
 
 
-def test_a_late_chunking_window_is_judged_by_its_chunks_fidelity(default_encoder, long_text):
+def test_auto_runs_a_late_chunking_window_exact_and_a_naive_chunk_by_the_table(default_encoder, long_text):
     encoder = copy.copy(default_encoder)
     # 100 clusters keep 0.99 of a document but 0.95 of its late chunks; 200 keep 0.99 of both.
     cheap = {"attention": {"method": "clustered", "clusters": 100}, "fidelity_min": 0.99, "fidelity_mean": 0.99,
@@ -108,7 +108,10 @@ def test_a_late_chunking_window_is_judged_by_its_chunks_fidelity(default_encoder
     assert whole.spec.clusters == 100 and "calibrated_for" not in whole.attention.echo
     late = plan_chunks(encoder, [text], auto, ChunkingSpec(window=2200), target_fidelity=0.98).plan.inputs
     assert len(late) == 2 and late[0].tokens == 2200  # a window in the 2048 bucket, and the rest
-    assert late[0].spec.clusters == 200 and late[0].attention.echo["calibrated_for"] == "late chunks"
+    assert all(one.spec.method == "full" for one in late)
+    assert late[0].attention.echo == {"method": "full", "late_windows": "exact", "target_fidelity": 0.98}
+    concrete = plan_chunks(encoder, [text], AttentionSpec(method="clustered", clusters=100), ChunkingSpec(window=2200))
+    assert concrete.plan.inputs[0].spec.method == "clustered"  # a method asked for runs as asked
     naive = plan_chunks(encoder, [text], auto, ChunkingSpec(late=False, size=2100), target_fidelity=0.98).plan.inputs
     assert naive[0].tokens >= 2048 and naive[0].spec.clusters == 100  # a naive chunk is a document of its own
 

@@ -2,7 +2,7 @@
 GGUF, in the dtype `auto` picks, driven by the clients people use (the official openai
 client, huggingface_hub's InferenceClient, plain HTTP as curl sends it): 768-d vectors with
 nomic's prompts applied, queries and documents told apart, the 8,192-token limit as TEI users
-expect (413 naming it, truncation when asked, chunking in windows of the model's context).
+expect (413 naming it, truncation when asked, chunking a document longer than the limit).
 """
 
 from __future__ import annotations
