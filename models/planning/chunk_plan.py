@@ -243,8 +243,8 @@ def _plan(
     outputs: list[Output] = []
     inputs = []
     rows = 0
-    if chunking.late:
-        room, overlap = window_sizes(chunking, chunk_limits(checkpoint, framing))
+    # Checked with naive chunks too: the window fields are bounded whichever chunking runs.
+    room, overlap = window_sizes(chunking, chunk_limits(checkpoint, framing))
     for document in documents:
         first_row, first_sequence = rows, len(sequences)
         if not document.body:  # its one chunk is the text's own embedding
