@@ -17,10 +17,12 @@ The same machine and seed give the same corpus; another machine's man pages give
 from __future__ import annotations
 
 import gzip
+import itertools
 import os
 import random
 import re
 import subprocess
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,21 +80,10 @@ def documents(encoder, count: int, min_tokens: int, max_tokens: int) -> list[Doc
     pages = candidates()
     if not pages:
         raise FileNotFoundError(f"no manual pages under {MAN_DIR}; install man-db and some packages' pages")
-    chosen: list[Document] = []
-    seen: set[str] = set()
     step = max(1, len(pages) // (count * 4))
-    for start in range(step):  # sweep the whole list, then again from the next offset
-        for page in pages[start::step]:
-            if len(chosen) == count:
-                return chosen
-            text = render(page)
-            title = _title(text)
-            if not title or title in seen or _is_gzip_junk(page):
-                continue
-            tokens = encoder.count_tokens([text])[0]
-            if min_tokens <= tokens <= max_tokens:
-                seen.add(title)
-                chosen.append(Document(page.name.removesuffix(".gz"), text, tokens))
+    # Sweep the whole list, then again from the next offset.
+    swept = (page for start in range(step) for page in pages[start::step])
+    chosen = list(itertools.islice(_distinct(encoder, swept, min_tokens, max_tokens), count))
     if len(chosen) < count:
         raise RuntimeError(f"only {len(chosen)} man pages of {min_tokens}-{max_tokens} tokens, asked for {count}")
     return chosen
@@ -102,16 +93,7 @@ def split_sets(encoder, min_tokens: int, max_tokens: int, held_out: int) -> tupl
     """Every distinct page of min_tokens..max_tokens tokens, sorted by name: every fourth is
     the development set (to choose defaults on), and `held_out` pages spread evenly over the
     others the held-out set (to report on). Deterministic for a machine's man pages."""
-    pages, seen = [], set()
-    for page in candidates():
-        if _is_gzip_junk(page):
-            continue
-        text = render(page)
-        title = _title(text)
-        tokens = encoder.count_tokens([text])[0]
-        if title and title not in seen and min_tokens <= tokens <= max_tokens:
-            seen.add(title)
-            pages.append(Document(page.name.removesuffix(".gz"), text, tokens))
+    pages = list(_distinct(encoder, candidates(), min_tokens, max_tokens))
     dev = pages[0::4]
     rest = [page for i, page in enumerate(pages) if i % 4]
     if len(rest) < held_out:
@@ -151,6 +133,20 @@ def questions(docs: list[Document], path: Path = QUESTIONS) -> list[Query]:
             if page in index:
                 queries.append(Query(text.strip(), index[page]))
     return queries
+
+
+def _distinct(encoder, pages: Iterable[Path], min_tokens: int, max_tokens: int) -> Iterator[Document]:
+    """The pages, in order, rendered, of min_tokens..max_tokens tokens, each with a first line
+    no page before it had (no two renderings of one program), `.so` pointers left out."""
+    seen: set[str] = set()
+    for page in pages:
+        if _is_gzip_junk(page):
+            continue
+        text = render(page)
+        title, tokens = _title(text), encoder.count_tokens([text])[0]
+        if title and title not in seen and min_tokens <= tokens <= max_tokens:
+            seen.add(title)
+            yield Document(page.name.removesuffix(".gz"), text, tokens)
 
 
 def _title(text: str) -> str:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,7 +45,7 @@ from clusterserve.models.planning.chunking import ChunkingSpec, chunk_spans, uni
 
 from ..common import device_name, print_table, write_results
 from .corpus import Document, passages, questions, split_sets
-from .retrieval import rank_scores
+from .retrieval import rank_scores, timed
 
 # label -> prompt_name a query is embedded with: the default (nomic's "search_document: "), and
 # the checkpoint's query prompt where it has one.
@@ -138,12 +137,6 @@ def scores(corpus: Corpus, vectors: list[Tensor]) -> dict:
     return figures
 
 
-def timed(fn):
-    start = time.process_time()
-    result = fn()
-    return result, time.process_time() - start
-
-
 def naive_rows(encoder, corpus: Corpus, sizes: list[int], args) -> tuple[list[dict], dict[int, list[Tensor]]]:
     rows, vectors = [], {}
     full = AttentionSpec(method="full")
@@ -167,7 +160,7 @@ def cached(args, key: str, compute):
     if path is not None and path.is_file():
         saved = torch.load(path)
         return saved["value"], saved["cpu"]
-    value, cpu = timed(compute)
+    value, _, cpu = timed(compute)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"value": value, "cpu": cpu}, path)
