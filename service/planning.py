@@ -33,6 +33,7 @@ from clusterserve.engine.fidelity import with_exact_reruns
 from clusterserve.kernels import AttentionSpec, FieldError
 from clusterserve.kernels.spec import CALIBRATED_KNOBS, knobs_beside_target
 from clusterserve.models import Encoder
+from clusterserve.models.compact import UNIT_ENCODINGS
 from clusterserve.models.planning.chunk_plan import Chunk, plan_chunks, plan_late_inputs
 from clusterserve.models.planning.chunking import ChunkingSpec, fields_beside_late_inputs
 from clusterserve.models.planning.cost import over_budget
@@ -59,6 +60,7 @@ class EmbedOptions:
     truncation_direction: str = "right"
     normalize: bool = True
     dimensions: int | None = None
+    encoding_format: str = "float"  # how the vectors are written (service.responses.encoded_rows)
     fidelity: bool = False
     prompt_name: str | None = None  # None: the model's default prompt, if any
     adapter: str | None = None  # None: the adapter named like the prompt in effect, if any
@@ -81,7 +83,7 @@ class EmbedOptions:
 
 
 # Request fields that are not options: the inputs, and what a route accepts and ignores.
-NOT_OPTIONS = frozenset({"input", "inputs", "prompt", "model", "user", "encoding_format", "options", "keep_alive"})
+NOT_OPTIONS = frozenset({"input", "inputs", "prompt", "model", "user", "options", "keep_alive"})
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,10 @@ def request_plan(
     settings = state.settings
     if options.dimensions is not None and options.dimensions > encoder.dim:
         raise FieldError("dimensions", f"must be in [1, {encoder.dim}], got {options.dimensions}")
+    if options.encoding_format in UNIT_ENCODINGS and not options.normalize:
+        raise FieldError(
+            "encoding_format", f"{options.encoding_format} encodes unit vectors: send normalize true, or binary / ubinary"
+        )
     if options.fidelity and encoder.dtype != torch.float32 and settings.fidelity_reference == "off":
         raise FieldError("fidelity", "this server runs without its float32 reference model (fidelity_reference=off)")
     if options.chunking is not None or options.late_chunking:

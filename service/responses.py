@@ -1,5 +1,6 @@
 """How the embedding routes write their answers: vectors as JSON numbers with the digits that
-identify a float32 (`json_rows`), and JSON bodies built and printed off the event loop
+identify a float32 (`json_rows`), as base64 float32 or compact codes (`encoded_rows`, by the
+request's encoding_format), and JSON bodies built and printed off the event loop
 (`json_response`).
 
 A float32 widened to a Python float prints with up to 17 significant digits (its double's
@@ -13,6 +14,7 @@ the same values bit for bit. Values outside the range where that rounding is one
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any, Callable, Mapping
 
@@ -21,6 +23,8 @@ import torch
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 from torch import Tensor
+
+from clusterserve.models.compact import calibration, compact
 
 DIGITS = 9  # significant decimal digits that identify every float32
 
@@ -45,6 +49,18 @@ def json_rows(vectors: Tensor) -> list:
     for i in np.flatnonzero(~usable.reshape(-1) | (flat.astype(np.float32) != exact.reshape(-1))):
         flat[i] = float(format(wide.flat[i], f".{DIGITS}g"))
     return rounded.tolist()
+
+
+def encoded_rows(vectors: Tensor, encoding_format: str, model: str) -> list:
+    """vectors (rows, D) float32 -> one JSON value a row in `encoding_format`: "float" a list of
+    floats (json_rows), "base64" a string of little-endian float32 bytes (OpenAI's), and the
+    compact formats (models.compact, with the calibration of the model named `model`) a list
+    of integers."""
+    if encoding_format == "float":
+        return json_rows(vectors)
+    if encoding_format == "base64":
+        return [base64.b64encode(row.tobytes()).decode("ascii") for row in vectors.numpy().astype("<f4")]
+    return compact(vectors, encoding_format, calibration(model).range).tolist()
 
 
 async def json_response(build: Callable[[], Any], headers: Mapping[str, str]) -> Response:

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, StrictBool, StrictFloat, StrictInt
 
 from clusterserve.kernels import KNOB_RANGES, METHODS
+from clusterserve.models.compact import FORMATS as COMPACT_FORMATS
+from clusterserve.models.compact import UNIT_ENCODINGS
 from clusterserve.models.planning.chunking import BOUNDARIES, WINDOW_OVERLAP_SHARE, ChunkingSpec
 
 
@@ -135,6 +137,11 @@ ADAPTER_DESCRIPTION = (
     "Unset: the adapter named like the prompt in effect, if any, else the base weights"
 )
 
+COMPACT_DESCRIPTION = (
+    "int8 / uint8: each component in 255 steps of the model's calibrated range (GET /info encodings; "
+    "unit vectors only, so not with normalize false); binary / ubinary: one sign bit a dimension, packed "
+    "8 to a byte, first dimension in the high bit, as int8 (byte - 128) / uint8 bytes; chunk vectors too"
+)
 FIDELITY_DESCRIPTION = (
     "also embed with exact attention and report, per input, the cosine of the returned embedding "
     "to the exact one (x-exact-time-ms: the exact run's time); costs that exact run"
@@ -237,8 +244,8 @@ class EmbeddingRequest(BaseModel):
 
     input: OpenAIInput = Field(description="text(s) or token ids (without special tokens)")
     model: str | None = Field(None, description="accepted and ignored: the server serves one model")
-    encoding_format: Literal["float", "base64"] = Field(
-        "float", description="base64: little-endian float32 bytes, as OpenAI"
+    encoding_format: Literal[("float", "base64", *COMPACT_FORMATS)] = Field(  # type: ignore[valid-type]
+        "float", description="base64: little-endian float32 bytes, as OpenAI; " + COMPACT_DESCRIPTION
     )
     dimensions: json_int(ge=1) | None = Field(None, description="keep the first n dimensions, then re-normalise")
     user: str | None = Field(None, description="accepted and ignored (never logged)")
@@ -254,7 +261,7 @@ class EmbeddingRequest(BaseModel):
 class EmbeddingData(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int = Field(description="the input's index (with chunking, every chunk of input i has index i)")
-    embedding: list[float] | str
+    embedding: list[float] | list[int] | str = Field(description="floats, base64 float32, or compact codes (encoding_format)")
     fidelity: float | None = Field(None, description="with fidelity=true: cosine of this embedding to the exact one")
     chunk: int | None = Field(None, description="with chunking: the chunk's number within its input, from 0")
     text_span: list[int] | None = Field(
@@ -296,13 +303,20 @@ class EmbedRequest(BaseModel):
     """POST /embed and POST / (Text Embeddings Inference), plus the `attention`, `adapter` and
     `fidelity` extensions."""
 
-    model_config = ConfigDict(extra="forbid")
+    # int8 and uint8 encode unit vectors (service.planning refuses them with normalize false)
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"not": {
+        "properties": {"normalize": {"const": False}, "encoding_format": {"enum": list(UNIT_ENCODINGS)}},
+        "required": ["normalize", "encoding_format"],
+    }})  # fmt: skip
 
     inputs: TextInputs
     truncate: StrictBool = False
     truncation_direction: Literal["right", "left", "Right", "Left"] = "right"
     normalize: StrictBool = True
     dimensions: json_int(ge=1) | None = None
+    encoding_format: Literal[("float", *COMPACT_FORMATS)] = Field(  # type: ignore[valid-type]
+        "float", description="an extension: " + COMPACT_DESCRIPTION
+    )
     prompt_name: str | None = Field(None, description=PROMPT_NAME_DESCRIPTION)
     adapter: str | None = Field(None, description=ADAPTER_DESCRIPTION)
     attention: AttentionRequest | None = None
@@ -316,7 +330,7 @@ class ChunkEmbedding(BaseModel):
     """One chunk in /embed's answer to a chunked request."""
 
     chunk: int = Field(description="the chunk's number within its input, from 0")
-    embedding: list[float]
+    embedding: list[float] | list[int]
     text_span: list[int] = Field(description="[start, stop) characters of the input text the chunk covers")
     token_span: list[int] = Field(description="[start, stop) of the input's tokens as POST /tokenize lists them")
 

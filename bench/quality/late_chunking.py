@@ -139,18 +139,22 @@ def scores(corpus: Corpus, vectors: list[Tensor]) -> dict:
 
 def naive_rows(encoder, corpus: Corpus, sizes: list[int], args) -> tuple[list[dict], dict[int, list[Tensor]]]:
     rows, vectors = [], {}
-    full = AttentionSpec(method="full")
-    texts = [d.text for d in corpus.docs]
     for size in sizes:
-        vectors[size], cpu = cached(args, f"{encoder.name}-{args.set}-naive-{size}", lambda: [
-            c.vectors for c in encoder.embed_chunks(texts, full, ChunkingSpec(size=size, late=False))
-        ])  # fmt: skip
+        vectors[size], cpu = naive_vectors(encoder, corpus, size, args, args.set)
         head, suffix = framing(encoder, True)
         tokens = sum(b - a + len(head) + len(suffix) for spans in corpus.spans[size] for a, b in spans)
         rows.append(dict(approach="naive", size=size, method="full", cpu_seconds=round(cpu, 1), tokens_run=tokens,
                          **scores(corpus, vectors[size])))  # fmt: skip
         print(f"  naive {size:4d}  {_figures(rows[-1])}  {cpu:7.1f} cpu-s", flush=True)
     return rows, vectors
+
+
+def naive_vectors(encoder, corpus: Corpus, size: int, args, which: str) -> tuple[list[Tensor], float]:
+    """Per document of set `which` its naive chunks' unit vectors (exact attention), and the CPU seconds."""
+    texts, full = [d.text for d in corpus.docs], AttentionSpec(method="full")
+    return cached(args, f"{encoder.name}-{which}-naive-{size}", lambda: [
+        c.vectors for c in encoder.embed_chunks(texts, full, ChunkingSpec(size=size, late=False))
+    ])  # fmt: skip
 
 
 def cached(args, key: str, compute):

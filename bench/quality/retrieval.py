@@ -80,12 +80,21 @@ def timed(fn: Callable[[], list[Tensor]], repeats: int = 1) -> tuple[list[Tensor
     return result, wall, cpu
 
 
-def rank_scores(queries: Tensor, vectors: list[Tensor], answers: list[int]) -> tuple[float, float]:
-    """(recall@1, MRR): each document scored by its best vector's cosine to the query."""
-    scores = torch.stack([(queries @ doc.T).amax(dim=1) for doc in vectors], dim=1)  # (queries, documents)
+def rank_scores(
+    queries: Tensor, vectors: list[Tensor], answers: list[int], similarity: Callable[[Tensor, Tensor], Tensor] | None = None
+) -> tuple[float, float]:
+    """(recall@1, MRR): each document scored by its best vector's similarity to the query
+    (`similarity(queries, doc)` -> (queries, doc's vectors); default the inner product, the
+    cosine of unit vectors). A tie with the answer is broken at random, in expectation: recall
+    counts 1 / (1 + ties) where nothing scores higher, and the rank counts half the ties (integer
+    scores such as Hamming distances tie often; float ones almost never)."""
+    similarity = similarity or (lambda q, d: q @ d.T)
+    scores = torch.stack([similarity(queries, doc).amax(dim=1) for doc in vectors], dim=1)  # (queries, documents)
     truth = scores[torch.arange(len(answers)), answers]
-    ranks = (scores > truth[:, None]).sum(dim=1) + 1
-    return (ranks == 1).float().mean().item(), (1.0 / ranks.float()).mean().item()
+    higher = (scores > truth[:, None]).sum(dim=1).float()
+    ties = (scores == truth[:, None]).sum(dim=1).float() - 1
+    recall = torch.where(higher == 0, 1.0 / (1.0 + ties), 0.0)
+    return recall.mean().item(), (1.0 / (higher + 1 + ties / 2)).mean().item()
 
 
 def cosines_to_exact(vectors: list[Tensor], exact: list[Tensor]) -> tuple[float, float]:

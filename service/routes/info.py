@@ -1,7 +1,7 @@
 """GET /info: what is served and how it may be asked: the model, its limits, its prompts (and
 the default one) and task adapters, every attention method with its knobs' defaults and
 ranges, the calibration table's frontier (what auto's target_fidelity chooses from), the
-chunking defaults, the kernel backend and the device."""
+chunking defaults, the vector encodings, the kernel backend and the device."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse
 
 from clusterserve.kernels import KNOB_RANGES, METHOD_KNOBS, METHODS
 from clusterserve.models import Encoder
+from clusterserve.models.compact import FORMATS as COMPACT_FORMATS
+from clusterserve.models.compact import calibration
 from clusterserve.models.planning.chunk_defaults import chunk_defaults
 from clusterserve.models.planning.chunk_plan import chunk_limits
 from clusterserve.models.planning.chunking import BOUNDARIES, ChunkingSpec, window_sizes
@@ -53,6 +55,7 @@ async def info(request: Request) -> JSONResponse:
             "limits": _limits(state, encoder),
             "attention": _attention(state, encoder),
             "chunking": _chunking(encoder),
+            "encodings": _encodings(encoder),
             "backend": encoder.backend,
             "device": str(encoder.device),
             "dtype": model.get("dtype"),
@@ -102,6 +105,19 @@ def _chunking(encoder: Encoder) -> dict[str, Any]:
         "boundaries": list(BOUNDARIES),
         "max_size": CHUNK_TOKENS_MAX,
         "max_window": encoder.max_input_tokens,
+    }
+
+
+def _encodings(encoder: Encoder) -> dict[str, Any]:
+    """What encoding_format takes, and the int8 calibration a client needs to map codes back."""
+    calibrated = calibration(encoder.name)
+    return {
+        "formats": ["float", "base64", *COMPACT_FORMATS],  # base64 on /v1/embeddings only
+        # int8 q = clamp(round(x * sqrt(d) * 127 / range), -127, 127); uint8 = q + 128
+        "int8_range": calibrated.range,
+        "int8_range_measured": calibrated.measured,
+        "int8_step": "range / (127 * sqrt(d)), d the vector's dimensions",
+        "binary_bit_order": "dimension 8j + 7 - b in bit b of byte j (first dimension in the high bit); binary = byte - 128",
     }
 
 

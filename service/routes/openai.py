@@ -6,7 +6,8 @@ The embeddings route is OpenAI's, plus `attention`, `truncate`, `prompt_name`,
 Token-id inputs are the model's vocabulary ids, used exactly as sent (no [CLS]/[SEP] is
 added); texts get the model's special tokens. `model` and `user` are accepted and ignored:
 the response names the served model. `encoding_format="base64"` (what the official client
-asks for by default) is little-endian float32 bytes, base64-encoded, as OpenAI sends them.
+asks for by default) is little-endian float32 bytes, base64-encoded, as OpenAI sends them;
+int8, uint8, binary and ubinary are lists of integers (service.responses.encoded_rows).
 With `"fidelity": true` each data item also carries `fidelity`, the cosine of its embedding
 to the exact-attention one in float32 (`fidelity_reference`; headers `x-fidelity`,
 `x-fidelity-reference`, `x-exact-time-ms`). The body's
@@ -27,8 +28,6 @@ the API key where one is configured, as OpenAI's do, and answer 503 until the mo
 
 from __future__ import annotations
 
-import base64
-
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -36,7 +35,7 @@ from .. import errors
 from ..auth import require_api_key
 from ..pipeline import FIDELITY_REFERENCE, embed
 from ..planning import EmbedOptions
-from ..responses import json_response, json_rows
+from ..responses import encoded_rows, json_response
 from ..schemas import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse, ErrorResponse, ModelCard, ModelList, error_responses
 from ..state import ServiceState, get_state
 from .json_body import JSONBodyRoute
@@ -64,11 +63,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
                 for i, chunks in enumerate(embedded.chunks)
                 for j, c in enumerate(chunks)
             ]
-        if body.encoding_format == "base64":
-            rows = embedded.vectors.numpy().astype("<f4")
-            data = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
-        else:
-            data = json_rows(embedded.vectors)
+        data = encoded_rows(embedded.vectors, body.encoding_format, embedded.model)
         tokens = sum(embedded.tokens)
         for item, vector in zip(items, data):
             item["embedding"] = vector

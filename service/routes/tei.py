@@ -5,7 +5,8 @@ The root route is TEI's too: the same body and answers as /embed, so that client
 to the server's URL as given (huggingface_hub's `InferenceClient(model=URL).feature_extraction`,
 LangChain's `HuggingFaceEndpointEmbeddings`) get vectors.
 
-Returns a bare `[[float]]`, one row per input; the resolved attention is in `x-attention`,
+Returns a bare `[[float]]`, one row per input (integers with the `encoding_format` extension:
+int8, uint8, binary, ubinary, as /v1/embeddings writes them); the resolved attention is in `x-attention`,
 the prompt the texts got (sent as `prompt_name`, or the model's default) in `x-prompt-name`,
 the task adapter that ran in `x-adapter`, and with `"fidelity": true` each input's cosine to
 the exact embedding in `x-fidelity` (comma-separated, input order).
@@ -25,26 +26,27 @@ from fastapi.responses import Response
 from ..auth import require_api_key
 from ..pipeline import embed
 from ..planning import EmbedOptions
-from ..responses import json_response, json_rows
+from ..responses import encoded_rows, json_response, json_rows
 from ..schemas import ERROR_RESPONSES, ChunkEmbedding, EmbedAllRequest, EmbedRequest
 from .json_body import JSONBodyRoute
 
 router = APIRouter(route_class=JSONBodyRoute, tags=["tei"], responses=ERROR_RESPONSES, dependencies=[Depends(require_api_key)])
-EMBEDDINGS = list[list[float]] | list[list[ChunkEmbedding]]
+EMBEDDINGS = list[list[float]] | list[list[int]] | list[list[ChunkEmbedding]]
 
 
 @router.post("/embed", response_model=EMBEDDINGS)
 @router.post("/", response_model=EMBEDDINGS, summary="Tei Embed (TEI's root route: the same as /embed)")
 async def tei_embed(body: EmbedRequest, request: Request) -> Response:
     embedded = await embed(request, body.inputs, EmbedOptions.of(body, "inputs"))
+    encoding = body.encoding_format
     if embedded.chunks is None:
-        return await json_response(lambda: json_rows(embedded.vectors), embedded.headers)
+        return await json_response(lambda: encoded_rows(embedded.vectors, encoding, embedded.model), embedded.headers)
 
     def answer() -> list:
         return [
             [
                 {"chunk": j, "embedding": vector, "text_span": list(c.text_span), "token_span": list(c.token_span)}
-                for j, (c, vector) in enumerate(zip(chunks, json_rows(vectors)))
+                for j, (c, vector) in enumerate(zip(chunks, encoded_rows(vectors, encoding, embedded.model)))
             ]
             for chunks, vectors in zip(embedded.chunks, embedded.per_input())
         ]
