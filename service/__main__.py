@@ -58,12 +58,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"--model: {error}")
     configure_logging(settings.log_format, settings.log_level)
     from .app import create_app
+    from .tracing import TracingConfigError
 
+    try:
+        app = create_app(settings)
+    except TracingConfigError as error:
+        sys.exit(f"tracing: {error}")
     # uvicorn drains on SIGTERM, then re-raises it under the handler it found at start-up.
     # Make that handler a clean exit, so an orchestrator's stop is exit status 0, not -15.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,

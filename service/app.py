@@ -34,6 +34,7 @@ from .middleware import RequestMiddleware
 from .routes import health, info, metrics, ollama, openai, tei, tokenize
 from .settings import Settings
 from .state import ServiceState
+from .tracing import Tracing
 
 log = logging.getLogger("clusterserve")
 
@@ -104,6 +105,7 @@ def create_app(settings: Settings | None = None, load: Callable[[Settings], Enco
     logging.getLogger("clusterserve").setLevel(settings.log_level.upper())
     metrics_ = Metrics()
     state = ServiceState(settings=settings, metrics=metrics_, default_spec=settings.default_spec())
+    tracing = Tracing()  # off unless OTEL_* variables configure it (service.tracing)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -115,6 +117,7 @@ def create_app(settings: Settings | None = None, load: Callable[[Settings], Enco
             state.draining, state.ready = True, False
         if state.scheduler is not None:
             await asyncio.to_thread(state.scheduler.stop, settings.drain_timeout_s)
+        await asyncio.to_thread(tracing.shutdown)
 
     app = FastAPI(
         title="clusterserve",
@@ -137,7 +140,7 @@ def create_app(settings: Settings | None = None, load: Callable[[Settings], Enco
             expose_headers=EXPOSED_HEADERS,
         )
     # Added last, so outermost: it sees (and times, and counts) every response.
-    app.add_middleware(RequestMiddleware, metrics=metrics_, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMiddleware, metrics=metrics_, max_body_bytes=settings.max_body_bytes, tracing=tracing)
     return app
 
 

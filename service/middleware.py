@@ -1,4 +1,5 @@
-"""The outermost ASGI layer: request ids, the body limit, timing headers and request metrics.
+"""The outermost ASGI layer: request ids, the body limit, timing headers, request metrics and,
+where tracing is configured, each request's span (service.tracing).
 
 It runs before FastAPI parses anything, so a body over `max_body_bytes` is refused with 413
 after reading at most that many bytes (a declared Content-Length is refused unread), and
@@ -16,11 +17,13 @@ import time
 import uuid
 from typing import Any
 
+from opentelemetry.trace import Span
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import shaped_error
 from .logs import log_request
 from .metrics import INFERENCE_ENDPOINTS, NO_METHOD, OTHER_ENDPOINTS, Metrics
+from .tracing import Tracing, finish_request_span
 
 log = logging.getLogger("clusterserve")
 
@@ -40,15 +43,23 @@ _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 class RequestMiddleware:
-    def __init__(self, app: ASGIApp, metrics: Metrics, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, max_body_bytes: int, tracing: Tracing | None = None) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.tracing = tracing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.tracing is None or not self.tracing.enabled:
+            await self._serve(scope, receive, send, None)
+            return
+        with self.tracing.request_span(scope) as span:
+            await self._serve(scope, receive, send, span)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, span: Span | None) -> None:
         arrival = time.monotonic()
         request_id = _request_id(scope)
         scope[REQUEST_ID_KEY] = request_id
@@ -85,6 +96,11 @@ class RequestMiddleware:
                 await _send_json(send_with_headers, *shaped_error(scope.get("path", ""), 500, "internal server error", None))
         finally:
             self._record(scope, request_id, status, time.monotonic() - arrival, sent_headers)
+            if span is not None:
+                method = scope.get(METHOD_KEY)
+                finish_request_span(span, scope.get("method", ""), getattr(scope.get("route"), "path", None), status, {
+                    "clusterserve.request_id": request_id, "clusterserve.attention.requested": method,
+                })  # fmt: skip
 
     def _record(self, scope: Scope, request_id: str, status: int, total_s: float, sent_headers: dict[bytes, bytes]) -> None:
         """Count and time the answered request, and write its access line."""

@@ -39,7 +39,7 @@ from clusterserve.kernels import FieldError
 from clusterserve.models.planning.chunk_plan import Chunk
 from clusterserve.models.runtime.encoder import finish
 
-from . import errors
+from . import errors, tracing
 from .metrics import Metrics
 from .middleware import ARRIVAL_KEY, METHOD_KEY, REQUEST_ID_KEY
 from .planning import EmbedOptions, RequestPlan, parse_inputs, request_plan, resolve_request_attention
@@ -106,7 +106,8 @@ async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Emb
         spec, target = resolve_request_attention(state.default_spec, options.attention, state.settings.target_fidelity)
         request.scope[METHOD_KEY] = spec.method
         inputs, params = parse_inputs(raw_inputs, options.param, state.settings.max_client_batch_size)
-        planned = await run_in_threadpool(request_plan, encoder, state, inputs, params, spec, target, options)
+        with tracing.child("tokenize", **{"clusterserve.inputs": len(inputs)}):
+            planned = await run_in_threadpool(request_plan, encoder, state, inputs, params, spec, target, options)
     except FieldError as exc:
         renames = {"chunking": "late_chunking"} if options.late_chunking else {}  # Jina's form names it so
         raise errors.from_field_error(exc, options.param, params, renames) from None
@@ -118,11 +119,41 @@ async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Emb
         deadline=request.scope.get(ARRIVAL_KEY, time.monotonic()) + timeout,
         timeout_s=timeout,
     )
+    submitted = time.monotonic()
     try:
         result = await scheduler.submit_unless(job, _client_gone(request))
     except EngineError as exc:
         raise errors.from_engine_error(exc) from None
+    _trace_job(planned, result, submitted, encoder.name)
     return answer(planned, result, options, state.metrics, encoder.name)
+
+
+def _trace_job(planned: RequestPlan, result: JobResult, submitted: float, model: str) -> None:
+    """The job's queueing and forward passes as child spans of the request's, and what it ran
+    as the request span's attributes (service.tracing; nothing when untraced)."""
+    runs = planned.runs
+    tracing.annotate(**{
+        "clusterserve.model": model,
+        "clusterserve.attention.method": planned.attention.get("method"),
+        "clusterserve.attention": json.dumps(planned.attention, separators=(",", ":")),
+        "clusterserve.input_tokens": sum(planned.input_tokens),
+        "clusterserve.sequences": len(planned.rows),
+        "clusterserve.chunks": sum(map(len, planned.chunks)) if planned.chunks is not None else None,
+    })  # fmt: skip
+    passes: dict[tuple[float, float], list[int]] = {}
+    for index, span in enumerate(result.spans):
+        passes.setdefault(span, []).append(index)
+    if not passes:
+        return
+    tracing.record("queue", submitted, min(start for start, _ in passes))
+    exact = len(planned.rows)  # runs from here on are fidelity's exact re-runs
+    for (start, end), indices in sorted(passes.items()):
+        tracing.record("forward pass", start, end, **{
+            "clusterserve.sequences": len(indices),
+            "clusterserve.tokens": sum(len(runs[i].ids) for i in indices),
+            "clusterserve.attention.methods": sorted({runs[i].spec.method for i in indices}),
+            "clusterserve.exact_rerun": any(i >= exact for i in indices),
+        })  # fmt: skip
 
 
 def answer(planned: RequestPlan, result: JobResult, options: EmbedOptions, metrics: Metrics, model: str) -> Embedded:

@@ -26,6 +26,8 @@ from torch import Tensor
 
 from clusterserve.models.compact import calibration, compact
 
+from . import tracing
+
 DIGITS = 9  # significant decimal digits that identify every float32
 
 
@@ -71,4 +73,6 @@ async def json_response(build: Callable[[], Any], headers: Mapping[str, str]) ->
     def render() -> bytes:
         return json.dumps(build(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
-    return Response(await run_in_threadpool(render), media_type="application/json", headers=headers)
+    with tracing.child("render"):
+        body = await run_in_threadpool(render)
+    return Response(body, media_type="application/json", headers=headers)
