@@ -47,9 +47,10 @@ lock:
 model: install
 	$(VENV)/bin/clusterserve fetch
 
+# MODEL may name several models, space-separated (the first is the default): MODEL="nomic minilm".
 serve: install
-	$(if $(MODEL),,$(VENV)/bin/clusterserve fetch)
-	$(VENV)/bin/clusterserve serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL))
+	$(if $(or $(if $(MODEL),,default),$(filter nomic nomic-embed-text-v1.5,$(MODEL))),$(VENV)/bin/clusterserve fetch)
+	$(VENV)/bin/clusterserve serve --host $(HOST) --port $(PORT) $(foreach m,$(MODEL),--model $(m))
 
 # The kernels' tests run twice: on this CPU's best instruction set, then on the baseline
 # x86-64 level (native loops) with torch's default CPU kernels, so that no test depends on

@@ -1,4 +1,4 @@
-"""`clusterserve serve [--host H] [--port P] [--model DIR] [--<setting> VALUE ...]`.
+"""`clusterserve serve [--host H] [--port P] [--model M [--model M2 ...]] [--<setting> VALUE ...]`.
 
 Every field of `Settings` is a flag (`max_batch_tokens` -> `--max-batch-tokens`); flags win
 over `CLUSTERSERVE_*` environment variables, which win over the defaults.
@@ -28,9 +28,17 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
         help_text = f"{field.description} (env CLUSTERSERVE_{name.upper()})"
         if _is_bool(field.annotation):
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif name == "model":  # more than once: the first is the default, the others more_models
+            parser.add_argument(flag, dest=name, action="append", default=None, metavar="MODEL", help=help_text)
+        elif name == "more_models":
+            continue
         else:
             parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_text)
     given = {name: value for name, value in vars(parser.parse_args(argv)).items() if value is not None}
+    if "model" in given:
+        given["model"], *more = given["model"]
+        if more:
+            given["more_models"] = more
     try:
         return Settings(**given)
     except ValidationError as exc:
@@ -52,10 +60,11 @@ def _exit_cleanly(signum: int, frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_settings(argv)
-    try:
-        resolve_model(settings.model)
-    except FileNotFoundError as error:
-        sys.exit(f"--model: {error}")
+    for model in settings.served_models():
+        try:
+            resolve_model(model)
+        except FileNotFoundError as error:
+            sys.exit(f"--model: {error}")
     configure_logging(settings.log_format, settings.log_level)
     from .app import create_app
     from .tracing import TracingConfigError

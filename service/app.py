@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
+import torch
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
@@ -33,7 +34,7 @@ from .metrics import Metrics, MetricsObserver
 from .middleware import RequestMiddleware
 from .routes import health, info, metrics, ollama, openai, tei, tokenize
 from .settings import Settings
-from .state import ServiceState
+from .state import Served, ServiceState
 from .tracing import Tracing
 
 log = logging.getLogger("clusterserve")
@@ -115,8 +116,8 @@ def create_app(settings: Settings | None = None, load: Callable[[Settings], Enco
         yield
         with state.lock:
             state.draining, state.ready = True, False
-        if state.scheduler is not None:
-            await asyncio.to_thread(state.scheduler.stop, settings.drain_timeout_s)
+        for served in state.models.values():  # one after another: each drains within the timeout
+            await asyncio.to_thread(served.scheduler.stop, settings.drain_timeout_s)
         await asyncio.to_thread(tracing.shutdown)
 
     app = FastAPI(
@@ -145,22 +146,27 @@ def create_app(settings: Settings | None = None, load: Callable[[Settings], Enco
 
 
 def _load_and_start(state: ServiceState, load: Callable[[Settings], Encoder]) -> None:
+    """Load, warm up and start every served model in turn, the default first (a configured
+    calibration table is the default model's); ready once all are. A failure, or models whose
+    weights do not fit the memory budget together, is the load error /health and /info report."""
     settings = state.settings
+    served: dict[str, Served] = {}
     try:
-        encoder = load(settings)
-        log_calibration(encoder)
-        if settings.fidelity_reference == "startup" and encoder.float32() is not encoder:
-            log.info("fidelity reference: %s loaded in float32 beside the served %s", encoder.name, dtype_name(encoder.dtype))
-        if encoder.graphs is not None:  # counted from the warm-up on
-            encoder.graphs.on_event = state.metrics.cuda_graph_event
-        if settings.warmup:
-            _warm_up(encoder, state)
-        throughput = measure_throughput(encoder)
-        budget = work_budget(encoder, settings, state.default_spec, throughput)
-        scheduler = Scheduler(
-            encoder, settings.max_batch_tokens, settings.max_concurrent_requests, throughput=throughput,
-            observer=MetricsObserver(state.metrics),
-        )
+        budget_bytes = memory_budget(settings)
+        for i, model in enumerate(settings.served_models()):
+            one = settings if i == 0 else settings.model_copy(update={"model": model, "more_models": [], "calibration": None})
+            encoder = load(one)
+            if encoder.name in served:
+                raise ValueError(f"--model {model}: {encoder.name} is served already (each model once)")
+            weights = weight_bytes(encoder, settings)
+            total = weights + sum(s.weight_bytes for s in served.values())
+            if total > budget_bytes:
+                sizes = ", ".join(f"{s.name} {s.weight_bytes / 2**20:.0f} MiB" for s in served.values())
+                raise MemoryError(
+                    f"the models do not fit the memory budget of {budget_bytes / 2**20:.0f} MiB (memory_budget_bytes): "
+                    f"{sizes + ', ' if sizes else ''}{encoder.name} {weights / 2**20:.0f} MiB"
+                )
+            served[encoder.name] = _start_model(encoder, state, weights)
     except Exception as exc:  # reported by /health/* and /info; the process stays up to say so
         log.exception("loading the model failed")
         state.load_error = f"{type(exc).__name__}: {exc}"
@@ -168,21 +174,74 @@ def _load_and_start(state: ServiceState, load: Callable[[Settings], Encoder]) ->
     with state.lock:
         if state.draining:
             return
-        state.encoder, state.scheduler = encoder, scheduler
-        state.throughput, state.work_budget = throughput, budget
-        scheduler.start()
+        state.models = served
+        for one in served.values():
+            one.scheduler.start()
         state.ready, state.ready_since = True, int(time.time())
-    dtype = dtype_name(encoder.dtype)
-    state.metrics.set_build_info(__version__, encoder.name, str(encoder.device), encoder.backend, dtype)
-    log.info(
-        "ready: %s on %s in %s (%s attention backend), up to %d tokens per input",
-        encoder.name, encoder.device, dtype, encoder.backend, encoder.max_input_tokens,
-    )  # fmt: skip
-    if encoder.graphs is not None:
+    state.metrics.set_build_info(
+        __version__, [(e.name, str(e.device), e.backend, dtype_name(e.dtype)) for e in (s.encoder for s in served.values())]
+    )
+    for encoder in (one.encoder for one in served.values()):
         log.info(
-            "CUDA graphs: layers replayed for up to %d batch shapes, inputs up to %d tokens (padded to length buckets)",
-            encoder.graphs.capacity, encoder.graphs.max_length,
+            "ready: %s on %s in %s (%s attention backend), up to %d tokens per input",
+            encoder.name, encoder.device, dtype_name(encoder.dtype), encoder.backend, encoder.max_input_tokens,
         )  # fmt: skip
+        if encoder.graphs is not None:
+            log.info(
+                "CUDA graphs: layers replayed for up to %d batch shapes, inputs up to %d tokens (padded to length buckets)",
+                encoder.graphs.capacity, encoder.graphs.max_length,
+            )  # fmt: skip
+
+
+def _start_model(encoder: Encoder, state: ServiceState, weights: int) -> Served:
+    """One loaded model, warmed up, measured and given its (not yet started) scheduler."""
+    settings = state.settings
+    log_calibration(encoder)
+    if settings.fidelity_reference == "startup" and encoder.float32() is not encoder:
+        log.info("fidelity reference: %s loaded in float32 beside the served %s", encoder.name, dtype_name(encoder.dtype))
+    if encoder.graphs is not None:  # counted from the warm-up on
+        encoder.graphs.on_event = state.metrics.cuda_graph_event
+    if settings.warmup:
+        _warm_up(encoder, state)
+    throughput = measure_throughput(encoder)
+    budget = work_budget(encoder, settings, state.default_spec, throughput)
+    scheduler = Scheduler(
+        encoder, settings.max_batch_tokens, settings.max_concurrent_requests, throughput=throughput,
+        observer=MetricsObserver(state.metrics),
+    )  # fmt: skip
+    return Served(encoder, scheduler, budget, throughput, weights)
+
+
+def weight_bytes(encoder: Encoder, settings: Settings) -> int:
+    """The bytes of a model's weights, and of its float32 fidelity reference where one is loaded beside it."""
+    models = [encoder]
+    if settings.fidelity_reference == "startup" and encoder.float32() is not encoder:
+        models.append(encoder.float32())
+    return sum(p.numel() * p.element_size() for one in models for p in one.model.parameters())
+
+
+def memory_budget(settings: Settings) -> int:
+    """The bytes the served models' weights may take together: the setting, else nine tenths of
+    the device's memory (CUDA: its total; CPU: MemAvailable now; unbounded where neither is known)."""
+    if settings.memory_budget_bytes is not None:
+        return settings.memory_budget_bytes
+    device = settings.resolved_device()
+    if device.type == "cuda":
+        return int(0.9 * torch.cuda.get_device_properties(device).total_memory)
+    available = _mem_available()
+    return int(0.9 * available) if available is not None else 2**62
+
+
+def _mem_available() -> int | None:
+    """/proc/meminfo's MemAvailable in bytes (None off Linux)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def measure_throughput(encoder: Encoder, tokens: int = 1024) -> Throughput:

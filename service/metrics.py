@@ -21,8 +21,9 @@ from clusterserve.models.runtime.graphs import EVENTS, LayerGraphs
 from .errors import FAILURE_REASONS
 
 # Labels of the endpoint series, pre-created at start-up.
-INFERENCE_ENDPOINTS = (  # "/": TEI's root route, the same as /embed; /api/*: Ollama's
+INFERENCE_ENDPOINTS = (  # "/": TEI's root route, the same as /embed; /api/*: Ollama's; /models/*: a named model's TEI routes
     "/v1/embeddings", "/embed", "/", "/embed_all", "/api/embed", "/api/embeddings",
+    "/models/{model}/embed", "/models/{model}", "/models/{model}/embed_all",
 )
 OTHER_ENDPOINTS = (
     "/v1/models",
@@ -172,9 +173,11 @@ class Metrics:
         """Refresh the captured-signatures gauge (called on each scrape)."""
         self.cuda_graph_signatures.set(0 if graphs is None else graphs.signatures)
 
-    def set_build_info(self, version: str, model: str, device: str, backend: str, dtype: str) -> None:
+    def set_build_info(self, version: str, models: list[tuple[str, str, str, str]]) -> None:
+        """One series a served model: its (name, device, backend, dtype)."""
         self.build_info.clear()
-        self.build_info.labels(version=version, model=model, device=device, backend=backend, dtype=dtype).set(1)
+        for model, device, backend, dtype in models:
+            self.build_info.labels(version=version, model=model, device=device, backend=backend, dtype=dtype).set(1)
 
     def update_memory(self, device: torch.device | None) -> None:
         """Refresh the memory gauges (called on each scrape)."""

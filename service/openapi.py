@@ -10,7 +10,8 @@ document allows is never refused as invalid. The rules between the fields of `at
 of `chunking` (models.planning.rules.CROSS_FIELD_RULES) are stated on their schemas: in words
 in the description and in `x-cross-field-rules`, and as JSON Schema (`allOf`) where the rule
 has a form there; those it has not (a size against the model's limit less the prompt's
-tokens) are the ones the fuzz hooks keep. Until the model is loaded the document is built
+tokens) are the ones the fuzz hooks keep. With several models served, the names and bounds
+are those of any of them (a request names its model). Until the models are loaded the document is built
 without any of this and not cached.
 """
 
@@ -39,13 +40,18 @@ def install(app: FastAPI, state: ServiceState) -> None:
         if app.openapi_schema is not None:
             return app.openapi_schema
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-        if state.encoder is None:
+        if not state.models:
             return schema
-        encoder = state.encoder
+        # With several models served, the bounds of any of them: a request names its model.
+        encoders = [served.encoder for served in state.models.values()]
+        prompts = list(dict.fromkeys(name for e in encoders for name in e.prompts.prompts))
+        adapters = list(dict.fromkeys(name for e in encoders for name in e.adapters))
         # "" (NO_PROMPT) asks for no prompt on any model
-        _name_the_model_choices(schema, [NO_PROMPT, *encoder.prompts.prompts], list(encoder.adapters))
-        _bound_the_integers(schema, {"dimensions": encoder.dim, "input": encoder.vocab_size - 1})
-        _bound_the_window(schema, encoder.max_input_tokens)
+        _name_the_model_choices(schema, [NO_PROMPT, *prompts], adapters)
+        _bound_the_integers(
+            schema, {"dimensions": max(e.dim for e in encoders), "input": max(e.vocab_size for e in encoders) - 1}
+        )
+        _bound_the_window(schema, max(e.max_input_tokens for e in encoders))
         _state_the_cross_field_rules(schema, state.default_spec)
         app.openapi_schema = schema
         return schema

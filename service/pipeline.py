@@ -1,7 +1,8 @@
 """The one serving path: every embedding route's request in, one `Embedded` out.
 
     embed(request, raw inputs, options)
-      -> require_ready              503 while loading, after a failed load, or draining
+      -> ServiceState.pick          the served model asked for: 503 while loading, after a failed
+                                    load, or draining; 404 for a name none answers to
       -> resolve_request_attention  the request's knobs over the server defaults (service.planning)
       -> parse_inputs               the HTTP shape of `input(s)`: one or several, empty (400), too many (413)
       -> request_plan               service.planning, off the loop: each sequence's ids, attention,
@@ -100,7 +101,8 @@ def _header_safe(name: str) -> str:
 async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Embedded:
     """Serve one request (see the module docstring); raises ServiceError with the documented status."""
     state = get_state(request)
-    encoder, scheduler = state.require_ready()
+    served = state.pick(options.model)
+    encoder, scheduler = served.encoder, served.scheduler
     params: list[str] = []
     try:
         spec, target = resolve_request_attention(state.default_spec, options.attention, state.settings.target_fidelity)

@@ -55,6 +55,7 @@ class EmbedOptions:
     each input returns (its pooled vector when none is set)."""
 
     param: str
+    model: str | None = None  # the served model asked for by name (None: the default; ServiceState.pick)
     attention: AttentionRequest | None = None
     truncate: bool = False
     truncation_direction: str = "right"
@@ -83,7 +84,7 @@ class EmbedOptions:
 
 
 # Request fields that are not options: the inputs, and what a route accepts and ignores.
-NOT_OPTIONS = frozenset({"input", "inputs", "prompt", "model", "user", "options", "keep_alive"})
+NOT_OPTIONS = frozenset({"input", "inputs", "prompt", "user", "options", "keep_alive"})
 
 
 @dataclass(frozen=True)
@@ -235,10 +236,11 @@ def _check_budget(encoder: Encoder, planned: RequestPlan, state: ServiceState, p
     spec), is over the server's budget: naming the knob that drives it with the largest value
     that fits at these lengths, or, where no knob can, the inputs (and the plan's advice)."""
     runs = [(len(run.ids), run.spec) for run in planned.runs]
-    over = over_budget(encoder.cost, runs, state.work_budget, state.default_spec)
+    served = state.served(encoder)
+    over = over_budget(encoder.cost, runs, served.work_budget, state.default_spec)
     if over is None:
         return
-    throughput = state.throughput
+    throughput = served.throughput
     work = f"{throughput.seconds(over.work):.0f} s of this server's time (estimated), over its budget of " \
         f"{throughput.seconds(over.budget):.0f} s per request"
     if over.knob is None:

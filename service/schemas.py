@@ -243,7 +243,9 @@ class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input: OpenAIInput = Field(description="text(s) or token ids (without special tokens)")
-    model: str | None = Field(None, description="accepted and ignored: the server serves one model")
+    model: str | None = Field(
+        None, description="which served model embeds (GET /v1/models); unset, or any name where one model is served: the default"
+    )
     encoding_format: Literal[("float", "base64", *COMPACT_FORMATS)] = Field(  # type: ignore[valid-type]
         "float", description="base64: little-endian float32 bytes, as OpenAI; " + COMPACT_DESCRIPTION
     )
@@ -296,7 +298,7 @@ class ModelCard(BaseModel):
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(description="the one model this server serves")
+    data: list[ModelCard] = Field(description="the models this server serves, the default first")
 
 
 class EmbedRequest(BaseModel):

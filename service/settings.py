@@ -37,6 +37,15 @@ class Settings(BaseSettings):
         "file, or a name: nomic-embed-text-v1.5 (alias nomic), all-MiniLM-L6-v2 (alias minilm); unset = "
         "nomic-embed-text-v1.5, fetched once by `clusterserve fetch`",
     )
+    more_models: list[str] = Field(
+        [],
+        description="further models served beside `model` (names, folders or GGUF files), each picked by its name in a "
+        "request's `model`; `--model` given more than once fills it (env: a JSON list)",
+    )
+    memory_budget_bytes: int | None = Field(
+        None, ge=1, description="memory the served models' weights may take together; start-up fails when they do not "
+        "fit; unset = nine tenths of the device's (CUDA: its total memory; CPU: the memory available at start-up)",
+    )
     device: str = Field("auto", description='torch device for the model: "auto" (cuda if available), "cpu", "cuda:0", ...')
     dtype: Literal[DTYPE_SETTINGS] = Field(  # type: ignore[valid-type]
         "auto",
@@ -214,6 +223,10 @@ class Settings(BaseSettings):
             except RuntimeError as exc:
                 raise ValueError(f"not a torch device: {exc}") from None
         return value
+
+    def served_models(self) -> list[str | None]:
+        """Every model to serve, the default first (None: the embedded default)."""
+        return [self.model, *self.more_models]
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -63,6 +63,7 @@ class FakeEncoder:
         self.layers_run: list[list[list[int]]] = []  # per layer step: the sequences it ran
         self.calls: list[dict[str, Any]] = []  # one per run call: what the scheduler batched
         self.prompts, self.adapters = Prompts(), ()  # no prompts, no task adapters
+        self.model = torch.nn.Linear(4, 4)  # what the memory budget and Ollama's sizes count
 
     def info(self) -> dict[str, Any]:
         return {"model": self.name, "architecture": "fake", "dtype": "float32"}

@@ -1,4 +1,5 @@
-"""GET /info: what is served and how it may be asked: the model, its limits, its prompts (and
+"""GET /info (?model=NAME for another served model than the default): what is served and how
+it may be asked: the served models' names, the model, its limits, its prompts (and
 the default one) and task adapters, every attention method with its knobs' defaults and
 ranges, the calibration table's frontier (what auto's target_fidelity chooses from), the
 chunking defaults, the vector encodings, the kernel backend and the device."""
@@ -20,54 +21,63 @@ from clusterserve.models.planning.chunking import BOUNDARIES, ChunkingSpec, wind
 
 from .. import __version__, errors
 from ..schemas import CHUNK_TOKENS_MAX, ErrorResponse
-from ..state import ServiceState, get_state
+from ..state import Served, ServiceState, get_state
 
 router = APIRouter(tags=["info"])
 
 
-@router.get("/info", responses={503: {"model": ErrorResponse, "description": "model not loaded yet"}})
-async def info(request: Request) -> JSONResponse:
+@router.get("/info", responses={
+    404: {"model": ErrorResponse, "description": "no served model has that name"},
+    503: {"model": ErrorResponse, "description": "model not loaded yet"},
+})  # fmt: skip
+async def info(request: Request, model: str | None = None) -> JSONResponse:
     state = get_state(request)
-    encoder = state.encoder
-    if encoder is None:
+    if state.default is None:
         raise errors.not_ready(
             f"the model failed to load: {state.load_error}" if state.load_error else "the model is still loading"
         )
-    model = encoder.info()
+    served = state.default if model is None else state.find(model)
+    if served is None:
+        raise errors.ServiceError(404, "not_found", f"model {model!r} is not served here; the served models: "
+                                  + ", ".join(state.models), "model")  # fmt: skip
+    encoder = served.encoder
+    about = encoder.info()
     return JSONResponse(
         {
             "version": __version__,
             "model": encoder.name,
-            "architecture": model.get("architecture"),
+            # every served model, the default first; /info?model=NAME describes another one
+            "models": list(state.models),
+            "architecture": about.get("architecture"),
             "dimension": encoder.dim,
-            "pooling": model.get("pooling"),
+            "pooling": about.get("pooling"),
             "native_positions": encoder.native_positions,
             "extended_positions": encoder.max_input_tokens,
-            "position_extension": model.get("position_extension"),
+            "position_extension": about.get("position_extension"),
             # rotary scaling the checkpoint is published with, e.g. nomic's dynamic NTK x2 past 2,048
-            "position_scaling": model.get("position_scaling"),
+            "position_scaling": about.get("position_scaling"),
             "max_input_tokens": encoder.max_input_tokens,
             # name -> text prepended to each text; requests without prompt_name get the default
-            "prompts": model.get("prompts", {}),
-            "default_prompt_name": model.get("default_prompt_name"),
+            "prompts": about.get("prompts", {}),
+            "default_prompt_name": about.get("default_prompt_name"),
             # task adapters (Jina v3); a prompt_name that names one selects it too
-            "adapters": model.get("adapters", []),
-            "limits": _limits(state, encoder),
+            "adapters": about.get("adapters", []),
+            "limits": _limits(state, served),
             "attention": _attention(state, encoder),
             "chunking": _chunking(encoder),
             "encodings": _encodings(encoder),
             "backend": encoder.backend,
             "device": str(encoder.device),
-            "dtype": model.get("dtype"),
+            "dtype": about.get("dtype"),
             # CUDA graphs of the layers: batch shapes kept and the longest input graphed; null = off
-            "cuda_graphs": model.get("cuda_graphs"),
+            "cuda_graphs": about.get("cuda_graphs"),
             "auth": state.settings.api_key is not None,
         }
     )
 
 
-def _limits(state: ServiceState, encoder: Encoder) -> dict[str, Any]:
-    settings = state.settings
+def _limits(state: ServiceState, served: Served) -> dict[str, Any]:
+    settings, encoder = state.settings, served.encoder
     return {
         "max_input_tokens": encoder.max_input_tokens,
         "max_batch_tokens": settings.max_batch_tokens,
@@ -79,9 +89,9 @@ def _limits(state: ServiceState, encoder: Encoder) -> dict[str, Any]:
         "max_body_bytes": settings.max_body_bytes,
         "request_timeout_s": settings.request_timeout_s,
         # the estimated work a request may take (models.planning.cost), in this device's seconds
-        "max_request_work_s": round(state.throughput.seconds(state.work_budget), 3),
-        "work_budget_units": state.work_budget,
-        "throughput_units_per_s": state.throughput.units_per_s,
+        "max_request_work_s": round(served.throughput.seconds(served.work_budget), 3),
+        "work_budget_units": served.work_budget,
+        "throughput_units_per_s": served.throughput.units_per_s,
     }
 
 

@@ -4,7 +4,7 @@ OllamaEmbeddings, LlamaIndex's OllamaEmbedding) work against this server unchang
     POST /api/embed        {model, input, truncate, dimensions, options, keep_alive} -> {model, embeddings,
                            total_duration, load_duration, prompt_eval_count} (durations in nanoseconds)
     POST /api/embeddings   the legacy route: {model, prompt} -> {embedding}, not normalised, as Ollama's
-    GET  /api/tags         the served model, under each name it answers to
+    GET  /api/tags         every served model, under each name it answers to
     POST /api/show         its details and model_info
     GET  /api/version
 
@@ -30,6 +30,7 @@ from clusterserve.models.prompts import NO_PROMPT
 from .. import __version__, errors
 from ..auth import require_api_key
 from ..middleware import ARRIVAL_KEY
+from ..names import served_names
 from ..ollama_schemas import (
     OLLAMA_ERROR_RESPONSES,
     OllamaEmbeddingsRequest,
@@ -50,35 +51,20 @@ from .json_body import JSONBodyRoute
 router = APIRouter(tags=["ollama"], route_class=JSONBodyRoute)
 AUTH = [Depends(require_api_key)]
 
-# Ollama's library name for a model this server can serve (Encoder.name -> Ollama's name).
-OLLAMA_NAMES = {"nomic-embed-text-v1.5": "nomic-embed-text", "all-MiniLM-L6-v2": "all-minilm"}
-DEFAULT_TAG = ":latest"
 _DTYPES = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16"}
 
 
-def served_names(served: str) -> list[str]:
-    """The names the served model answers to, as /api/tags lists them: Ollama's first, then its
-    own, each with Ollama's default tag."""
-    names = [OLLAMA_NAMES[served], served] if served in OLLAMA_NAMES else [served]
-    return [name + DEFAULT_TAG for name in names]
-
-
-def answers_to(served: str, asked: str) -> bool:
-    """Whether a request for model `asked` is for the served model: its own name or Ollama's,
-    with or without ":latest", in any case (Ollama's names are case-insensitive)."""
-    name = asked.strip().lower().removesuffix(DEFAULT_TAG)
-    return name in {served.lower(), OLLAMA_NAMES.get(served, served).lower()}
-
-
 def model_for(request: Request, asked: str | None, not_found: Callable[[str], str]) -> Encoder:
-    """The served encoder if the request names it: 400 without a name, 503 until it is loaded,
-    404 for another name, with Ollama's words for the route (`not_found(name)`)."""
+    """The served encoder the request names: 400 without a name, 503 until loaded, 404 for a
+    name no served model answers to, with Ollama's words for the route (`not_found(name)`)."""
     if not asked:
         raise errors.ServiceError(400, "invalid_field", "model is required", "model")
-    encoder, _ = get_state(request).require_ready()
-    if not answers_to(encoder.name, asked):
+    state = get_state(request)
+    state.require_ready()
+    served = state.find(asked)
+    if served is None:
         raise errors.ServiceError(404, "not_found", not_found(asked), "model")
-    return encoder
+    return served.encoder
 
 
 def not_pulled(name: str) -> str:
@@ -132,12 +118,15 @@ async def ollama_embeddings(body: OllamaEmbeddingsRequest, request: Request) -> 
 
 @router.get("/api/tags", response_model=OllamaTagsResponse, responses=OLLAMA_ERROR_RESPONSES)
 async def ollama_tags(request: Request) -> JSONResponse:
-    encoder, _ = get_state(request).require_ready()
-    size = sum(p.numel() * p.element_size() for p in encoder.model.parameters())
-    details = _details(encoder)
-    return JSONResponse(
-        {"models": [{"name": name, "model": name, "size": size, "details": details} for name in served_names(encoder.name)]}
-    )
+    state = get_state(request)
+    state.require_ready()
+    models = []
+    for served in state.models.values():
+        encoder = served.encoder
+        size = sum(p.numel() * p.element_size() for p in encoder.model.parameters())
+        details = _details(encoder)
+        models += [{"name": name, "model": name, "size": size, "details": details} for name in served_names(encoder.name)]
+    return JSONResponse({"models": models})
 
 
 @router.post("/api/show", response_model=OllamaShowResponse, responses=OLLAMA_ERROR_RESPONSES)

@@ -4,10 +4,12 @@ The embeddings route is OpenAI's, plus `attention`, `truncate`, `prompt_name`,
 `adapter` and `fidelity`.
 
 Token-id inputs are the model's vocabulary ids, used exactly as sent (no [CLS]/[SEP] is
-added); texts get the model's special tokens. `model` and `user` are accepted and ignored:
-the response names the served model. `encoding_format="base64"` (what the official client
-asks for by default) is little-endian float32 bytes, base64-encoded, as OpenAI sends them;
-int8, uint8, binary and ubinary are lists of integers (service.responses.encoded_rows).
+added); texts get the model's special tokens. `model` picks one of the served models by name
+(service.state.ServiceState.pick: any name, or none, gets the one model a server serves
+alone); `user` is accepted and ignored; the response names the model that ran.
+`encoding_format="base64"` (what the official client asks for by default) is little-endian
+float32 bytes, base64-encoded, as OpenAI sends them; int8, uint8, binary and ubinary are lists
+of integers (service.responses.encoded_rows).
 With `"fidelity": true` each data item also carries `fidelity`, the cosine of its embedding
 to the exact-attention one in float32 (`fidelity_reference`; headers `x-fidelity`,
 `x-fidelity-reference`, `x-exact-time-ms`). The body's
@@ -20,9 +22,9 @@ input: `index` is the input's, `chunk` the chunk's number within it, `text_span`
 parses it as a list of embeddings and keeps the extra fields. With `late_chunking` (Jina's
 form) the inputs are the consecutive chunks of one text and `data` has one item per input.
 
-/v1/models lists the one served model (`client.models.list()`, and the clients and tools that
-look up a model there before they use it); /v1/models/{model} answers for its name and the
-names /api/tags gives it (Ollama's, with or without ":latest"), 404 for any other. Both take
+/v1/models lists the served models (`client.models.list()`, and the clients and tools that
+look up a model there before they use it); /v1/models/{model} answers for each one's name and
+the names /api/tags gives it (Ollama's, with or without ":latest"), 404 for any other. Both take
 the API key where one is configured, as OpenAI's do, and answer 503 until the model is ready.
 """
 
@@ -39,7 +41,6 @@ from ..responses import encoded_rows, json_response
 from ..schemas import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse, ErrorResponse, ModelCard, ModelList, error_responses
 from ..state import ServiceState, get_state
 from .json_body import JSONBodyRoute
-from .ollama import answers_to
 
 router = APIRouter(route_class=JSONBodyRoute, tags=["openai"], dependencies=[Depends(require_api_key)])
 MODEL_ERRORS = {
@@ -85,20 +86,23 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     return await json_response(answer, embedded.headers)
 
 
-def _card(state: ServiceState) -> dict:
-    encoder, _ = state.require_ready()
-    return {"id": encoder.name, "object": "model", "created": state.ready_since, "owned_by": OWNED_BY}
+def _card(state: ServiceState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.ready_since, "owned_by": OWNED_BY}
 
 
 @router.get("/v1/models", response_model=ModelList, responses=MODEL_ERRORS)
 async def list_models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_card(get_state(request))]})
+    state = get_state(request)
+    state.require_ready()
+    return JSONResponse({"object": "list", "data": [_card(state, name) for name in state.models]})
 
 
 @router.get("/v1/models/{model}", response_model=ModelCard, responses=MODEL_ERRORS)
 async def retrieve_model(model: str, request: Request) -> JSONResponse:
-    card = _card(get_state(request))
-    if not answers_to(card["id"], model):
-        message = f"model {model!r} is not served here; GET /v1/models lists the one that is"
+    state = get_state(request)
+    state.require_ready()
+    served = state.find(model)
+    if served is None:
+        message = f"model {model!r} is not served here; GET /v1/models lists the ones that are"
         raise errors.ServiceError(404, "not_found", message, "model")
-    return JSONResponse(card)
+    return JSONResponse(_card(state, served.name))

@@ -1,6 +1,10 @@
 """POST /embed and POST /: Text Embeddings Inference's embed API, plus the `attention`,
 `adapter`, `fidelity` and `chunking` extensions; POST /embed_all: TEI's token embeddings.
 
+With several models served, `/models/{model}/embed`, `/models/{model}/embed_all` and
+`/models/{model}` (a root route per model) run the named one, the unprefixed routes the default;
+a name no served model answers to is a 404 naming `model`.
+
 The root route is TEI's too: the same body and answers as /embed, so that clients which post
 to the server's URL as given (huggingface_hub's `InferenceClient(model=URL).feature_extraction`,
 LangChain's `HuggingFaceEndpointEmbeddings`) get vectors.
@@ -23,21 +27,47 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from .. import errors
 from ..auth import require_api_key
 from ..pipeline import embed
 from ..planning import EmbedOptions
 from ..responses import encoded_rows, json_response, json_rows
-from ..schemas import ERROR_RESPONSES, ChunkEmbedding, EmbedAllRequest, EmbedRequest
+from ..schemas import ERROR_RESPONSES, ChunkEmbedding, EmbedAllRequest, EmbedRequest, ErrorResponse, error_responses
+from ..state import get_state
 from .json_body import JSONBodyRoute
 
 router = APIRouter(route_class=JSONBodyRoute, tags=["tei"], responses=ERROR_RESPONSES, dependencies=[Depends(require_api_key)])
 EMBEDDINGS = list[list[float]] | list[list[int]] | list[list[ChunkEmbedding]]
+MODEL_NOT_FOUND = error_responses(ErrorResponse, {404: "no served model has that name"})
 
 
 @router.post("/embed", response_model=EMBEDDINGS)
 @router.post("/", response_model=EMBEDDINGS, summary="Tei Embed (TEI's root route: the same as /embed)")
 async def tei_embed(body: EmbedRequest, request: Request) -> Response:
-    embedded = await embed(request, body.inputs, EmbedOptions.of(body, "inputs"))
+    return await _embed(body, request, None)
+
+
+@router.post("/models/{model}/embed", response_model=EMBEDDINGS, responses=MODEL_NOT_FOUND)
+@router.post("/models/{model}", response_model=EMBEDDINGS, responses=MODEL_NOT_FOUND,
+             summary="Tei Embed on a named model (its root route, for clients given a URL)")  # fmt: skip
+async def tei_embed_model(model: str, body: EmbedRequest, request: Request) -> Response:
+    return await _embed(body, request, _served_name(request, model))
+
+
+def _served_name(request: Request, model: str) -> str:
+    """A path's model: one of the served models' names (404 naming `model` for any other, even
+    where one model is served: a URL names a model, as /v1/models/{model} does)."""
+    state = get_state(request)
+    state.require_ready()
+    served = state.find(model)
+    if served is None:
+        message = f"model {model!r} is not served here; the served models: {', '.join(state.models)}"
+        raise errors.ServiceError(404, "not_found", message, "model")
+    return served.name
+
+
+async def _embed(body: EmbedRequest, request: Request, model: str | None) -> Response:
+    embedded = await embed(request, body.inputs, EmbedOptions.of(body, "inputs", model=model))
     encoding = body.encoding_format
     if embedded.chunks is None:
         return await json_response(lambda: encoded_rows(embedded.vectors, encoding, embedded.model), embedded.headers)
@@ -56,6 +86,16 @@ async def tei_embed(body: EmbedRequest, request: Request) -> Response:
 
 @router.post("/embed_all", response_model=list[list[list[float]]])
 async def tei_embed_all(body: EmbedAllRequest, request: Request) -> Response:
-    embedded = await embed(request, body.inputs, EmbedOptions.of(body, "inputs", every_token=True, normalize=False))
+    return await _embed_all(body, request, None)
+
+
+@router.post("/models/{model}/embed_all", response_model=list[list[list[float]]], responses=MODEL_NOT_FOUND)
+async def tei_embed_all_model(model: str, body: EmbedAllRequest, request: Request) -> Response:
+    return await _embed_all(body, request, _served_name(request, model))
+
+
+async def _embed_all(body: EmbedAllRequest, request: Request, model: str | None) -> Response:
+    options = EmbedOptions.of(body, "inputs", model=model, every_token=True, normalize=False)
+    embedded = await embed(request, body.inputs, options)
     # Per input its (tokens, dim) rows: `[[[float]]]`.
     return await json_response(lambda: [json_rows(part) for part in embedded.per_input()], embedded.headers)

@@ -109,7 +109,7 @@ def test_openai_models_list_the_served_model_and_retrieve_it_by_its_names(client
     missing = client.get("/v1/models/text-embedding-3-small")
     assert missing.status_code == 404
     assert missing.json()["error"] == {
-        "message": "model 'text-embedding-3-small' is not served here; GET /v1/models lists the one that is",
+        "message": "model 'text-embedding-3-small' is not served here; GET /v1/models lists the ones that are",
         "type": "not_found_error", "param": "model",
     }  # fmt: skip
     families = scrape(client.get("/metrics").text)
