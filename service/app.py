@@ -207,7 +207,7 @@ def _start_model(encoder: Encoder, state: ServiceState, weights: int) -> Served:
     budget = work_budget(encoder, settings, state.default_spec, throughput)
     scheduler = Scheduler(
         encoder, settings.max_batch_tokens, settings.max_concurrent_requests, throughput=throughput,
-        observer=MetricsObserver(state.metrics),
+        observer=MetricsObserver(state.metrics, encoder.name),
     )  # fmt: skip
     return Served(encoder, scheduler, budget, throughput, weights)
 

@@ -10,6 +10,8 @@ Peak memory per batch is measured by the engine (engine.memory).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
@@ -105,7 +107,48 @@ class Metrics:
         )
         r.register(_KernelFallbacks())
         self._add_gauges()
+        self._add_per_model()
         self._create_children()
+
+    def _add_per_model(self) -> None:
+        """Series by served model (a handful of names, set at start-up): each model's children
+        appear when it is loaded (add_model)."""
+        r = self.registry
+        self.model_requests = Counter(
+            "clusterserve_model_requests", "embedding requests answered, by the served model they named", ["model", "code"],
+            registry=r,
+        )  # fmt: skip
+        self.model_inference_duration = Histogram(
+            "clusterserve_model_inference_duration_seconds", "time of one batch's forward pass, by served model", ["model"],
+            buckets=_SECONDS, registry=r,
+        )  # fmt: skip
+        self.model_inflight = Gauge(
+            "clusterserve_model_inflight_requests", "embedding requests admitted and not yet answered, by served model",
+            ["model"], registry=r,
+        )  # fmt: skip
+        # Per model, its scheduler's last (admitted, waiting, running): the unlabelled gauges are their sums.
+        self._counts: dict[str, list[int]] = {}
+        self._counts_lock = threading.Lock()
+
+    def add_model(self, model: str) -> None:
+        """Create a served model's series (at zero)."""
+        self.model_inference_duration.labels(model=model)
+        self.model_inflight.labels(model=model).set(0)
+        for code in ("200",):
+            self.model_requests.labels(model=model, code=code)
+        with self._counts_lock:
+            self._counts.setdefault(model, [0, 0, 0])
+
+    def scheduler_counts(self, model: str, which: int, value: int) -> None:
+        """One model's scheduler reports a count (0 admitted, 1 waiting, 2 running batches); the
+        server-wide gauges show the sum over models."""
+        with self._counts_lock:
+            counts = self._counts.setdefault(model, [0, 0, 0])
+            counts[which] = value
+            total = sum(c[which] for c in self._counts.values())
+        (self.inflight, self.queue_depth, self.running_batches)[which].set(total)
+        if which == 0:
+            self.model_inflight.labels(model=model).set(value)
 
     def _add_gauges(self) -> None:
         """The series that say what is now: queue, in-flight requests, memory, the build."""
@@ -213,17 +256,18 @@ class _KernelFallbacks:
 class MetricsObserver:
     """The engine's Observer (engine.observer) as the service's Prometheus series."""
 
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
+    def __init__(self, metrics: Metrics, model: str = "") -> None:
+        self.metrics, self.model = metrics, model
+        metrics.add_model(model)
 
     def admitted(self, jobs: int) -> None:
-        self.metrics.inflight.set(jobs)
+        self.metrics.scheduler_counts(self.model, 0, jobs)
 
     def waiting(self, jobs: int) -> None:
-        self.metrics.queue_depth.set(jobs)
+        self.metrics.scheduler_counts(self.model, 1, jobs)
 
     def running(self, batches: int) -> None:
-        self.metrics.running_batches.set(batches)
+        self.metrics.scheduler_counts(self.model, 2, batches)
 
     def layer(self) -> None:
         self.metrics.layers.inc()
@@ -234,6 +278,7 @@ class MetricsObserver:
 
     def finished(self, method: str, seconds: float, inputs: int, tokens: int, peak_memory: int | None) -> None:
         self.metrics.inference_duration.labels(method=method).observe(seconds)
+        self.metrics.model_inference_duration.labels(model=self.model).observe(seconds)
         self.metrics.batch_size.labels(method=method).observe(inputs)
         self.metrics.batch_tokens.labels(method=method).observe(tokens)
         if peak_memory is not None:

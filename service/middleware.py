@@ -31,6 +31,7 @@ log = logging.getLogger("clusterserve")
 REQUEST_ID_KEY = "clusterserve.request_id"
 ARRIVAL_KEY = "clusterserve.arrival"  # time.monotonic() when the request arrived
 METHOD_KEY = "clusterserve.method"  # attention method, set by the embedding routes
+MODEL_KEY = "clusterserve.model"  # the served model that took an embedding request
 
 # Response headers copied into the access line (timings and size; nothing the client sent).
 _LOGGED_HEADERS = {
@@ -110,6 +111,8 @@ class RequestMiddleware:
         method = scope.get(METHOD_KEY, NO_METHOD)
         self.metrics.requests.labels(endpoint=endpoint, method=method, code=str(status)).inc()
         self.metrics.request_duration.labels(endpoint=endpoint, method=method).observe(total_s)
+        if MODEL_KEY in scope:
+            self.metrics.model_requests.labels(model=scope[MODEL_KEY], code=str(status)).inc()
         logged = {
             name.decode(): sent_headers[key].decode("latin-1") for key, name in _LOGGED_HEADERS.items() if key in sent_headers
         }

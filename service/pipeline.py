@@ -42,7 +42,7 @@ from clusterserve.models.runtime.encoder import finish
 
 from . import errors, tracing
 from .metrics import Metrics
-from .middleware import ARRIVAL_KEY, METHOD_KEY, REQUEST_ID_KEY
+from .middleware import ARRIVAL_KEY, METHOD_KEY, MODEL_KEY, REQUEST_ID_KEY
 from .planning import EmbedOptions, RequestPlan, parse_inputs, request_plan, resolve_request_attention
 from .state import get_state
 
@@ -102,6 +102,7 @@ async def embed(request: Request, raw_inputs: Any, options: EmbedOptions) -> Emb
     """Serve one request (see the module docstring); raises ServiceError with the documented status."""
     state = get_state(request)
     served = state.pick(options.model)
+    request.scope[MODEL_KEY] = served.name
     encoder, scheduler = served.encoder, served.scheduler
     params: list[str] = []
     try:

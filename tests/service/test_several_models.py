@@ -15,7 +15,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 from server_process import running_server
-from service_helpers import REAL_LIMITS, assert_error, scrape, wait_ready
+from service_helpers import REAL_LIMITS, assert_error, scrape, value, wait_ready
 from tiny_checkpoints import DIM, make_checkpoint
 
 from clusterserve.service.__main__ import parse_settings
@@ -119,3 +119,24 @@ def test_each_client_reaches_each_model_by_name(tiny, tmp_path):
             assert np.asarray(tei.feature_extraction("hello")).shape[-1] == dim
         root = huggingface_hub.InferenceClient(model=base, timeout=120)  # the server's URL: the default
         assert np.asarray(root.feature_extraction("hi")).shape[-1] == DEFAULT_DIM
+
+
+def test_metrics_count_each_models_requests_and_batches(client):
+    before = scrape(client.get("/metrics").text)
+    for _ in range(2):
+        assert client.post("/v1/embeddings", json={"input": "x", "model": "tiny-gte"}).status_code == 200
+    assert client.post("/embed", json={"inputs": "x"}).status_code == 200
+    after = scrape(client.get("/metrics").text)
+
+    def grew(family: str, sample: str, **labels) -> float:
+        was = before[family]["samples"].get((sample, frozenset(labels.items())), 0.0)
+        return value(after, family, sample, **labels) - was
+
+    assert grew("clusterserve_model_requests", "clusterserve_model_requests_total", model="tiny-gte", code="200") == 2
+    assert grew("clusterserve_model_requests", "clusterserve_model_requests_total", model=DEFAULT, code="200") == 1
+    duration = "clusterserve_model_inference_duration_seconds"
+    assert grew(duration, duration + "_count", model="tiny-gte") == 2
+    assert grew(duration, duration + "_count", model=DEFAULT) == 1
+    for model in (DEFAULT, "tiny-gte"):
+        assert value(after, "clusterserve_model_inflight_requests", "clusterserve_model_inflight_requests", model=model) == 0
+    assert value(after, "clusterserve_inflight_requests", "clusterserve_inflight_requests") == 0
