@@ -1,7 +1,10 @@
-"""The names a served model answers to: its own (Encoder.name) and Ollama's library name, each
-with or without Ollama's default tag, in any case (Ollama's names are case-insensitive)."""
+"""The names a served model answers to: its own (Encoder.name), Ollama's library name and the
+short names `--model` takes (models.loader.MODEL_ALIASES: nomic, minilm), each with or without
+Ollama's default tag, in any case (Ollama's names are case-insensitive)."""
 
 from __future__ import annotations
+
+from clusterserve.models.loader import MODEL_ALIASES
 
 # Ollama's library name for a model this server can serve (Encoder.name -> Ollama's name).
 OLLAMA_NAMES = {"nomic-embed-text-v1.5": "nomic-embed-text", "all-MiniLM-L6-v2": "all-minilm"}
@@ -18,4 +21,6 @@ def served_names(served: str) -> list[str]:
 def answers_to(served: str, asked: str) -> bool:
     """Whether a request for model `asked` is for the model named `served`."""
     name = asked.strip().lower().removesuffix(DEFAULT_TAG)
+    if MODEL_ALIASES.get(name) == served:
+        return True
     return name in {served.lower(), OLLAMA_NAMES.get(served, served).lower()}

@@ -58,7 +58,10 @@ def test_every_listing_names_both_models_the_default_first(client):
     assert {dict(labels)["model"] for _, labels in series} == {DEFAULT, "tiny-gte"}
 
 
-@pytest.mark.parametrize("model, dim", [(None, DEFAULT_DIM), (DEFAULT, DEFAULT_DIM), ("tiny-gte", DIM), ("TINY-GTE:latest", DIM)])
+@pytest.mark.parametrize("model, dim", [
+    (None, DEFAULT_DIM), (DEFAULT, DEFAULT_DIM), ("minilm", DEFAULT_DIM), ("all-minilm:latest", DEFAULT_DIM),
+    ("tiny-gte", DIM), ("TINY-GTE:latest", DIM),
+])  # fmt: skip
 def test_openai_model_picks_the_model(client, model, dim):
     body = {"input": ["a short text", "another one"], **({"model": model} if model else {})}
     answer = client.post("/v1/embeddings", json=body).json()
