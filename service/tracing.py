@@ -69,14 +69,14 @@ def exporter_from_env(env: Mapping[str, str]) -> SpanExporter | None:
 class Tracing:
     """The server's tracer provider (None: tracing off) and the middleware's request spans."""
 
-    def __init__(self, env: Mapping[str, str] | None = None) -> None:
-        exporter = exporter_from_env(os.environ if env is None else env)
+    def __init__(self) -> None:
+        exporter = exporter_from_env(os.environ)
         self.provider: TracerProvider | None = None
         self.tracer: trace.Tracer | None = None
         if exporter is not None:
-            resource = Resource.create({"service.version": __version__}).merge(
-                Resource.create({SERVICE_NAME: (os.environ if env is None else env).get("OTEL_SERVICE_NAME") or "clusterserve"})
-            )
+            resource = Resource.create({"service.version": __version__})  # with OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES
+            if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):  # the SDK's "not named"
+                resource = resource.merge(Resource({SERVICE_NAME: "clusterserve"}))
             self.provider = TracerProvider(resource=resource)
             self.provider.add_span_processor(BatchSpanProcessor(exporter))
             self.tracer = self.provider.get_tracer("clusterserve", __version__)
