@@ -86,10 +86,15 @@ class ServiceState:
         served = list(self.models.values())
         if model is None or len(served) == 1:
             return served[0]
+        return self.named(model)
+
+    def named(self, model: str, listed: str | None = None) -> Served:
+        """The served model that answers to the name `model`, however many are served; else 404
+        naming `model`, saying where the names are (`listed`; default: the names themselves)."""
         found = self.find(model)
         if found is None:
-            message = f"model {model!r} is not served here; the served models: {', '.join(self.models)}"
-            raise errors.ServiceError(404, "not_found", message, "model")
+            where = listed or f"the served models: {', '.join(self.models)}"
+            raise errors.ServiceError(404, "not_found", f"model {model!r} is not served here; {where}", "model")
         return found
 
     def find(self, model: str) -> Served | None:

@@ -36,10 +36,7 @@ async def info(request: Request, model: str | None = None) -> JSONResponse:
         raise errors.not_ready(
             f"the model failed to load: {state.load_error}" if state.load_error else "the model is still loading"
         )
-    served = state.default if model is None else state.find(model)
-    if served is None:
-        raise errors.ServiceError(404, "not_found", f"model {model!r} is not served here; the served models: "
-                                  + ", ".join(state.models), "model")  # fmt: skip
+    served = state.default if model is None else state.named(model)
     encoder = served.encoder
     about = encoder.info()
     return JSONResponse(

@@ -33,7 +33,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from .. import errors
 from ..auth import require_api_key
 from ..pipeline import FIDELITY_REFERENCE, embed
 from ..planning import EmbedOptions
@@ -101,8 +100,5 @@ async def list_models(request: Request) -> JSONResponse:
 async def retrieve_model(model: str, request: Request) -> JSONResponse:
     state = get_state(request)
     state.require_ready()
-    served = state.find(model)
-    if served is None:
-        message = f"model {model!r} is not served here; GET /v1/models lists the ones that are"
-        raise errors.ServiceError(404, "not_found", message, "model")
+    served = state.named(model, "GET /v1/models lists the ones that are")
     return JSONResponse(_card(state, served.name))

@@ -27,7 +27,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from .. import errors
 from ..auth import require_api_key
 from ..pipeline import embed
 from ..planning import EmbedOptions
@@ -59,11 +58,7 @@ def _served_name(request: Request, model: str) -> str:
     where one model is served: a URL names a model, as /v1/models/{model} does)."""
     state = get_state(request)
     state.require_ready()
-    served = state.find(model)
-    if served is None:
-        message = f"model {model!r} is not served here; the served models: {', '.join(state.models)}"
-        raise errors.ServiceError(404, "not_found", message, "model")
-    return served.name
+    return state.named(model).name
 
 
 async def _embed(body: EmbedRequest, request: Request, model: str | None) -> Response:
