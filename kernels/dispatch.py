@@ -23,6 +23,12 @@ gives bit for bit:
     native      packed (T, H, D) contiguous CPU float32 / bfloat16   kernels.native.rotary (C)
                 rows of even D, where the loops are built
     reference   everything, and what the two above do not take       apply_rotary_torch
+
+`add_layer_norm` (a post-norm layer's LN(x + branch)) and `gated` (a gated feed-forward block's
+act(gate) * up from one [gate | up] product) likewise: on the triton backend, (T, C) CUDA tensors
+with unit column stride run one kernel each (kernels/triton/rowwise.py; the gated one for SiLU);
+everything else runs the PyTorch definitions (kernels/reference/rowwise.py), which a CPU's
+unfused layers computed before them, op for op.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from torch import Tensor
 from clusterserve.kernels import native
 from clusterserve.kernels.reference.full import full_attention
 from clusterserve.kernels.reference.rotary import apply_rotary_torch
+from clusterserve.kernels.reference.rowwise import ACTIVATIONS, GATED_ACTIVATIONS, add_layer_norm_torch, gated_torch
 from clusterserve.kernels.spec import AttentionSpec, resolve_auto
 from clusterserve.kernels.stages import (
     BandedStages,
@@ -178,6 +185,34 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False,
         if rotated is not None:
             return rotated
     return apply_rotary_torch(x, cos, sin, interleaved)
+
+
+def _rowwise_kernel(x: Tensor, backend: str) -> bool:
+    """Whether x runs a kernels/triton/rowwise.py kernel: 2-D CUDA rows of unit column stride on the triton backend."""
+    return backend_for(x.device, x.dtype, backend) == "triton" and x.is_cuda and x.dim() == 2 and x.stride(1) == 1
+
+
+def add_layer_norm(
+    x: Tensor, branch: Tensor, weight: Tensor, bias: Tensor | None, eps: float, backend: str = "auto"
+) -> Tensor:
+    """LayerNorm over the last dim of x + branch, (..., C) -> (..., C) in x's dtype: one Triton
+    kernel for (T, C) CUDA rows on the triton backend, else `add_layer_norm_torch`."""
+    if _rowwise_kernel(x, backend) and branch.shape == x.shape and branch.dtype == x.dtype and branch.stride(1) == 1:
+        from clusterserve.kernels.triton.rowwise import add_layer_norm_triton
+
+        return add_layer_norm_triton(x, branch, weight, bias, eps)
+    return add_layer_norm_torch(x, branch, weight, bias, eps)
+
+
+def gated(gate_up: Tensor, activation: str, backend: str = "auto") -> Tensor:
+    """act(gate) * up for gate_up (..., 2F) = [gate | up] -> (..., F) in its dtype; `activation`
+    a name of ACTIVATIONS. One Triton kernel for SiLU on (T, 2F) CUDA rows on the triton
+    backend, else `gated_torch`."""
+    if activation in GATED_ACTIVATIONS and _rowwise_kernel(gate_up, backend):
+        from clusterserve.kernels.triton.rowwise import gated_triton
+
+        return gated_triton(gate_up)
+    return gated_torch(gate_up, ACTIVATIONS[activation])
 
 
 def checking(check: Callable[[], None]) -> Observe:

@@ -17,22 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch.nn.functional as F
-from torch import Tensor
+from clusterserve.kernels.reference.rowwise import ACTIVATIONS
 
 # Rotary position schedules (models.networks.rotary).
 ROPE_TYPES = ("default", "linear", "dynamic", "ntk")
-
-# HF activation names -> functions. "gelu" is the exact erf GELU; the tanh variants agree
-# with HF's "gelu_new" to ~1e-7.
-ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-}
 
 
 class UnsupportedArchitecture(ValueError):

@@ -390,4 +390,6 @@ def _build_model(config: EncoderConfig, state: dict[str, Tensor], device: torch.
             )
     state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
     model.load_state_dict(state, assign=True)
+    if device.type == "cuda" and hasattr(model, "fuse_projections"):
+        model.fuse_projections()  # a GPU's fused products and row-wise kernels (models.networks.rotary_bert)
     return model.eval()

@@ -20,12 +20,25 @@ dot runs in float32 instead, which is exact for half-precision products (`upcast
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-# An H100's SMs, and the programs a launch over a head's rows aims for in all: two an SM.
-SMS = 132
+# An H100's SMs: what launches are shaped for where no GPU is present (Triton's interpreter,
+# the offline cost model, which prices an H100).
+H100_SMS = 132
+
+
+def device_sms() -> int:
+    """The SMs of the current CUDA device, read once at import; H100_SMS without one."""
+    if not torch.cuda.is_available():
+        return H100_SMS
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+# The GPU's SMs, and the programs a launch over a head's rows aims for in all: two an SM.
+SMS = device_sms()
 TARGET_PROGRAMS = 2 * SMS
 
 

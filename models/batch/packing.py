@@ -48,13 +48,16 @@ def bucket_length(n: int) -> int:
 class Group:
     """Sequences `first` .. `first + count - 1` of the packed order: each `length` rows long
     (its slot: its tokens, then any padding), all attending by `spec`; their rows start at
-    `start` in the packed tensor."""
+    `start` in the packed tensor. padded: whether any of them has padding rows (attention then
+    takes a key mask; a group that fills its slots runs without one, on exact attention's
+    unmasked flash kernel)."""
 
     first: int
     count: int
     length: int
     start: int
     spec: AttentionSpec
+    padded: bool = False
 
     @property
     def stop(self) -> int:
@@ -101,14 +104,14 @@ class Packed:
         """Attention within each sequence. q, k: (T, H, D), v: (T, H, Dv) -> (T, H, Dv).
 
         attend(q, k, v, spec, mask) runs one group: (G, H, n, D) views in, (G, H, n, Dv) out;
-        mask: None unpadded, else the group's (G, n) key_padding_mask (True = real token).
+        mask: None where the group has no padding, else its (G, n) key_padding_mask (True = real token).
         """
         out = None
         for group in self.groups:
             def heads(t: Tensor) -> Tensor:
                 return t[group.start : group.stop].view(group.count, group.length, *t.shape[1:]).transpose(1, 2)
 
-            mask = None if self.real is None else self.real[group.start : group.stop].view(group.count, group.length)
+            mask = None if not group.padded else self.real[group.start : group.stop].view(group.count, group.length)
             o = attend(heads(q), heads(k), heads(v), group.spec, mask)  # (G, H, n, Dv)
             heads_, value_dim = o.shape[1], o.shape[3]
             if len(self.groups) == 1:
@@ -215,10 +218,11 @@ def _layout(
     start = 0
     for j, (n, spec) in enumerate(zip(rows, specs)):
         last = groups[-1] if groups else None
+        padded = n > lengths[j]
         if last is not None and last.spec == spec and last.length == n:
-            groups[-1] = Group(last.first, last.count + 1, n, last.start, spec)
+            groups[-1] = Group(last.first, last.count + 1, n, last.start, spec, last.padded or padded)
         else:
-            groups.append(Group(j, 1, n, start, spec))
+            groups.append(Group(j, 1, n, start, spec, padded))
         start += n
     if slots is None:
         positions = torch.cat([torch.arange(n) for n in lengths]) if len(lengths) > 1 else torch.arange(lengths[0])

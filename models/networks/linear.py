@@ -122,3 +122,18 @@ def packed_lead(in_features: int, out_features: int, threads: int) -> float:
         times = alternated_seconds(runs, MEASURED_REPEATS)
     mkl, onednn = (statistics.median(times[name]) for name in runs)
     return mkl / onednn
+
+
+def fused(*layers: nn.Linear) -> Linear:
+    """One Linear computing the layers' products side by side, [x W_1^T + b_1 | x W_2^T + b_2 | ...],
+    for layers of one input size: a GPU's one product where it ran several. The caller drops
+    the layers, so that no weight is held twice."""
+    first = layers[0]
+    bias = first.bias is not None
+    if any(layer.in_features != first.in_features or (layer.bias is not None) != bias for layer in layers):
+        raise ValueError("fused: layers need one input size and all or none with a bias")
+    one = Linear(first.in_features, sum(layer.out_features for layer in layers), bias=bias, device="meta")
+    one.weight = nn.Parameter(torch.cat([layer.weight.detach() for layer in layers]), requires_grad=False)
+    if bias:
+        one.bias = nn.Parameter(torch.cat([layer.bias.detach() for layer in layers]), requires_grad=False)
+    return one

@@ -6,7 +6,9 @@ Python and in the driver, while the GPU waits. A CUDA graph records a layer's la
 and replays them as one. A graph replays fixed shapes and addresses, so `Encoder.start` pads
 each sequence to its length bucket (models.batch.packing.bucket_length, under 1/16 padding) and a
 layer's graph is kept per batch *signature*: each attention group's sequence count, slot
-length and spec in packed order, and the task adapter. Batches of similar lengths share one.
+length and spec in packed order, whether it has padding (a key mask, or none: exact attention
+then stays on SDPA's unmasked flash kernel), and the task adapter. Batches of similar lengths
+share one.
 
 The scheduler runs a pass a layer at a time and interleaves passes, so graphs are per layer
 and read everything from static buffers: the hidden states x (T, C), the layout's positions
@@ -53,14 +55,14 @@ EVENTS = ("captured", "replayed", "failed", "evicted")
 @dataclass(frozen=True)
 class Signature:
     """What a layer's graph is specific to: each attention group's (sequences, slot length,
-    spec) in packed order, and the task adapter."""
+    spec, whether it has padding: a key mask or none) in packed order, and the task adapter."""
 
-    groups: tuple[tuple[int, int, AttentionSpec], ...]
+    groups: tuple[tuple[int, int, AttentionSpec, bool], ...]
     adapter: int | None
 
     @classmethod
     def of(cls, state: Pass) -> Signature:
-        return cls(tuple((g.count, g.length, g.spec) for g in state.packed.groups), state.adapter)
+        return cls(tuple((g.count, g.length, g.spec, g.padded) for g in state.packed.groups), state.adapter)
 
 
 class GraphBackend(Protocol):
@@ -245,7 +247,7 @@ class LayerGraphs:
         seen.failed = True
         self._captured.pop(signature, None)
         self._event("failed")
-        lengths = [length for _, length, _ in signature.groups]
+        lengths = [length for _, length, _, _ in signature.groups]
         log.warning(
             "CUDA graph capture failed for a batch of slot lengths %s (%s: %s); that batch shape runs eagerly",
             lengths, type(error).__name__, error,

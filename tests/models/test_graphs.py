@@ -143,16 +143,19 @@ def test_padded_layout_puts_padding_after_each_sequence_and_masks_it():
 
 
 def test_packed_attention_hands_each_group_its_padding_mask():
+    """A group with padding gets its key mask; one whose sequences fill their slots gets none
+    (exact attention then runs SDPA's unmasked flash kernel)."""
     spec = SPECS["full"]
     _, packed = pack([[1] * 39, [1] * 40, [1] * 3], [spec] * 3, CPU, bucket_length)
     masks = []
 
     def attend(q, k, v, spec, mask):
-        masks.append(mask.tolist())
+        masks.append(None if mask is None else mask.tolist())
         return v
 
     packed.attend(*[torch.zeros(83, 2, 4)] * 3, attend)
-    assert masks == [[[True] * 40, [True] * 39 + [False]], [[True] * 3]]
+    assert [g.padded for g in packed.groups] == [True, False]
+    assert masks == [[[True] * 40, [True] * 39 + [False]], None]
 
 
 @pytest.mark.parametrize("method", list(SPECS))
@@ -189,7 +192,7 @@ def eager_vectors(model, seqs, specs, adapter=None, padded=True) -> torch.Tensor
 def test_first_run_warms_up_second_captures_then_replays():
     model, backend = tiny("nomic-bert"), StandIn()
     graphs = LayerGraphs(backend, capacity=4)
-    seqs, specs = sequences([45, 40]), [SPECS["i-clustered"], SPECS["full"]]
+    seqs, specs = sequences([67, 39]), [SPECS["i-clustered"], SPECS["full"]]  # slots 68, 40
     expected = eager_vectors(model, seqs, specs)
 
     first = finish(start(model, seqs, specs, graphs))
@@ -197,8 +200,8 @@ def test_first_run_warms_up_second_captures_then_replays():
     second = finish(start(model, seqs, specs, graphs))
     assert graphs.counts["captured"] == 2 and graphs.counts["replayed"] == 2
     assert backend.captures == 2 and backend.pools == 1 and graphs.signatures == 1
-    # Same slots, other real lengths (45 -> 46, 40 -> 39): the same signature, replayed.
-    other = sequences([46, 39], seed=1)
+    # Same slots, other real lengths (67 -> 65), both still padded: the same signature, replayed.
+    other = sequences([65, 39], seed=1)
     third = finish(start(model, other, specs, graphs))
     assert graphs.counts["captured"] == 2 and graphs.counts["replayed"] == 4 and backend.captures == 2
     assert torch.equal(first, expected) and torch.equal(second, expected)
@@ -209,10 +212,12 @@ def test_first_run_warms_up_second_captures_then_replays():
 def test_signature_is_the_groups_slots_specs_and_adapter():
     model = tiny("jina-embeddings-v3")
     spec = SPECS["smyrf"]
-    base = Signature.of(start(model, sequences([45, 40]), [spec, spec], adapter=0).state)
-    assert base == Signature.of(start(model, sequences([46, 39]), [spec, spec], adapter=0).state)
-    assert base.groups == ((1, 46, spec), (1, 40, spec))
-    assert base != Signature.of(start(model, sequences([47, 40]), [spec, spec], adapter=0).state)  # slot 48
+    base = Signature.of(start(model, sequences([67, 39]), [spec, spec], adapter=0).state)
+    assert base == Signature.of(start(model, sequences([65, 39]), [spec, spec], adapter=0).state)
+    assert base.groups == ((1, 68, spec, True), (1, 40, spec, True))
+    assert base != Signature.of(start(model, sequences([69, 39]), [spec, spec], adapter=0).state)  # slot 72
+    filled = Signature.of(start(model, sequences([68, 39]), [spec, spec], adapter=0).state)
+    assert filled.groups[0] == (1, 68, spec, False)  # no padding: captured without a mask
     assert base != Signature.of(start(model, sequences([45, 40]), [spec, spec], adapter=1).state)
     assert base != Signature.of(start(model, sequences([45, 40]), [spec, SPECS["full"]], adapter=0).state)
 
@@ -274,7 +279,7 @@ def test_passes_of_one_signature_interleaved_layer_by_layer_keep_their_own_layou
     model, backend = tiny("nomic-bert"), StandIn()
     graphs = LayerGraphs(backend)
     specs = [SPECS["clustered"], SPECS["full"]]
-    a, b = sequences([45, 40]), sequences([46, 39], seed=3)
+    a, b = sequences([67, 39]), sequences([66, 39], seed=3)
     finish(start(model, a, specs, graphs))  # warm-up
     first, second = start(model, a, specs, graphs), start(model, b, specs, graphs)
     while not first.finished:
