@@ -98,6 +98,8 @@ def _checked_ids(index: int, ids: Any, vocab_size: int) -> list[int]:
         )
     if len(ids) == 0:
         raise EmptyInput(index, "empty token-id list; send at least one token id")
+    if all(type(t) is int for t in ids) and 0 <= min(ids) and max(ids) < vocab_size:
+        return list(ids)  # plain ints in range: the common case, a few passes in C
     for t in ids:
         if not (is_int(t) and 0 <= t < vocab_size):
             raise InvalidTokenIds(index, f"token ids must be in [0, {vocab_size}), got {t!r}")
