@@ -27,7 +27,7 @@ on the H100 session bench/results/h100-2026-11-27-2.json:
 "as measured" is that code (code "measured"), in the mode the service runs it (CUDA graphs up
 to 8,192 tokens, eager beyond): estimate_ms. Code "current" is this checkout's GPU path (fused
 q/k/v and gate/up products, fused residual + LayerNorm and SiLU x up, q and k rotated in one
-launch, no key mask where nothing is padded, the id check in C), its new kernels priced at the
+launch, exact attention with no key mask, the id check in C), its new kernels priced at the
 measured rates of the ops that move the same streams (gpu_e2e_parts.FUSED_RATES); the report
 gives exact's time by category for both, and the current code against the targets.
 The limit: dense and attention at their rates, the row-wise bytes no

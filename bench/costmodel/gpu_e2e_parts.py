@@ -42,8 +42,8 @@ OUTPUT_COPY_METHODS = ("clustered", "i-clustered", "smyrf")
 # The code priced: "measured", as it ran on 2026-11-27 (what the constants are fitted to), or
 # "current", this checkout's GPU path (models.networks.rotary_bert.fuse_projections): one q/k/v
 # and one gate/up product a layer, q and k rotated in one launch, fused residual + LayerNorm and
-# SiLU x up kernels, the FFN unchunked, no key mask where a group has no padding, token-id
-# checks in C.
+# SiLU x up kernels, the FFN unchunked, exact attention with no key mask (varlen flash attention
+# where a group is padded), token-id checks in C.
 CODES = ("measured", "current")
 # No row-wise kernel of the current code has been timed on a GPU: each is priced at the measured
 # effective rate of the op of the measured code that moves the same streams (the residual add:
@@ -186,13 +186,13 @@ def attention_s(costs: Costs, method: str, n: int, batch: int, masked: bool, net
 
 def device_parts(
     costs: Costs, method: str, n: int, batch: int, graph: bool, net: Network = NOMIC, code: str = "measured",
-    padded: bool = False,
 ) -> dict[str, float]:
     """Seconds on the device by part: eager, or (graph) replayed from CUDA graphs, which copy x
-    into and out of static buffers. The measured code passes a key mask in graphs; the current
-    code only where a group has padding (`padded`)."""
+    into and out of static buffers. The measured code passes exact attention a key mask in
+    graphs; the current code none (a padded group runs varlen flash attention, priced at the
+    unmasked rate)."""
     tokens = n * batch
-    masked = graph and (code == "measured" or padded)
+    masked = graph and code == "measured"
     parts = {"dense": dense_flops(net, tokens) / costs.dense_flops_per_s,
              "attention": attention_s(costs, method, n, batch, masked, net)}
     parts |= {name: nbytes / row_rate(costs, name) for name, (_, nbytes) in row_ops(net, tokens, code).items()}

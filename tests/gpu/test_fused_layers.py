@@ -52,3 +52,18 @@ def test_a_fused_cuda_model_gives_the_cpu_model_states(tmp_path):
     specs = [AttentionSpec(method="full")] * len(sequences)
     for got, want in zip(gpu.token_states(sequences, specs), cpu.token_states(sequences, specs)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_padded_exact_attention_runs_varlen_and_gives_the_masked_result():
+    """Padded self-attention in bfloat16 takes torch's varlen flash kernel (seqused_k), no mask:
+    the masked SDPA's result within bfloat16 rounding, and the fallback flag stays down."""
+    from clusterserve.kernels.reference import full
+
+    generator = torch.Generator("cuda").manual_seed(1)
+    q, k, v = (torch.randn(3, 8192, 12, 64, device="cuda", generator=generator).to(torch.bfloat16).transpose(1, 2)
+               for _ in range(3))
+    mask = torch.arange(8192, device="cuda")[None, :] < torch.tensor([8192, 7900, 100], device="cuda")[:, None]
+    got = full.padded_varlen(q, k, v, mask, 0.125)
+    assert got is not None and not full._varlen_failed
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=0.125)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

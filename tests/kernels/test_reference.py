@@ -160,3 +160,32 @@ def test_bad_inputs_raise_value_errors_that_name_them(kwargs, message):
     args = dict(q=q, k=k, v=v, key_padding_mask=None, backend="reference") | kwargs
     with pytest.raises(ValueError, match=message):
         attention(args.pop("q"), args.pop("k"), args.pop("v"), AttentionSpec(), **args)
+
+
+def test_padded_exact_attention_through_varlen_gives_the_masked_result(monkeypatch):
+    """The varlen path's plumbing (token rows, sequence starts, each row's used keys, the output
+    back to (B, H, N, D)) on a CPU, with torch's varlen kernel (CUDA only) stood in for by
+    per-sequence SDPA over the first seqused_k keys: the masked SDPA's result, padded queries 0."""
+    import torch.nn.attention.varlen as varlen
+
+    from clusterserve.kernels.reference import full
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, seqused_k=None, **_):
+        out = torch.empty_like(q)
+        for i in range(len(cu_q) - 1):
+            qs, ks, used = slice(cu_q[i], cu_q[i + 1]), int(cu_k[i]), int(seqused_k[i])
+            sub = [t.transpose(0, 1)[None] for t in (q[qs], k[ks : ks + used], v[ks : ks + used])]
+            out[qs] = torch.nn.functional.scaled_dot_product_attention(*sub, scale=scale)[0].transpose(0, 1)
+        return out
+
+    monkeypatch.setattr(varlen, "varlen_attn", stand_in)
+    monkeypatch.setattr(full, "takes_varlen", lambda q: True)
+    generator = torch.Generator().manual_seed(3)
+    # (B, N, H, D) transposed: the (B, H, N, D) views Packed.attend hands a group.
+    q, k, v = (torch.randn(3, 10, 2, 8, generator=generator).transpose(1, 2) for _ in range(3))
+    mask = torch.arange(10)[None, :] < torch.tensor([10, 7, 3])[:, None]
+    got = full.full_attention(q, k, v, mask, 8**-0.5)
+    monkeypatch.setattr(full, "takes_varlen", lambda q: False)
+    want = full.full_attention(q, k, v, mask, 8**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert torch.all(got[1, :, 7:] == 0) and not torch.allclose(got[1, :, :7], torch.zeros(()))
