@@ -32,6 +32,7 @@ from clusterserve.models.networks.linear import float32_packed_rows, pack_small_
 from clusterserve.models.networks.network import Network
 from clusterserve.models.planning.calibration import Calibration, CalibrationError, find_calibration, load_calibration
 from clusterserve.models.planning.cost import CostModel
+from clusterserve.models.planning.gpu_estimate import load_gpu_speedups
 from clusterserve.models.pooling import PoolingConfig, read_pooling
 from clusterserve.models.prompts import Prompts, read_prompts
 from clusterserve.models.runtime.encoder import Encoder
@@ -199,6 +200,9 @@ def _calibration(
     table = None if path is None else load_calibration(path)
     if table is not None and table.model != name:
         raise CalibrationError(f"calibration table {path} is for model {table.model!r}, not {name!r}")
+    if table is not None and device_kind == "cuda" and table.device != "cuda":
+        # Another device's times: a GPU ranks by the end-to-end estimate (models.planning.gpu_estimate).
+        table = dataclasses.replace(table, gpu_speedups=load_gpu_speedups(name))
     return table
 
 

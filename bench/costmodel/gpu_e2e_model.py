@@ -45,11 +45,15 @@ import json
 import sys
 from pathlib import Path
 
+from clusterserve.kernels import APPROXIMATE_METHODS
+from clusterserve.models.planning.gpu_estimate import SHIPPED_DIR, estimate_name
+
 from ..common import RESULTS_DIR, print_table, rounded, rows_json
 from . import gpu_e2e_parts as parts
 from .gpu_e2e_parts import FIT_TOKENS, PROFILED_TOKENS, ROW_OPS, Costs
 
 DEFAULT_JSON = RESULTS_DIR / "gpu_e2e_model.json"
+MODEL = "nomic-embed-text-v1.5"
 LENGTHS = (2048, 8192, 16384)
 THROUGHPUT = ((8192, 16), (2048, 64))  # (tokens a document, documents a pass)
 THROUGHPUT_METHODS = ("full", "banded", "clustered (default)")  # exact, auto's choice for nomic, clustered's defaults
@@ -163,6 +167,17 @@ def targets(rows: list[dict]) -> list[dict]:
     return out
 
 
+def gpu_estimate(rows: list[dict]) -> dict:
+    """What a GPU without a calibration table of its own ranks `auto`'s configurations by
+    (models.planning.gpu_estimate): per approximate method, the current code's estimated speed-up
+    over exact attention end to end at batch 1, at each of LENGTHS."""
+    current = {(r["method"], r["tokens"]): r for r in rows if r["code"] == "current" and r["batch"] == 1}
+    methods = sorted({m for m, _ in current if m in APPROXIMATE_METHODS})
+    return dict(model=MODEL, label=f"estimate: {DEFAULT_JSON.name}, code current, batch 1, H100 SXM, bfloat16",
+                speedups={m: [[n, round(current["full", n]["estimate_ms"] / current[m, n]["estimate_ms"], 3)]
+                              for n in LENGTHS] for m in methods})
+
+
 def build_report(costs: Costs, session: dict) -> dict:
     rows = table_rows(costs)
     exact = parts.exact_method(costs)
@@ -249,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(committed(report))
         print(f"wrote {args.json}")
+        estimate = SHIPPED_DIR / estimate_name(MODEL)
+        estimate.write_text(json.dumps(gpu_estimate(report["rows"]), indent=1) + "\n")
+        print(f"wrote {estimate}")
     return 0
 
 

@@ -42,9 +42,12 @@ from pathlib import Path
 from typing import Any
 
 from clusterserve.kernels import APPROXIMATE_METHODS, AttentionSpec
+from clusterserve.models.planning.gpu_estimate import estimated_speedup
 
 FORMAT = "clusterserve-calibration/1"
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "calibrations"
+GPU_SPEED_SOURCE = ("the offline end-to-end estimate for a GPU (bench.costmodel.gpu_e2e_model): this GPU has no table "
+                    "of its own; fidelities are the table's, speed-ups the estimate's, exact where none is >= 1.1x")
 EXACT = AttentionSpec(method="full")
 # An approximation is chosen only where its measured time beats exact by this factor.
 MIN_SPEEDUP = 1.1
@@ -138,6 +141,10 @@ class Calibration:
     source: str  # where the table was read from
     meta: dict[str, Any]
     buckets: tuple[Bucket, ...]  # ascending tokens
+    # On a device the table was not measured on (a GPU taking the CPU's): method -> estimated
+    # end-to-end speed-ups there, which rank configurations instead of the table's times
+    # (models.planning.gpu_estimate); None where the table's own times hold.
+    gpu_speedups: dict | None = None
 
     @property
     def dtype(self) -> str:
@@ -168,7 +175,8 @@ class Calibration:
         """The fastest calibrated configuration for an input of `tokens` tokens whose measured
         fidelity is >= target in every bucket around the input (`around`; the worst of them is
         its fidelity) and whose speed-up at the input's length (`speedup_at`) is at least
-        MIN_SPEEDUP; exact attention when none is. Speed is compared in the longer bucket.
+        MIN_SPEEDUP; exact attention when none is. Speed is compared in the longer bucket; with
+        `gpu_speedups`, by the estimate for the configuration's method at `tokens` instead.
         chunks: the input is a late-chunking window, judged by the fidelity of its chunks
         where the table measured it (`has_chunk_fidelity`)."""
         chunks = chunks and self.has_chunk_fidelity
@@ -178,10 +186,15 @@ class Calibration:
         best_ms = upper.exact_ms
         for entry in upper.configs:
             measured = [bucket.measured(entry.spec) for bucket in judged]
-            if not judged or None in measured or entry.ms >= best_ms:
+            if not judged or None in measured or (self.gpu_speedups is None and entry.ms >= best_ms):
                 continue
             fidelity = min(m.fidelity(chunks) for m in measured)
-            speedup = speedup_at(tokens, [(b.tokens, b.exact_ms / m.ms) for b, m in zip(judged, measured)])
+            if self.gpu_speedups is None:
+                speedup = speedup_at(tokens, [(b.tokens, b.exact_ms / m.ms) for b, m in zip(judged, measured)])
+            else:  # one estimate a method: its configurations rank by the table's times among themselves
+                speedup = estimated_speedup(self.gpu_speedups, entry.spec.method, tokens)
+                if speedup < best.speedup or (speedup == best.speedup and entry.ms >= best_ms):
+                    continue
             if fidelity >= target and speedup >= MIN_SPEEDUP:
                 spec = dataclasses.replace(entry.spec, seed=seed)
                 best, best_ms = Choice(spec, upper.tokens, fidelity, speedup, chunks), entry.ms
@@ -194,6 +207,9 @@ class Calibration:
             "model": self.model,
             "device": self.device,
             "device_name": self.device_name,
+            **({} if self.gpu_speedups is None else {"speed_from": GPU_SPEED_SOURCE,
+                                                     "gpu_speedups": {m: [list(p) for p in points]
+                                                                      for m, points in self.gpu_speedups.items()}}),
             **{
                 k: self.meta[k]
                 for k in ("measured", "docs", "texts", "dtype", "fidelity_reference", "chunk_tokens")
@@ -328,10 +344,9 @@ def find_calibration(model: str, folder: Path | None, device: str, dtype: str = 
     device kind: its fidelities hold in another dtype within what a second seed moves a
     vector, and its times rank configurations by float32's costs. A device kind with no table
     (CUDA, where none is shipped) takes the CPU's, float32's first whatever its own dtype: its
-    fidelities are the reference's, which the GPU kernels give (tests/gpu); its times rank by
-    the CPU's costs, and the float32 table's choices are those an H100 ran end to end (a CPU
-    in bfloat16 ranks by costs further from a GPU's: its layers outside attention run 3x
-    faster and its attention does not). The server logs where and in which dtype a table was
+    fidelities are the reference's, which the GPU kernels give (tests/gpu); the loader ranks its
+    configurations there by the GPU's end-to-end estimate instead of the CPU's times
+    (models.planning.gpu_estimate). The server logs where and in which dtype a table was
     measured."""
     orders = [(device, (dtype, "float32"))] + ([("cpu", ("float32", dtype))] if device != "cpu" else [])
     candidates = []

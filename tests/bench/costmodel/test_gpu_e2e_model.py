@@ -14,13 +14,16 @@ from clusterserve.bench.costmodel import gpu_e2e_parts as parts
 from clusterserve.bench.costmodel.gpu_e2e_model import (
     DEFAULT_JSON,
     LENGTHS,
+    MODEL,
     ROW_FIELDS,
     TARGET_ERROR,
     THROUGHPUT,
     build_report,
     committed,
     embed_checks,
+    gpu_estimate,
 )
+from clusterserve.models.planning.gpu_estimate import SHIPPED_DIR, estimate_name
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +72,15 @@ def test_the_committed_report_is_current(report):
     assert DEFAULT_JSON.name == "gpu_e2e_model.json"
     assert json.loads(DEFAULT_JSON.read_text()) == report, (
         "bench/results/gpu_e2e_model.json is stale: python -m clusterserve.bench.costmodel.gpu_e2e_model --json")
+
+
+def test_the_shipped_gpu_estimate_is_current(inputs):
+    """models/calibrations/<model>.gpu-estimate.json, which `auto` ranks by on a GPU without a
+    table, is what the current code's rows give."""
+    session, costs = inputs
+    path = SHIPPED_DIR / estimate_name(MODEL)
+    assert json.loads(path.read_text()) == gpu_estimate(build_report(costs, session)["rows"]), (
+        f"{path.name} is stale: python -m clusterserve.bench.costmodel.gpu_e2e_model --json")
 
 
 def test_the_fitted_rows_are_reproduced_and_exact_held_out_rows_meet_the_target(report):
