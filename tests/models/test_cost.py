@@ -15,7 +15,7 @@ from clusterserve.models.loader import DEFAULT_MODEL_NAME, MINILM_NAME
 from clusterserve.models.planning.calibration import SHIPPED_DIR, Calibration, load_calibration
 from clusterserve.models.planning.cost import BUDGET_INPUTS, CostModel, default_budget, over_budget
 
-TABLES = sorted(SHIPPED_DIR.glob("*.json"))
+TABLES = sorted(SHIPPED_DIR.glob("*.calibration.*.json"))
 EXACT = AttentionSpec(method="full")
 # The loaded models' fixtures (tests/models/conftest.py); a table of another model loads it by name.
 FIXTURES = {MINILM_NAME: "default_encoder", DEFAULT_MODEL_NAME: "nomic_encoder"}

@@ -31,7 +31,7 @@ def test_every_shipped_table_has_its_recipe():
     from clusterserve.models.planning.calibration import SHIPPED_DIR, load_calibration, table_name
 
     names = {table_name(r["model"], "cpu", r["dtype"]) for r in SHIPPED}
-    assert names == {p.name for p in SHIPPED_DIR.glob("*.json")}
+    assert names == {p.name for p in SHIPPED_DIR.glob("*.calibration.*.json")}
     for recipe in SHIPPED:
         table = load_calibration(SHIPPED_DIR / table_name(recipe["model"], "cpu", recipe["dtype"]))
         assert [b.tokens for b in table.buckets] == recipe["lengths"], recipe
