@@ -185,7 +185,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.write and not args.fit:
         parser.error("--write writes the fitted weights: give --fit too")
-    paths = [Path(p) for p in args.table] if args.table else sorted(SHIPPED_DIR.glob("*.json"))
+    paths = [Path(p) for p in args.table] if args.table else sorted(SHIPPED_DIR.glob("*.calibration.*.json"))
     shapes: dict[str, CostModel] = {}
     tables = []
     for path in paths:
