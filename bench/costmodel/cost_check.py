@@ -31,7 +31,7 @@ from clusterserve.kernels import AttentionSpec
 from clusterserve.kernels.spec import exact_by_knobs
 from clusterserve.models import load_encoder
 from clusterserve.models.planning import cost as cost_module
-from clusterserve.models.planning.calibration import SHIPPED_DIR, Calibration, load_calibration
+from clusterserve.models.planning.calibration import Calibration, load_calibration, shipped_tables
 from clusterserve.models.planning.cost import WEIGHTS, CostModel
 
 from ..common import print_table
@@ -185,7 +185,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.write and not args.fit:
         parser.error("--write writes the fitted weights: give --fit too")
-    paths = [Path(p) for p in args.table] if args.table else sorted(SHIPPED_DIR.glob("*.calibration.*.json"))
+    paths = [Path(p) for p in args.table] if args.table else shipped_tables()
     shapes: dict[str, CostModel] = {}
     tables = []
     for path in paths:

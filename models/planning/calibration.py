@@ -42,10 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from clusterserve.kernels import APPROXIMATE_METHODS, AttentionSpec
-from clusterserve.models.planning.gpu_estimate import estimated_speedup
+from clusterserve.models.planning.gpu_estimate import SHIPPED_DIR, estimated_speedup
 
 FORMAT = "clusterserve-calibration/1"
-SHIPPED_DIR = Path(__file__).resolve().parents[1] / "calibrations"
 GPU_SPEED_SOURCE = ("the offline end-to-end estimate for a GPU (bench.costmodel.gpu_e2e_model): this GPU has no table "
                     "of its own; fidelities are the table's, speed-ups the estimate's, exact where none is >= 1.1x")
 EXACT = AttentionSpec(method="full")
@@ -329,6 +328,11 @@ class _Fields:
 
 # A table is measured in one dtype: float32 tables have no suffix.
 DTYPE_SUFFIXES = {"float32": "", "bfloat16": "-bf16", "float16": "-fp16"}
+
+
+def shipped_tables() -> list[Path]:
+    """The calibration tables shipped in SHIPPED_DIR (beside them: GPU estimates, not tables)."""
+    return sorted(SHIPPED_DIR.glob("*.calibration.*.json"))
 
 
 def table_name(model: str, device: str, dtype: str = "float32") -> str:

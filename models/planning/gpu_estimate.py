@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# The tables and estimates shipped with clusterserve (models.planning.calibration reads its tables here).
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "calibrations"
 
 

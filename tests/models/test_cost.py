@@ -12,10 +12,10 @@ import pytest
 from clusterserve.bench.costmodel.cost_check import as_run, ratios, table_cost
 from clusterserve.kernels import APPROXIMATE_METHODS, AttentionSpec
 from clusterserve.models.loader import DEFAULT_MODEL_NAME, MINILM_NAME
-from clusterserve.models.planning.calibration import SHIPPED_DIR, Calibration, load_calibration
+from clusterserve.models.planning.calibration import Calibration, load_calibration, shipped_tables
 from clusterserve.models.planning.cost import BUDGET_INPUTS, CostModel, default_budget, over_budget
 
-TABLES = sorted(SHIPPED_DIR.glob("*.calibration.*.json"))
+TABLES = shipped_tables()
 EXACT = AttentionSpec(method="full")
 # The loaded models' fixtures (tests/models/conftest.py); a table of another model loads it by name.
 FIXTURES = {MINILM_NAME: "default_encoder", DEFAULT_MODEL_NAME: "nomic_encoder"}

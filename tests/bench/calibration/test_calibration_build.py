@@ -28,10 +28,10 @@ def test_every_bucket_records_how_many_calls_its_times_are_the_median_of(repeats
 def test_every_shipped_table_has_its_recipe():
     """`make calibrate` (--shipped) measures again exactly the tables the package ships."""
     from clusterserve.bench.calibration.build import SHIPPED
-    from clusterserve.models.planning.calibration import SHIPPED_DIR, load_calibration, table_name
+    from clusterserve.models.planning.calibration import SHIPPED_DIR, load_calibration, shipped_tables, table_name
 
     names = {table_name(r["model"], "cpu", r["dtype"]) for r in SHIPPED}
-    assert names == {p.name for p in SHIPPED_DIR.glob("*.calibration.*.json")}
+    assert names == {p.name for p in shipped_tables()}
     for recipe in SHIPPED:
         table = load_calibration(SHIPPED_DIR / table_name(recipe["model"], "cpu", recipe["dtype"]))
         assert [b.tokens for b in table.buckets] == recipe["lengths"], recipe
